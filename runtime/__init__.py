@@ -1,0 +1,33 @@
+"""edgelm's runtime: load a model package and generate, with onnxruntime, numpy and tokenizers only.
+
+Imports nothing from export/ or quantize/ and never torch, so an application can ship this folder
+alone (its imports are all relative).
+"""
+
+from .errors import (
+    ContextLengthError,
+    EdgelmError,
+    InvalidInputError,
+    InvalidParameterError,
+    PackageError,
+    PackageNotFoundError,
+    ProviderError,
+)
+from .generator import GenerationResult, Model, Stream, Timings, load
+from .sampling import SamplingParams
+
+__all__ = [
+    "ContextLengthError",
+    "EdgelmError",
+    "GenerationResult",
+    "InvalidInputError",
+    "InvalidParameterError",
+    "Model",
+    "PackageError",
+    "PackageNotFoundError",
+    "ProviderError",
+    "SamplingParams",
+    "Stream",
+    "Timings",
+    "load",
+]

@@ -1,0 +1,424 @@
+"""Load a model package and generate from it: onnxruntime + numpy + tokenizers, nothing else.
+
+    model = load("models/shakespeare-onnx")
+    result = model.generate("ROMEO:", max_new_tokens=64, temperature=0.8, top_k=40, seed=0)
+    for piece in model.stream("JULIET:", max_new_tokens=64):
+        print(piece, end="", flush=True)
+
+The decode loop has one shape (onnxruntime-genai's `while not generator.is_done()`): feed the
+prompt, then sample, append, feed one token, until EOS, a stop string, the token budget or a
+cancellation. The KV cache moves from step to step as OrtValues through IO binding: each step's
+`present.*` outputs are bound as the next step's `past_key_values.*` inputs, never copied through
+numpy, and with CUDA they stay on the device.
+
+One loaded Model may be shared by threads: ONNX Runtime sessions run concurrently, and every call
+keeps its own cache, binding and random generator.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
+from .package import PackageSpec, read_package
+from .sampling import SamplingParams, sample
+from .text import TextAssembler, Tokenizer
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+_KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0  # not per call: filled in by bench
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token_s: float = 0.0  # from the call to the first sampled token (prompt pass included)
+    decode_tokens_per_s: float = 0.0  # tokens after the first, per second
+    total_s: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the generated text (a stop string is not included)
+    token_ids: list[int]  # the generated ids (EOS not included)
+    finish_reason: str  # "eos", "stop", "length" or "cancelled"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "timings": self.timings.__dict__,
+        }
+
+
+class Stream:
+    """An iterator of final text pieces; after it is exhausted, .result holds the GenerationResult."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+
+def resolve_providers(provider: str) -> list[str]:
+    available = ort.get_available_providers()
+    if provider == "auto":
+        return [PROVIDERS["cuda"], PROVIDERS["cpu"]] if PROVIDERS["cuda"] in available else [PROVIDERS["cpu"]]
+    if provider not in PROVIDERS:
+        raise ProviderError(f"unknown provider {provider!r}; choose one of 'cpu', 'cuda', 'auto'")
+    name = PROVIDERS[provider]
+    if name not in available:
+        raise ProviderError(
+            f"provider {provider!r} ({name}) is not available in this onnxruntime build; available: "
+            f"{', '.join(available)}. For CUDA install onnxruntime-gpu instead of onnxruntime."
+        )
+    return [name] if provider == "cpu" else [name, PROVIDERS["cpu"]]
+
+
+def load(path: str | Path, provider: str = "auto", threads: int | None = None, *, verify: bool = True) -> Model:
+    """Load a package folder. provider: "cpu", "cuda" or "auto" (CUDA when available, else CPU);
+    threads: intra-op threads (None = ONNX Runtime's default, one per physical core);
+    verify: check every file against the manifest's sha256 first."""
+    return Model(path, provider=provider, threads=threads, verify=verify)
+
+
+class Model:
+    def __init__(self, path: str | Path, *, provider: str = "auto", threads: int | None = None, verify: bool = True):
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InvalidParameterError(f"threads must be a positive integer or None, got {threads!r}")
+        started = time.perf_counter()
+        providers = resolve_providers(provider)
+        self.spec: PackageSpec = read_package(path, verify=verify)
+        self.tokenizer = Tokenizer(self.spec.tokenizer_path) if self.spec.tokenizer_path else None
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # errors only: warnings about unused initializers are noise to users
+        if threads is not None:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+        try:
+            self.session = ort.InferenceSession(str(self.spec.model_path), options, providers=providers)
+        except Exception as e:  # onnxruntime raises its own pybind exception types
+            raise PackageError(f"ONNX Runtime cannot load {self.spec.model_path.name}: {str(e).splitlines()[0]}") from None
+        if provider == "cuda" and PROVIDERS["cuda"] not in self.session.get_providers():
+            raise ProviderError("the CUDA provider is installed but failed to start (check the CUDA/cuDNN libraries)")
+        self.device = "cuda" if PROVIDERS["cuda"] in self.session.get_providers() else "cpu"
+        self._check_io()
+        self.load_s = time.perf_counter() - started
+
+    # ---- package facts -------------------------------------------------------------------------
+
+    def _check_io(self) -> None:
+        spec = self.spec
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name for o in self.session.get_outputs()}
+        self._past_names = [(spec.past_key % i, spec.past_value % i) for i in range(spec.n_layer)]
+        self._present_names = [(spec.present_key % i, spec.present_value % i) for i in range(spec.n_layer)]
+        needed_in = [spec.input_ids, spec.attention_mask, *[n for pair in self._past_names for n in pair]]
+        needed_out = [spec.logits, *[n for pair in self._present_names for n in pair]]
+        missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
+        if missing:
+            raise PackageError(f"{spec.model_path.name} does not match its package description: no I/O named "
+                               f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        self._use_position_ids = spec.position_ids is not None and spec.position_ids in inputs
+        self._kv_dtype = _KV_DTYPES.get(inputs[self._past_names[0][0]].type)
+        if self._kv_dtype is None:
+            raise PackageError(f"unsupported KV-cache type {inputs[self._past_names[0][0]].type}")
+        if self.tokenizer is not None and self.tokenizer.vocab_size > spec.vocab_size:
+            raise PackageError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
+                               f"{spec.vocab_size}")
+
+    @property
+    def context_length(self) -> int:
+        return self.spec.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def info(self) -> dict:
+        s = self.spec
+        files = s.manifest.get("files", {})
+        return {
+            "package": str(s.folder),
+            "kind": s.kind,
+            "architecture": "gpt2",
+            "layers": s.n_layer,
+            "heads": s.n_head,
+            "head_dim": s.head_dim,
+            "vocab_size": s.vocab_size,
+            "context_length": s.context_length,
+            "precision": s.precision,
+            "recipe": s.manifest.get("recipe"),
+            "eos_token_ids": s.eos_token_ids,
+            "bos_token_id": s.bos_token_id,
+            "tokenizer": s.tokenizer_path.name if s.tokenizer_path else None,
+            "provider": self.session.get_providers()[0],
+            "size_bytes": sum(f.get("bytes", 0) for f in files.values()) if files else s.model_path.stat().st_size,
+            "parity": s.manifest.get("parity"),
+            "evaluation": s.manifest.get("evaluation"),
+        }
+
+    # ---- input handling ------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text or token ids -> validated token ids (an empty prompt becomes [BOS] when there is one)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidInputError("this package has no tokenizer.json: pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = list(prompt)
+            for i in ids:
+                if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                    raise InvalidInputError(f"token ids must be integers, got {i!r}")
+                if not 0 <= i < self.spec.vocab_size:
+                    raise InvalidInputError(f"token id {i} is outside the vocabulary [0, {self.spec.vocab_size})")
+            ids = [int(i) for i in ids]
+        else:
+            raise InvalidInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            if self.spec.bos_token_id is None:
+                raise InvalidInputError("the prompt is empty and the package has no BOS token to start from")
+            ids = [self.spec.bos_token_id]
+        return ids
+
+    def _fit_context(self, ids: list[int], max_new_tokens: int, truncate_prompt: bool) -> list[int]:
+        limit = self.spec.context_length
+        if len(ids) + max_new_tokens <= limit:
+            return ids
+        if not truncate_prompt:
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
+                f"exceeds the context length {limit}; shorten the prompt, lower max_new_tokens, "
+                "or pass truncate_prompt=True to drop the oldest prompt tokens"
+            )
+        if max_new_tokens >= limit:
+            raise ContextLengthError(f"max_new_tokens ({max_new_tokens}) must be below the context length {limit}")
+        return ids[len(ids) + max_new_tokens - limit :]
+
+    # ---- the decode loop -----------------------------------------------------------------------
+
+    def _empty_past(self, batch: int) -> list[ort.OrtValue]:
+        shape = (batch, self.spec.n_head, 0, self.spec.head_dim)
+        empty = np.zeros(shape, dtype=self._kv_dtype)
+        return [ort.OrtValue.ortvalue_from_numpy(empty, self.device) for _ in range(2 * self.spec.n_layer)]
+
+    def _step(self, binding, input_ids: np.ndarray, attention_mask: np.ndarray, past: list) -> tuple[np.ndarray, list]:
+        """One forward pass. Returns the last position's logits (B, V) and the present OrtValues."""
+        spec = self.spec
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        binding.bind_cpu_input(spec.input_ids, input_ids)
+        binding.bind_cpu_input(spec.attention_mask, attention_mask)
+        if self._use_position_ids:
+            # positions count real tokens only, so a left-padded row starts at 0 like an unpadded one
+            positions = np.cumsum(attention_mask, axis=1)[:, -input_ids.shape[1] :] - 1
+            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0).astype(np.int64))
+        for (key_name, value_name), i in zip(self._past_names, range(0, len(past), 2), strict=True):
+            binding.bind_ortvalue_input(key_name, past[i])
+            binding.bind_ortvalue_input(value_name, past[i + 1])
+        binding.bind_output(spec.logits, "cpu")
+        for key_name, value_name in self._present_names:
+            binding.bind_output(key_name, self.device)
+            binding.bind_output(value_name, self.device)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        logits = outputs[0].numpy()[:, -1, :]
+        return logits, outputs[1:]
+
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        state: _DecodeState,
+        *,
+        max_new_tokens: int,
+        params: SamplingParams,
+        seed: int | None,
+        cancel: threading.Event | None,
+    ) -> Iterator[tuple[int, int]]:
+        """Batched decoding over left-padded prompts: yields (row, token id) for every new token of
+        an unfinished row. state.finish[row] records why a row ended; the consumer may end a row
+        itself (a stop string) by setting it."""
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = np.full((batch, width), self.spec.pad_token_id, dtype=np.int64)
+        attention_mask = np.zeros((batch, width), dtype=np.int64)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = ids
+            attention_mask[row, width - len(ids) :] = 1
+        rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(batch)]
+        penalize = params.repetition_penalty != 1.0
+        seen = [np.array(p, dtype=np.int64) for p in prompts]
+        eos = set(self.spec.eos_token_ids)
+        finish = state.finish
+        binding = self.session.io_binding()
+        past = self._empty_past(batch)
+        for step in range(max_new_tokens):
+            if cancel is not None and cancel.is_set():
+                for row in range(batch):
+                    finish[row] = finish[row] or "cancelled"
+                break
+            logits, past = self._step(binding, input_ids, attention_mask, past)
+            live = [row for row in range(batch) if not finish[row]]
+            if not np.all(np.isfinite(logits[live])):
+                raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
+            next_ids = np.full((batch, 1), self.spec.pad_token_id, dtype=np.int64)
+            for row in live:
+                token = sample(logits[row], params, rngs[row], seen[row] if penalize else None)
+                if step == 0 and not state.first_token_time:
+                    state.first_token_time = time.perf_counter()
+                if token in eos:
+                    finish[row] = "eos"
+                    continue
+                next_ids[row, 0] = token
+                if penalize:
+                    seen[row] = np.append(seen[row], token)
+                yield row, token
+            if all(finish):
+                break
+            input_ids = next_ids
+            attention_mask = np.concatenate([attention_mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+        for row in range(batch):
+            finish[row] = finish[row] or "length"
+
+    def _prepare(self, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
+                 truncate_prompt):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repetition_penalty=repetition_penalty)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise InvalidParameterError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise InvalidParameterError(f"seed must be a non-negative integer or None, got {seed!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        if stops and self.tokenizer is None:
+            raise InvalidParameterError("stop strings need a tokenizer, and this package has none")
+        prompts = [self._fit_context(self.encode(p), int(max_new_tokens), truncate_prompt) for p in prompt]
+        return params, stops, prompts
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        cancel: threading.Event | None = None,
+        truncate_prompt: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for several prompts at once (left padding + attention mask). Row r samples with
+        seed + r; greedy output equals running each prompt alone."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
+        started = time.perf_counter()
+        params, stops, encoded = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, min_p,
+                                               repetition_penalty, seed, stop, truncate_prompt)
+        assemblers = [TextAssembler(self.tokenizer, stops) if self.tokenizer else None for _ in encoded]
+        generated: list[list[int]] = [[] for _ in encoded]
+        state = _DecodeState(finish=[""] * len(encoded))
+        for row, token in self._decode(encoded, state, max_new_tokens=int(max_new_tokens), params=params, seed=seed,
+                                       cancel=cancel):
+            generated[row].append(token)
+            if assemblers[row] is not None:
+                assemblers[row].add(token)
+                if assemblers[row].stopped:
+                    state.finish[row] = "stop"
+        ended = time.perf_counter()
+        return [
+            GenerationResult(
+                assemblers[row].text if assemblers[row] is not None else "",
+                generated[row],
+                state.finish[row],
+                ids,
+                _timings(started, state.first_token_time, ended, len(ids), len(generated[row])),
+            )
+            for row, ids in enumerate(encoded)
+        ]
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kwargs) -> GenerationResult:
+        """Generate from one prompt (text or token ids). Keyword arguments as generate_batch:
+        temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed, stop, cancel,
+        truncate_prompt. Returns text, token ids, finish reason and timings."""
+        return self.generate_batch([prompt], max_new_tokens, **kwargs)[0]
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kwargs) -> Stream:
+        """Like generate, but returns a Stream: iterate it for text pieces as they are generated
+        (never half a character, never part of a stop string); its .result is set at the end.
+        Parameters are validated here, before the first piece is asked for."""
+        if self.tokenizer is None:
+            raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
+        started = time.perf_counter()
+        keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "truncate_prompt")
+        unknown = set(kwargs) - set(keys) - {"cancel"}
+        if unknown:
+            raise TypeError(f"stream() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+        defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=None, stop=None,
+                        truncate_prompt=False)
+        values = {**defaults, **kwargs}
+        params, stops, (ids,) = self._prepare([prompt], max_new_tokens, *(values[k] for k in keys))
+        stream: Stream
+
+        def pieces() -> Iterator[str]:
+            # a generator: the model call for token n+1 runs only after the consumer took the piece
+            # of token n, so a slow consumer slows generation and nothing piles up
+            assembler = TextAssembler(self.tokenizer, stops)
+            state = _DecodeState(finish=[""])
+            for _, token in self._decode([ids], state, max_new_tokens=int(max_new_tokens), params=params,
+                                         seed=values["seed"], cancel=kwargs.get("cancel")):
+                piece = assembler.add(token)
+                if piece:
+                    yield piece
+                if assembler.stopped:
+                    state.finish[0] = "stop"
+            tail = assembler.flush()
+            if tail:
+                yield tail
+            stream.result = GenerationResult(
+                assembler.text,
+                list(assembler.ids),
+                state.finish[0],
+                ids,
+                _timings(started, state.first_token_time, time.perf_counter(), len(ids), len(assembler.ids)),
+            )
+
+        stream = Stream(pieces())
+        return stream
+
+
+@dataclass
+class _DecodeState:
+    finish: list[str]  # per row: "" while running, then "eos", "stop", "length" or "cancelled"
+    first_token_time: float = 0.0
+
+
+def _timings(started: float, first: float, ended: float, prompt_tokens: int, new_tokens: int) -> Timings:
+    ttft = (first - started) if first else 0.0
+    decode_time = ended - first if first else 0.0
+    rate = (new_tokens - 1) / decode_time if new_tokens > 1 and decode_time > 0 else 0.0
+    return Timings(prompt_tokens=prompt_tokens, new_tokens=new_tokens, time_to_first_token_s=ttft,
+                   decode_tokens_per_s=rate, total_s=ended - started)

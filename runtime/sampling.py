@@ -1,0 +1,114 @@
+"""Choosing the next token from logits: small pure functions over numpy arrays.
+
+The random generator is passed in (np.random.Generator), so a seed reproduces a run. Greedy is an
+explicit branch, never a division by a tiny temperature. Order of operations, as in Hugging Face
+and gpt-fast: repetition penalty on the raw logits, then temperature, then top-k, top-p and min-p
+filtering, then one draw from the renormalised distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax); otherwise logits are divided by it
+    top_k: int = 0  # keep the k most likely tokens; 0 = no limit
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+
+    def __post_init__(self) -> None:
+        check_params(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def check_params(temperature: float, top_k: int, top_p: float, min_p: float, repetition_penalty: float) -> None:
+    """Raise InvalidParameterError naming the first parameter out of its range."""
+    if not _is_number(temperature) or not np.isfinite(temperature) or temperature < 0:
+        raise InvalidParameterError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise InvalidParameterError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not _is_number(min_p) or not 0.0 <= min_p < 1.0:
+        raise InvalidParameterError(f"min_p must be in [0, 1), got {min_p!r}")
+    if not _is_number(repetition_penalty) or not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise InvalidParameterError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """CTRL's penalty (Keskar et al. 2019): a seen token's positive logit is divided by the penalty,
+    a negative one multiplied, so the token always becomes less likely. logits (V,), seen: token ids."""
+    if penalty == 1.0 or len(seen) == 0:
+        return logits
+    logits = logits.copy()
+    ids = np.unique(seen)
+    scores = logits[ids]
+    logits[ids] = np.where(scores > 0, scores / penalty, scores * penalty)
+    return logits
+
+
+def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
+    """Keep the k largest logits, set the rest to -inf. Ties at the k-th value are all kept."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = np.partition(logits, -k)[-k]
+    return np.where(logits >= kth, logits, -np.inf)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - np.max(logits)
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
+    """Nucleus filtering (Holtzman et al. 2019): keep the smallest set of most likely tokens whose
+    probability mass reaches p; the most likely token is always kept."""
+    if p >= 1.0:
+        return logits
+    order = np.argsort(-logits, kind="stable")
+    cumulative = np.cumsum(softmax(logits)[order])
+    keep = int(np.searchsorted(cumulative, p, side="left")) + 1  # first index where mass >= p, inclusive
+    filtered = np.full_like(logits, -np.inf)
+    filtered[order[:keep]] = logits[order[:keep]]
+    return filtered
+
+
+def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    if min_p <= 0.0:
+        return logits
+    threshold = np.max(logits) + np.log(min_p)  # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p)
+    return np.where(logits >= threshold, logits, -np.inf)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: np.ndarray | None = None) -> int:
+    """One token id from one row of logits (V,)."""
+    logits = logits.astype(np.float64, copy=False)
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return int(np.argmax(logits))
+    logits = logits / params.temperature
+    logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    logits = min_p_filter(logits, params.min_p)
+    probs = softmax(logits)
+    # inverse-CDF draw with one uniform number (llama2.c's sample_mult): reproducible for a seed
+    coin = rng.random()
+    index = int(np.searchsorted(np.cumsum(probs), coin * probs.sum(), side="right"))
+    return min(index, len(probs) - 1)

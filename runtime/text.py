@@ -1,0 +1,75 @@
+"""Tokenizer wrapper and incremental detokenization for streaming.
+
+Byte-level BPE splits multi-byte characters across tokens: decoding a prefix of the ids can end in
+half a character, which `tokenizers` renders as U+FFFD. TextAssembler holds such a tail back until
+the character completes, and holds back any tail that could be the start of a stop string, so every
+piece it emits is final: the concatenated stream equals the non-streamed text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import PackageError
+
+REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise PackageError(f"{Path(path).name} is not a valid tokenizers file: {str(e).splitlines()[0]}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TextAssembler:
+    """Turns a growing list of generated ids into final text pieces, cutting at stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already handed out
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text that is now final (maybe ""). Sets .stopped at a stop string."""
+        self.ids.append(token_id)
+        self.text = self.tokenizer.decode(self.ids)
+        search_from = max(0, self.emitted - max((len(s) for s in self.stop), default=0))
+        cut = min((i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.text = self.text[:cut]
+            return self._emit(len(self.text))
+        safe = len(self.text)
+        if self.text.endswith(REPLACEMENT):
+            safe = len(self.text.rstrip(REPLACEMENT))  # an incomplete UTF-8 sequence: wait for its rest
+        # a tail that may still grow into a stop string is not final yet
+        head = self.text[:safe]
+        hold = max((n for s in self.stop for n in range(1, min(len(s) - 1, safe) + 1) if head.endswith(s[:n])),
+                   default=0)
+        return self._emit(max(safe - hold, self.emitted))
+
+    def flush(self) -> str:
+        """At the end of generation everything left is final."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        piece = self.text[self.emitted : upto]
+        self.emitted = max(self.emitted, upto)
+        return piece
