@@ -254,6 +254,7 @@ class Model:
         params: SamplingParams,
         seed: int | None,
         cancel: threading.Event | None,
+        ignore_eos: bool = False,
     ) -> Iterator[tuple[int, int]]:
         """Batched decoding over left-padded prompts: yields (row, token id) for every new token of
         an unfinished row. state.finish[row] records why a row ended; the consumer may end a row
@@ -268,7 +269,7 @@ class Model:
         rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(batch)]
         penalize = params.repetition_penalty != 1.0
         seen = [np.array(p, dtype=np.int64) for p in prompts]
-        eos = set(self.spec.eos_token_ids)
+        eos = set() if ignore_eos else set(self.spec.eos_token_ids)
         finish = state.finish
         binding = self.session.io_binding()
         past = self._empty_past(batch)
@@ -330,9 +331,11 @@ class Model:
         stop: str | Sequence[str] | None = None,
         cancel: threading.Event | None = None,
         truncate_prompt: bool = False,
+        ignore_eos: bool = False,
     ) -> list[GenerationResult]:
         """Generate for several prompts at once (left padding + attention mask). Row r samples with
-        seed + r; greedy output equals running each prompt alone."""
+        seed + r; greedy output equals running each prompt alone. ignore_eos keeps generating past
+        EOS (for benchmarks)."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
@@ -342,7 +345,7 @@ class Model:
         generated: list[list[int]] = [[] for _ in encoded]
         state = _DecodeState(finish=[""] * len(encoded))
         for row, token in self._decode(encoded, state, max_new_tokens=int(max_new_tokens), params=params, seed=seed,
-                                       cancel=cancel):
+                                       cancel=cancel, ignore_eos=ignore_eos):
             generated[row].append(token)
             if assemblers[row] is not None:
                 assemblers[row].add(token)
@@ -363,15 +366,13 @@ class Model:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kwargs) -> GenerationResult:
         """Generate from one prompt (text or token ids). Keyword arguments as generate_batch:
         temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed, stop, cancel,
-        truncate_prompt. Returns text, token ids, finish reason and timings."""
+        truncate_prompt, ignore_eos. Returns text, token ids, finish reason and timings."""
         return self.generate_batch([prompt], max_new_tokens, **kwargs)[0]
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kwargs) -> Stream:
         """Like generate, but returns a Stream: iterate it for text pieces as they are generated
         (never half a character, never part of a stop string); its .result is set at the end.
         Parameters are validated here, before the first piece is asked for."""
-        if self.tokenizer is None:
-            raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
         started = time.perf_counter()
         keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "truncate_prompt")
         unknown = set(kwargs) - set(keys) - {"cancel"}
@@ -381,6 +382,8 @@ class Model:
                         truncate_prompt=False)
         values = {**defaults, **kwargs}
         params, stops, (ids,) = self._prepare([prompt], max_new_tokens, *(values[k] for k in keys))
+        if self.tokenizer is None:
+            raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
         stream: Stream
 
         def pieces() -> Iterator[str]:

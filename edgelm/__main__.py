@@ -1,0 +1,5 @@
+import sys
+
+from edgelm.cli import main
+
+sys.exit(main())

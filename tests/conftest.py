@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny GPT-2 checkpoint made in-process with transformers (random weights, a
+byte-level BPE tokenizer trained on a slice of the bundled text) and its exported package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = REPO / "data" / "tinyshakespeare.txt"
+TINY = dict(vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+
+
+def make_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([TEXT.read_text(encoding="utf-8")[:50_000]], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2TokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}))
+
+
+def make_hf_checkpoint(folder: Path, *, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+    """A random GPT-2 saved by transformers' save_pretrained (the real Hugging Face layout)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(**{**TINY, "bos_token_id": 0, "eos_token_id": 0, **overrides})
+    GPT2LMHeadModel(config).eval().save_pretrained(folder)
+    if tokenizer:
+        make_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "tiny-gpt2")
+
+
+@pytest.fixture(scope="session")
+def package(hf_checkpoint, tmp_path_factory) -> Path:
+    from edgelm.export.onnx_export import export_package
+
+    out = tmp_path_factory.mktemp("pkg") / "tiny-onnx"
+    export_package(hf_checkpoint, out, progress=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model(package):
+    from edgelm.runtime import load
+
+    return load(package, provider="cpu", threads=1)
