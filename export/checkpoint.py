@@ -42,7 +42,9 @@ def config_from_hf(hf: dict) -> GPTConfig:
         raise CheckpointError(f"unsupported model_type {model_type!r}: edgelm exports GPT-2-family models ('gpt2')")
     activation = hf.get("activation_function", "gelu_new")
     if activation not in SUPPORTED_ACTIVATIONS:
-        raise CheckpointError(f"unsupported activation_function {activation!r}; supported: {sorted(SUPPORTED_ACTIVATIONS)}")
+        raise CheckpointError(
+            f"unsupported activation_function {activation!r}; supported: {sorted(SUPPORTED_ACTIVATIONS)}"
+        )
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if hf.get(flag):
             raise CheckpointError(f"config.json sets {flag}=true, which edgelm's GPT-2 does not implement")

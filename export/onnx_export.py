@@ -161,8 +161,12 @@ def export_onnx(
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD
     if external:
         onnx.save_model(
-            onnx_model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-            location=EXTERNAL_DATA_FILE, size_threshold=1024,
+            onnx_model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=EXTERNAL_DATA_FILE,
+            size_threshold=1024,
         )
     else:
         onnx.save_model(onnx_model, str(path))
@@ -175,14 +179,17 @@ def export_onnx(
     }
 
 
-def check_parity(model: GPT, onnx_path: str | Path, *, decode_steps: int = 5, seed: int = 0) -> float:
+def check_parity(
+    model: GPT, onnx_path: str | Path, *, last_token_logits: bool = False, decode_steps: int = 5, seed: int = 0
+) -> float:
     """Max |logit difference| between PyTorch and ONNX Runtime (CPU) over a batch-2, left-padded
-    prompt and `decode_steps` one-token steps that feed each side its own cache."""
+    prompt and `decode_steps` one-token steps that feed each side its own cache. last_token_logits
+    says how the graph was exported: its logits' second axis is symbolic, so it cannot be read off
+    the session."""
     import onnxruntime as ort
 
     config = model.config
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    last_only = session.get_outputs()[0].shape[1] == 1
     generator = torch.Generator().manual_seed(seed)
     prompt_length = min(7, config.n_positions - decode_steps)
     input_ids = torch.randint(0, config.vocab_size, (2, prompt_length), generator=generator)
@@ -202,15 +209,18 @@ def check_parity(model: GPT, onnx_path: str | Path, *, decode_steps: int = 5, se
     torch_past = None
     worst = 0.0
     with torch.no_grad():
-        for step in range(decode_steps + 1):
+        for _step in range(decode_steps + 1):
             torch_logits, torch_present = model(
-                input_ids, attention_mask, position_ids, torch_past, last_token_logits=last_only
+                input_ids, attention_mask, position_ids, torch_past, last_token_logits=last_token_logits
             )
             outputs = session.run(None, ort_feed(input_ids, attention_mask, position_ids, ort_past))
             # compare real (unpadded) positions only: padded query rows are never read
             real = attention_mask[:, -input_ids.shape[1] :].bool().numpy()
-            if last_only:
+            if last_token_logits:
                 real = real[:, -1:]
+            assert outputs[0].shape == tuple(torch_logits.shape), (
+                f"ONNX logits {outputs[0].shape} vs PyTorch {tuple(torch_logits.shape)}: compared without broadcasting"
+            )
             diff = np.abs(outputs[0] - torch_logits.numpy())[real]
             worst = max(worst, float(diff.max()))
             torch_past, ort_past = torch_present, outputs[1:]
@@ -318,23 +328,33 @@ def export_package(
         model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
         config.tie_word_embeddings = False
     tokens = _special_tokens(checkpoint, config)
-    progress(f"      {model.num_parameters() / 1e6:.1f}M parameters, {config.n_layer} layers, context {config.n_positions}")
+    progress(
+        f"      {model.num_parameters() / 1e6:.1f}M parameters, {config.n_layer} layers, context {config.n_positions}"
+    )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         progress(f"[2/4] exporting ONNX (opset {opset}{', last-token logits' if last_token_logits else ''})")
         facts = export_onnx(model, staging / MODEL_FILE, opset=opset, last_token_logits=last_token_logits)
-        progress(f"[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
-        max_diff = check_parity(model, staging / MODEL_FILE)
+        progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
+        max_diff = check_parity(model, staging / MODEL_FILE, last_token_logits=last_token_logits)
         progress(f"      max |logit difference| = {max_diff:.2e} (tolerance {tolerance:.0e})")
         if not max_diff <= tolerance:
-            raise RuntimeError(f"ONNX Runtime and PyTorch disagree: max |logit difference| {max_diff:.2e} > {tolerance:.0e}")
+            raise RuntimeError(
+                f"ONNX Runtime and PyTorch disagree: max |logit difference| {max_diff:.2e} > {tolerance:.0e}"
+            )
 
         progress("[4/4] writing package files")
-        write_json(staging / "genai_config.json", genai_config(config, eos_token_id=tokens["eos_token_ids"][0],
-                                                              bos_token_id=tokens["bos_token_id"],
-                                                              pad_token_id=tokens["pad_token_id"]))
+        write_json(
+            staging / "genai_config.json",
+            genai_config(
+                config,
+                eos_token_id=tokens["eos_token_ids"][0],
+                bos_token_id=tokens["bos_token_id"],
+                pad_token_id=tokens["pad_token_id"],
+            ),
+        )
         for name in TOKENIZER_FILES:
             if (checkpoint / name).is_file():
                 shutil.copyfile(checkpoint / name, staging / name)
@@ -379,8 +399,10 @@ def export_package(
             },
             "source": {"checkpoint": checkpoint.resolve().name, "sha256": checkpoint_hash(checkpoint)},
             "parity": {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2},
-            "files": {name: {"sha256": file_sha256(staging / name), "bytes": (staging / name).stat().st_size}
-                      for name in files},
+            "files": {
+                name: {"sha256": file_sha256(staging / name), "bytes": (staging / name).stat().st_size}
+                for name in files
+            },
         }
         write_json(staging / MANIFEST_FILE, manifest)
         staging.chmod(0o755)  # mkdtemp makes it private; a package is an ordinary folder

@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
 from edgelm.export.checkpoint import save_checkpoint
 from edgelm.export.model import GPT, GPTConfig
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "tinyshakespeare.txt"
@@ -49,6 +48,13 @@ def read_splits(path: Path = DATA) -> tuple[str, str]:
     return text[:split], text[split:]
 
 
+def write_eval_files(train: str, heldout: str) -> None:
+    """The held-out split, and a slice of the training split for static-quantization calibration,
+    as files: quantize, eval, the demo and the tests read these instead of re-deriving the split."""
+    (REPO / "data" / "shakespeare-heldout.txt").write_text(heldout, encoding="utf-8")
+    (REPO / "data" / "shakespeare-calibration.txt").write_text(train[:100_000], encoding="utf-8")
+
+
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -65,7 +71,9 @@ def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
 
 
 @torch.no_grad()
-def heldout_bits_per_byte(model: GPT, ids: np.ndarray, n_bytes: int, context: int, batch: int = 16) -> tuple[float, float]:
+def heldout_bits_per_byte(
+    model: GPT, ids: np.ndarray, n_bytes: int, context: int, batch: int = 16
+) -> tuple[float, float]:
     """(bits per byte, nats per token) over all held-out tokens, in non-overlapping windows."""
     model.eval()
     n_windows = (len(ids) - 1) // context
@@ -115,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
 
     train_text, heldout_text = read_splits()
+    write_eval_files(train_text, heldout_text)
     tokenizer = train_tokenizer(train_text, args.vocab_size)
     eot_id = tokenizer.token_to_id(EOT)
     train_ids = np.array(tokenizer.encode(train_text).ids, dtype=np.int64)
@@ -157,8 +166,13 @@ def main(argv: list[str] | None = None) -> None:
         if step % args.eval_every == 0 or step == args.steps:
             bpb, nats = heldout_bits_per_byte(model, heldout_ids, heldout_bytes, args.context)
             elapsed = time.perf_counter() - started
-            history.append({"step": step, "heldout_bits_per_byte": round(bpb, 4), "heldout_nats_per_token": round(nats, 4)})
-            print(f"step {step:5d}  held-out {bpb:.4f} bits/byte  {nats:.4f} nats/token  {elapsed / 60:.1f} min", flush=True)
+            history.append(
+                {"step": step, "heldout_bits_per_byte": round(bpb, 4), "heldout_nats_per_token": round(nats, 4)}
+            )
+            print(
+                f"step {step:5d}  held-out {bpb:.4f} bits/byte  {nats:.4f} nats/token  {elapsed / 60:.1f} min",
+                flush=True,
+            )
             if bpb < best[0]:
                 best = (bpb, {k: v.detach().clone() for k, v in model.state_dict().items()})
         if step == args.steps:

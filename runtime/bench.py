@@ -71,12 +71,14 @@ def bench(
             decode_steps = timed.run_seconds[1:]
             timing = results[0].timings
             decode_wall = total - timing.time_to_first_token_s
-            runs.append({
-                "ttft_s": timing.time_to_first_token_s,
-                "decode_tokens_per_s": batch * timing.decode_tokens_per_s,
-                "ort_share": sum(decode_steps) / decode_wall if decode_wall > 0 else 1.0,
-                "new_tokens": timing.new_tokens,
-            })
+            runs.append(
+                {
+                    "ttft_s": timing.time_to_first_token_s,
+                    "decode_tokens_per_s": batch * timing.decode_tokens_per_s,
+                    "ort_share": sum(decode_steps) / decode_wall if decode_wall > 0 else 1.0,
+                    "new_tokens": timing.new_tokens,
+                }
+            )
     finally:
         model.session = timed._session
     median = lambda key: statistics.median(r[key] for r in runs)

@@ -117,7 +117,9 @@ class Model:
         try:
             self.session = ort.InferenceSession(str(self.spec.model_path), options, providers=providers)
         except Exception as e:  # onnxruntime raises its own pybind exception types
-            raise PackageError(f"ONNX Runtime cannot load {self.spec.model_path.name}: {str(e).splitlines()[0]}") from None
+            raise PackageError(
+                f"ONNX Runtime cannot load {self.spec.model_path.name}: {str(e).splitlines()[0]}"
+            ) from None
         if provider == "cuda" and PROVIDERS["cuda"] not in self.session.get_providers():
             raise ProviderError("the CUDA provider is installed but failed to start (check the CUDA/cuDNN libraries)")
         self.device = "cuda" if PROVIDERS["cuda"] in self.session.get_providers() else "cpu"
@@ -136,15 +138,18 @@ class Model:
         needed_out = [spec.logits, *[n for pair in self._present_names for n in pair]]
         missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
         if missing:
-            raise PackageError(f"{spec.model_path.name} does not match its package description: no I/O named "
-                               f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+            raise PackageError(
+                f"{spec.model_path.name} does not match its package description: no I/O named "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            )
         self._use_position_ids = spec.position_ids is not None and spec.position_ids in inputs
         self._kv_dtype = _KV_DTYPES.get(inputs[self._past_names[0][0]].type)
         if self._kv_dtype is None:
             raise PackageError(f"unsupported KV-cache type {inputs[self._past_names[0][0]].type}")
         if self.tokenizer is not None and self.tokenizer.vocab_size > spec.vocab_size:
-            raise PackageError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
-                               f"{spec.vocab_size}")
+            raise PackageError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only {spec.vocab_size}"
+            )
 
     @property
     def context_length(self) -> int:
@@ -301,10 +306,12 @@ class Model:
         for row in range(batch):
             finish[row] = finish[row] or "length"
 
-    def _prepare(self, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-                 truncate_prompt):
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repetition_penalty=repetition_penalty)
+    def _prepare(
+        self, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, truncate_prompt
+    ):
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
+        )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise InvalidParameterError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
@@ -339,13 +346,21 @@ class Model:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
-        params, stops, encoded = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, min_p,
-                                               repetition_penalty, seed, stop, truncate_prompt)
+        params, stops, encoded = self._prepare(
+            prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, truncate_prompt
+        )
         assemblers = [TextAssembler(self.tokenizer, stops) if self.tokenizer else None for _ in encoded]
         generated: list[list[int]] = [[] for _ in encoded]
         state = _DecodeState(finish=[""] * len(encoded))
-        for row, token in self._decode(encoded, state, max_new_tokens=int(max_new_tokens), params=params, seed=seed,
-                                       cancel=cancel, ignore_eos=ignore_eos):
+        for row, token in self._decode(
+            encoded,
+            state,
+            max_new_tokens=int(max_new_tokens),
+            params=params,
+            seed=seed,
+            cancel=cancel,
+            ignore_eos=ignore_eos,
+        ):
             generated[row].append(token)
             if assemblers[row] is not None:
                 assemblers[row].add(token)
@@ -378,8 +393,16 @@ class Model:
         unknown = set(kwargs) - set(keys) - {"cancel"}
         if unknown:
             raise TypeError(f"stream() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
-        defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=None, stop=None,
-                        truncate_prompt=False)
+        defaults = dict(
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            seed=None,
+            stop=None,
+            truncate_prompt=False,
+        )
         values = {**defaults, **kwargs}
         params, stops, (ids,) = self._prepare([prompt], max_new_tokens, *(values[k] for k in keys))
         if self.tokenizer is None:
@@ -391,8 +414,14 @@ class Model:
             # of token n, so a slow consumer slows generation and nothing piles up
             assembler = TextAssembler(self.tokenizer, stops)
             state = _DecodeState(finish=[""])
-            for _, token in self._decode([ids], state, max_new_tokens=int(max_new_tokens), params=params,
-                                         seed=values["seed"], cancel=kwargs.get("cancel")):
+            for _, token in self._decode(
+                [ids],
+                state,
+                max_new_tokens=int(max_new_tokens),
+                params=params,
+                seed=values["seed"],
+                cancel=kwargs.get("cancel"),
+            ):
                 piece = assembler.add(token)
                 if piece:
                     yield piece
@@ -423,5 +452,10 @@ def _timings(started: float, first: float, ended: float, prompt_tokens: int, new
     ttft = (first - started) if first else 0.0
     decode_time = ended - first if first else 0.0
     rate = (new_tokens - 1) / decode_time if new_tokens > 1 and decode_time > 0 else 0.0
-    return Timings(prompt_tokens=prompt_tokens, new_tokens=new_tokens, time_to_first_token_s=ttft,
-                   decode_tokens_per_s=rate, total_s=ended - started)
+    return Timings(
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        time_to_first_token_s=ttft,
+        decode_tokens_per_s=rate,
+        total_s=ended - started,
+    )

@@ -116,8 +116,10 @@ def _from_manifest(folder: Path, manifest: dict) -> PackageSpec:
         raise PackageError(f"{MANIFEST_FILE}: format is {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     version = manifest.get("format_version")
     if version != MANIFEST_VERSION:
-        raise PackageError(f"{MANIFEST_FILE}: format_version {version!r} is not supported (this runtime reads "
-                           f"{MANIFEST_VERSION}); upgrade edgelm or re-export the package")
+        raise PackageError(
+            f"{MANIFEST_FILE}: format_version {version!r} is not supported (this runtime reads "
+            f"{MANIFEST_VERSION}); upgrade edgelm or re-export the package"
+        )
     arch, io, tok = manifest.get("architecture"), manifest.get("io"), manifest.get("tokenizer")
     if not all(isinstance(x, dict) for x in (arch, io, tok)):
         raise PackageError(f"{MANIFEST_FILE}: architecture, io and tokenizer must be objects")
@@ -157,7 +159,9 @@ def _from_genai(folder: Path, config: dict) -> PackageSpec:
     if not isinstance(decoder, dict):
         raise PackageError(f"{where}: model.decoder is missing")
     inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
-    head_dim = decoder.get("head_size") or (decoder.get("hidden_size", 0) // max(1, decoder.get("num_attention_heads", 1)))
+    head_dim = decoder.get("head_size") or (
+        decoder.get("hidden_size", 0) // max(1, decoder.get("num_attention_heads", 1))
+    )
     eos = _token_list(model.get("eos_token_id"), where)
     pad = model.get("pad_token_id")
     bos = model.get("bos_token_id")
@@ -222,10 +226,13 @@ def verify_files(folder: Path, manifest: dict) -> None:
             raise PackageError(f"{MANIFEST_FILE}: entry for {name} lacks a sha256")
         size = path.stat().st_size
         if isinstance(entry.get("bytes"), int) and size != entry["bytes"]:
-            raise PackageError(f"package file {name} is {size} bytes, the manifest says {entry['bytes']} "
-                               "(truncated or replaced)")
+            raise PackageError(
+                f"package file {name} is {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
+            )
         if file_sha256(path) != entry["sha256"]:
-            raise PackageError(f"package file {name} does not match its sha256 in {MANIFEST_FILE} (corrupt or tampered)")
+            raise PackageError(
+                f"package file {name} does not match its sha256 in {MANIFEST_FILE} (corrupt or tampered)"
+            )
 
 
 def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
@@ -245,11 +252,54 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
     elif (folder / HF_CONFIG_FILE).is_file() and (folder / "model.onnx").is_file():
         spec = _from_hf_config(folder, _read_json(folder / HF_CONFIG_FILE))
     else:
-        raise PackageError(f"{folder} is not a model package: it has no {MANIFEST_FILE}, no {GENAI_CONFIG_FILE}, "
-                           f"and no {HF_CONFIG_FILE} + model.onnx")
+        raise PackageError(
+            f"{folder} is not a model package: it has no {MANIFEST_FILE}, no {GENAI_CONFIG_FILE}, "
+            f"and no {HF_CONFIG_FILE} + model.onnx"
+        )
     if not spec.model_path.is_file():
         raise PackageNotFoundError(f"model file {spec.model_path.name} is missing from {folder}")
     for token in [*spec.eos_token_ids, spec.pad_token_id]:
         if token >= spec.vocab_size:
             raise PackageError(f"special token id {token} is outside the vocabulary (size {spec.vocab_size})")
     return spec
+
+
+def list_files(folder: Path) -> dict:
+    """The manifest's "files" entry for a folder: sha256 and size of every file but the manifest."""
+    return {
+        p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+
+
+class StagedPackage:
+    """Write a package into a temporary folder beside `out_dir` and rename it into place only when
+    the block succeeds: an interrupted or failed run leaves nothing that looks like a package.
+
+        with StagedPackage(out_dir, overwrite=False) as staging:
+            ... write files into staging ...
+    """
+
+    def __init__(self, out_dir: str | Path, *, overwrite: bool = False):
+        import tempfile
+
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and not overwrite:
+            raise FileExistsError(f"{self.out_dir} already exists (use --overwrite / overwrite=True to replace it)")
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        import shutil
+
+        if exc_type is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        self.path.chmod(0o755)  # mkdtemp makes it private; a package is an ordinary folder
+        if self.out_dir.exists():
+            shutil.rmtree(self.out_dir)
+        self.path.rename(self.out_dir)

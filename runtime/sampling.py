@@ -103,7 +103,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(np.argmax(logits))
-    logits = logits / params.temperature
+    # shift the largest logit to 0 before dividing: a tiny temperature then sends the others to -inf
+    # (probability 0) instead of the largest to inf, which softmax would turn into NaN (inf - inf)
+    with np.errstate(over="ignore"):
+        logits = (logits - np.max(logits)) / params.temperature
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     logits = min_p_filter(logits, params.min_p)

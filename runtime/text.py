@@ -61,8 +61,9 @@ class TextAssembler:
             safe = len(self.text.rstrip(REPLACEMENT))  # an incomplete UTF-8 sequence: wait for its rest
         # a tail that may still grow into a stop string is not final yet
         head = self.text[:safe]
-        hold = max((n for s in self.stop for n in range(1, min(len(s) - 1, safe) + 1) if head.endswith(s[:n])),
-                   default=0)
+        hold = max(
+            (n for s in self.stop for n in range(1, min(len(s) - 1, safe) + 1) if head.endswith(s[:n])), default=0
+        )
         return self._emit(max(safe - hold, self.emitted))
 
     def flush(self) -> str:

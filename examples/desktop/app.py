@@ -1,0 +1,294 @@
+"""A small desktop text-completion app: Tkinter (stdlib) + edgelm.runtime, nothing else.
+
+    python examples/desktop/app.py [--package PATH] [--provider cpu|cuda|auto] [--threads N]
+
+Tk may only be touched from the thread that created it, and the model call blocks while it runs.
+So loading and generating run on a worker thread that never calls Tk: it puts messages on a
+queue, and the UI thread drains that queue every POLL_MS with `after` (the pattern of the Python
+docs' "tkinter and threads" note). Stop sets the threading.Event passed to `Model.stream` as
+`cancel`; the runtime checks it before every decode step, so generation ends within one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import threading
+import tkinter as tk
+from tkinter import filedialog, ttk
+
+from edgelm.runtime import EdgelmError, GenerationResult, Model, load
+
+POLL_MS = 30  # how often the UI thread drains the worker's queue: fast enough to look live
+
+# (runtime keyword, label, parser, default). An empty seed means a different sample every run.
+PARAMETERS = [
+    ("max_new_tokens", "Max tokens", int, "100"),
+    ("temperature", "Temperature", float, "0.8"),
+    ("top_k", "Top-k", int, "40"),
+    ("top_p", "Top-p", float, "1.0"),
+    ("seed", "Seed", int, ""),
+]
+
+
+class CompletionApp:
+    """The window's widgets and its two jobs, loading a package and streaming a completion.
+
+    Driven by a person through the buttons, or by a test through load_package(),
+    start_generation() and stop_generation(); both read status_text, output_text(), is_busy
+    and is_generating."""
+
+    def __init__(self, root: tk.Tk, package: str | None = None, *, provider: str = "auto", threads: int | None = None):
+        self.root = root
+        self.provider = provider
+        self.threads = threads
+        self.model: Model | None = None
+        self.last_result: GenerationResult | None = None  # the latest finished generation
+        self._messages: queue.Queue[tuple[str, object]] = queue.Queue()  # worker -> UI thread
+        self._cancel = threading.Event()
+        self._job: str | None = None  # "load" or "generate" while a worker runs
+        self._build_widgets()
+        self.root.protocol("WM_DELETE_WINDOW", self.close)
+        self._poll_id = self.root.after(POLL_MS, self._poll)
+        if package:
+            self.package_path.set(package)
+            self.load_package(package)
+        else:
+            self._set_status("Choose a model package folder and press Load.")
+
+    # ---- layout --------------------------------------------------------------------------------
+
+    def _build_widgets(self) -> None:
+        self.root.title("edgelm completion")
+        self.root.columnconfigure(0, weight=1)
+        self.root.rowconfigure(3, weight=1)
+
+        top = ttk.Frame(self.root, padding=(8, 8, 8, 0))
+        top.grid(row=0, column=0, sticky="ew")
+        top.columnconfigure(1, weight=1)
+        ttk.Label(top, text="Package").grid(row=0, column=0, padx=(0, 6))
+        self.package_path = tk.StringVar()
+        entry = ttk.Entry(top, textvariable=self.package_path)
+        entry.grid(row=0, column=1, sticky="ew")
+        entry.bind("<Return>", lambda _: self.load_package(self.package_path.get()))
+        ttk.Button(top, text="Browse...", command=self._browse).grid(row=0, column=2, padx=(6, 0))
+        self.load_button = ttk.Button(top, text="Load", command=lambda: self.load_package(self.package_path.get()))
+        self.load_button.grid(row=0, column=3, padx=(6, 0))
+
+        # the prompt, with the two buttons beside it
+        middle = ttk.Frame(self.root, padding=8)
+        middle.grid(row=1, column=0, sticky="ew")
+        middle.columnconfigure(0, weight=1)
+        self.prompt = tk.Text(middle, height=4, wrap="word", undo=True)
+        self.prompt.grid(row=0, column=0, rowspan=2, sticky="nsew")
+        self.prompt.insert("1.0", "ROMEO:")
+        self.prompt.bind("<Control-Return>", lambda _: (self.start_generation(), "break")[1])  # "break": no newline
+        self.generate_button = ttk.Button(middle, text="Generate", command=self.start_generation)
+        self.generate_button.grid(row=0, column=1, sticky="new", padx=(6, 0))
+        self.stop_button = ttk.Button(middle, text="Stop", command=self.stop_generation)
+        self.stop_button.grid(row=1, column=1, sticky="new", padx=(6, 0))
+
+        controls = ttk.Frame(self.root, padding=(8, 0))
+        controls.grid(row=2, column=0, sticky="ew")
+        self.params: dict[str, tk.StringVar] = {}
+        for column, (key, label, _, default) in enumerate(PARAMETERS):
+            ttk.Label(controls, text=label).grid(row=0, column=2 * column, padx=(0 if column == 0 else 10, 4))
+            self.params[key] = tk.StringVar(value=default)
+            ttk.Entry(controls, textvariable=self.params[key], width=6).grid(row=0, column=2 * column + 1)
+
+        body = ttk.Frame(self.root, padding=8)
+        body.grid(row=3, column=0, sticky="nsew")
+        body.rowconfigure(0, weight=1)
+        body.columnconfigure(0, weight=1)
+        self.output = tk.Text(body, wrap="word", state="disabled")  # read-only: only _append writes
+        scroll = ttk.Scrollbar(body, command=self.output.yview)
+        self.output.configure(yscrollcommand=scroll.set)
+        self.output.grid(row=0, column=0, sticky="nsew")
+        scroll.grid(row=0, column=1, sticky="ns")
+
+        self._status = tk.StringVar()
+        self.status_label = ttk.Label(self.root, textvariable=self._status, relief="sunken", anchor="w", padding=(6, 2))
+        self.status_label.grid(row=4, column=0, sticky="ew")
+        self.root.bind("<Escape>", lambda _: self.stop_generation())
+        self._update_buttons()
+
+    def _browse(self) -> None:
+        folder = filedialog.askdirectory(title="Model package folder", mustexist=True)
+        if folder:
+            self.package_path.set(folder)
+            self.load_package(folder)
+
+    # ---- readable state ------------------------------------------------------------------------
+
+    @property
+    def status_text(self) -> str:
+        return self._status.get()
+
+    @property
+    def is_busy(self) -> bool:
+        return self._job is not None
+
+    @property
+    def is_generating(self) -> bool:
+        return self._job == "generate"
+
+    def output_text(self) -> str:
+        return self.output.get("1.0", "end-1c")
+
+    # ---- actions -------------------------------------------------------------------------------
+
+    def load_package(self, path: str) -> None:
+        """Load a package folder on the worker; the current model stays usable if this one fails."""
+        if self.is_busy:
+            return
+        path = path.strip()
+        if not path:
+            self._set_error("Enter the path of a model package folder.")
+            return
+        self._set_status(f"Loading {path} ...")
+        self._start_worker("load", self._load_worker, path)
+
+    def start_generation(self) -> None:
+        """Check the controls, then stream a completion of the prompt into the output box."""
+        if self.is_busy:
+            return
+        if self.model is None:
+            self._set_error("Load a model package first.")
+            return
+        options = {}
+        for key, label, parse, _ in PARAMETERS:
+            text = self.params[key].get().strip()
+            if key == "seed" and not text:
+                options[key] = None
+                continue
+            try:
+                options[key] = parse(text)
+            except ValueError:
+                self._set_error(f"{label} must be {'an integer' if parse is int else 'a number'}, got {text!r}.")
+                return
+        prompt = self.prompt.get("1.0", "end-1c")
+        max_new_tokens = options.pop("max_new_tokens")
+        self._cancel = threading.Event()  # a fresh one: a late Stop of the last run must not end this one
+        try:
+            # stream() checks every parameter and the context length before returning, so bad input
+            # is reported here, on the UI thread, and no worker starts
+            stream = self.model.stream(prompt, max_new_tokens, cancel=self._cancel, **options)
+        except EdgelmError as e:
+            self._set_error(str(e))
+            return
+        self.output.configure(state="normal")
+        self.output.delete("1.0", "end")
+        self.output.configure(state="disabled")
+        self._set_status("Generating ...")
+        self._start_worker("generate", self._generate_worker, stream)
+
+    def stop_generation(self) -> None:
+        if self.is_generating and not self._cancel.is_set():
+            self._cancel.set()
+            self._set_status("Stopping ...")
+
+    def close(self) -> None:
+        self._cancel.set()  # the worker is a daemon thread; this only spares it the remaining steps
+        self.root.after_cancel(self._poll_id)
+        self.root.destroy()
+
+    # ---- the worker thread: never touches Tk, only self._messages ------------------------------
+
+    def _start_worker(self, job: str, target, argument) -> None:
+        self._job = job
+        self._update_buttons()
+        threading.Thread(target=self._run_worker, args=(target, argument), daemon=True, name=f"edgelm-{job}").start()
+
+    def _run_worker(self, target, argument) -> None:
+        try:
+            target(argument)
+        except EdgelmError as e:
+            self._messages.put(("error", str(e)))
+        except Exception as e:  # a bug or an onnxruntime failure: show it rather than stay "busy" forever
+            self._messages.put(("error", f"{type(e).__name__}: {e}"))
+
+    def _load_worker(self, path: str) -> None:
+        model = load(path, provider=self.provider, threads=self.threads)
+        self._messages.put(("loaded", model))
+
+    def _generate_worker(self, stream) -> None:
+        # the stream computes token n+1 only after piece n was taken, so this loop paces generation
+        for piece in stream:
+            self._messages.put(("piece", piece))
+        self._messages.put(("done", stream.result))
+
+    # ---- the UI thread: drains the queue -------------------------------------------------------
+
+    def _poll(self) -> None:
+        pieces = []
+        while True:
+            try:
+                kind, value = self._messages.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "piece":
+                pieces.append(value)
+                continue
+            self._append("".join(pieces))  # keep the text in order with the message that follows it
+            pieces = []
+            self._finish(kind, value)
+        self._append("".join(pieces))
+        self._poll_id = self.root.after(POLL_MS, self._poll)
+
+    def _finish(self, kind: str, value) -> None:
+        self._job = None
+        self._update_buttons()
+        if kind == "loaded":
+            self.model = value
+            info = value.info()
+            self._set_status(
+                f"Loaded {info['package']}: {info['layers']} layers, {info['precision']}, "
+                f"context {info['context_length']}, on {value.device}."
+            )
+        elif kind == "done":
+            self.last_result = value
+            timings = value.timings
+            self._set_status(
+                f"{timings.new_tokens} tokens, {timings.decode_tokens_per_s:.1f} tokens/s, first token "
+                f"{timings.time_to_first_token_s * 1000:.0f} ms, finish: {value.finish_reason}"
+            )
+        else:
+            self._set_error(value)
+
+    def _append(self, text: str) -> None:
+        if not text:
+            return
+        self.output.configure(state="normal")
+        self.output.insert("end", text)
+        self.output.configure(state="disabled")
+        self.output.see("end")
+
+    def _update_buttons(self) -> None:
+        idle = "disabled" if self.is_busy else "normal"
+        self.load_button.configure(state=idle)
+        self.generate_button.configure(state=idle)
+        self.stop_button.configure(state="normal" if self.is_generating else "disabled")
+
+    def _set_status(self, text: str) -> None:
+        self._status.set(text)
+        self.status_label.configure(foreground="")
+
+    def _set_error(self, text: str) -> None:
+        self._status.set(f"Error: {text}")
+        self.status_label.configure(foreground="red3")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Text completion with an edgelm model package.")
+    parser.add_argument("--package", help="model package folder to load at start")
+    parser.add_argument("--provider", choices=["cpu", "cuda", "auto"], default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's)")
+    args = parser.parse_args()
+    root = tk.Tk()
+    root.geometry("900x600")
+    CompletionApp(root, args.package, provider=args.provider, threads=args.threads)
+    root.mainloop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""Quantize a model package into a new one: dynamic int8, static int8 (QDQ), int4 weight-only, fp16.
+
+Each mode is one function from an fp32 ONNX model file to a quantized one, built on
+onnxruntime.quantization; quantize_package wraps it: it reads a package, writes a complete new one
+(model, genai_config.json, tokenizer, manifest with precision and recipe) atomically, and stores the
+accuracy report against the fp32 package when given held-out text.
+
+Recipes, chosen for accuracy on decoder LMs:
+- dynamic: int8 weights of every linear layer (MatMul with a constant weight) and of the embedding,
+  per-channel; activations quantized at run time, per tensor.
+- static: QDQ, int8 weights per channel, uint8 activations calibrated on text run the way the model
+  really runs (prompt passes *and* decode steps with their past keys/values). Only the linear layers
+  are quantized: attention's QK^T and softmax(.)V products, LayerNorm, GELU, softmax and residual
+  adds stay in float, because their activations are where 8-bit ranges lose decoder LMs.
+- int4: MatMulNBits (block-wise 4-bit weights, symmetric), embedding included.
+- fp16: every float tensor in half precision, for GPU providers.
+
+The tied embedding: export stores one (n_embd, vocab) matrix read by both the LM head (MatMul) and
+the embedding (Gather along axis 1). After int8 quantization the Gather reads the quantized matrix
+and dequantizes just the gathered columns, so the package keeps one int8 copy, not an fp32 one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from edgelm import __version__
+
+from ..runtime import PackageError, load
+from ..runtime.package import MANIFEST_FILE, StagedPackage, list_files, read_package, write_json
+from .calibration import DecoderCalibrationReader
+from .evaluate import evaluate_package
+
+# onnxruntime.quantization logs every node at INFO and advises pre-processing on the root logger
+logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+
+MODES = ("dynamic", "static", "int4", "fp16")
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+MIN_CALIBRATION_TOKENS = 256
+
+
+class _QuietRootLogger:
+    """onnxruntime.quantization warns on the root logger that the model was not pre-processed; our
+    graphs are shape-inferred by the exporter, and pre-processing's optimizations would fuse away the
+    MatMuls we quantize. Silence that one call's root warnings."""
+
+    def __enter__(self):
+        self.level = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        logging.getLogger().setLevel(self.level)
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    if model.ByteSize() > 1_800_000_000:
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
+    else:
+        onnx.save_model(model, str(path))
+
+
+def _linear_matmuls(model: onnx.ModelProto) -> list[str]:
+    """Names of MatMul nodes whose weight (input B) is an initializer: the model's linear layers."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers]
+
+
+def _tied_gathers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Gather(axis=1) nodes reading an initializer: export's shared embedding (see module docstring)."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [
+        n
+        for n in model.graph.node
+        if n.op_type == "Gather"
+        and n.input[0] in initializers
+        and any(a.name == "axis" and a.i == 1 for a in n.attribute)
+    ]
+
+
+def _gather_from_int8(
+    model: onnx.ModelProto, gather: onnx.NodeProto, quantized: str, scale: str, zero_point: str | None
+) -> None:
+    """Rewire a tied-embedding Gather to gather int8 columns and dequantize only those:
+    Gather(W_q, ids, axis=1) (d, B, T) -> Cast -> [- zp] -> Transpose (B, T, d) -> * scale[ids][..., None]."""
+    graph = model.graph
+    index = list(graph.node).index(gather)
+    ids, out = gather.input[1], gather.output[0]
+    transpose = next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose")
+    name = gather.name or out
+    columns, as_float, centered = f"{name}_q_columns", f"{name}_q_float", f"{name}_q_centered"
+    scales, scales_3d = f"{name}_q_scales", f"{name}_q_scales_3d"
+    axes = f"{name}_q_axes"
+    nodes = [
+        helper.make_node("Gather", [quantized, ids], [columns], axis=1, name=f"{name}_q_gather"),
+        helper.make_node("Cast", [columns], [as_float], to=onnx.TensorProto.FLOAT, name=f"{name}_q_cast"),
+    ]
+    source = as_float
+    if zero_point is not None:
+        zp = f"{name}_q_zp_float"
+        nodes += [
+            helper.make_node("Gather", [zero_point, ids], [zp + "_g"], axis=0, name=f"{name}_q_zp_gather"),
+            helper.make_node("Cast", [zp + "_g"], [zp], to=onnx.TensorProto.FLOAT, name=f"{name}_q_zp_cast"),
+            helper.make_node("Sub", [as_float, zp], [centered], name=f"{name}_q_sub"),
+        ]
+        source = centered
+    graph.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), axes))
+    nodes += [
+        helper.make_node("Gather", [scale, ids], [scales], axis=0, name=f"{name}_q_scale_gather"),
+        helper.make_node("Unsqueeze", [scales, axes], [scales_3d], name=f"{name}_q_unsqueeze"),
+    ]
+    # the Transpose that followed the Gather now reads the dequantized columns' transpose
+    transposed = f"{name}_q_rows"
+    nodes.append(helper.make_node("Transpose", [source], [transposed], perm=[1, 2, 0], name=f"{name}_q_transpose"))
+    nodes.append(helper.make_node("Mul", [transposed, scales_3d], [transpose.output[0]], name=f"{name}_q_mul"))
+    graph.node.remove(transpose)
+    graph.node.remove(gather)
+    for offset, node in enumerate(nodes):
+        graph.node.insert(index + offset, node)
+
+
+def _gather_from_int4(
+    model: onnx.ModelProto, gather: onnx.NodeProto, packed: str, scales: str, block_size: int
+) -> None:
+    """Rewire a tied-embedding Gather to read MatMulNBits' packed 4-bit weights (vocab, n_blocks, blob)
+    and unpack only the gathered rows: low nibble first, symmetric (zero point 8), times the block scale."""
+    graph = model.graph
+    index = list(graph.node).index(gather)
+    ids, out = gather.input[1], gather.output[0]
+    transpose = next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose")
+    rows_out = transpose.output[0]
+    p = (gather.name or out) + "_int4"
+    packed_dims = next(i.dims for i in graph.initializer if i.name == packed)  # (vocab, n_blocks, blob)
+    n_blocks = packed_dims[1]
+    constants = {
+        f"{p}_sixteen": np.array(16, dtype=np.int32),
+        f"{p}_eight": np.array(8.0, dtype=np.float32),
+        f"{p}_last": np.array([-1], dtype=np.int64),
+        f"{p}_block_shape": np.array([0, 0, n_blocks, block_size], dtype=np.int64),
+        f"{p}_row_shape": np.array([0, 0, n_blocks * block_size], dtype=np.int64),
+    }
+    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in constants.items())
+    n = lambda op, inputs, output, **attrs: helper.make_node(
+        op, inputs, [output], name=f"{p}_{output[len(p) :]}", **attrs
+    )
+    nodes = [
+        n("Gather", [packed, ids], f"{p}_bytes", axis=0),  # (B, T, n_blocks, blob) uint8
+        n("Cast", [f"{p}_bytes"], f"{p}_ints", to=onnx.TensorProto.INT32),
+        n("Mod", [f"{p}_ints", f"{p}_sixteen"], f"{p}_low"),
+        n("Div", [f"{p}_ints", f"{p}_sixteen"], f"{p}_high"),
+        n("Unsqueeze", [f"{p}_low", f"{p}_last"], f"{p}_low5"),
+        n("Unsqueeze", [f"{p}_high", f"{p}_last"], f"{p}_high5"),
+        n("Concat", [f"{p}_low5", f"{p}_high5"], f"{p}_pairs", axis=-1),  # (B, T, n_blocks, blob, 2)
+        n("Reshape", [f"{p}_pairs", f"{p}_block_shape"], f"{p}_nibbles"),  # (B, T, n_blocks, block)
+        n("Cast", [f"{p}_nibbles"], f"{p}_float", to=onnx.TensorProto.FLOAT),
+        n("Sub", [f"{p}_float", f"{p}_eight"], f"{p}_centered"),
+        n("Gather", [scales, ids], f"{p}_scales", axis=0),  # (B, T, n_blocks)
+        n("Unsqueeze", [f"{p}_scales", f"{p}_last"], f"{p}_scales4"),
+        n("Mul", [f"{p}_centered", f"{p}_scales4"], f"{p}_blocks"),
+        helper.make_node("Reshape", [f"{p}_blocks", f"{p}_row_shape"], [rows_out], name=f"{p}_rows"),
+    ]
+    graph.node.remove(transpose)
+    graph.node.remove(gather)
+    for offset, node in enumerate(nodes):
+        graph.node.insert(index + offset, node)
+
+
+def _drop_unused_initializers(model: onnx.ModelProto) -> None:
+    used = {name for node in model.graph.node for name in node.input}
+    used |= {o.name for o in model.graph.output}
+    for init in [i for i in model.graph.initializer if i.name not in used]:
+        model.graph.initializer.remove(init)
+
+
+def _share_int8_embedding(model: onnx.ModelProto, weight_names: dict) -> None:
+    """After int8 quantization of the LM head: point the tied Gather at the int8 copy."""
+    inits = {i.name: i for i in model.graph.initializer}
+    for gather in _tied_gathers(model):
+        table = gather.input[0]
+        names = weight_names.get(table)
+        if names is None:
+            continue
+        quantized, scale, zero_point = names
+        if quantized not in inits or scale not in inits:
+            continue
+        zp = zero_point if zero_point in inits and numpy_helper.to_array(inits[zero_point]).any() else None
+        if numpy_helper.to_array(inits[scale]).ndim != 1:
+            continue  # per-tensor scale: not worth special-casing
+        _gather_from_int8(model, gather, quantized, scale, zp)
+    _drop_unused_initializers(model)
+
+
+def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> dict:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model = onnx.load(str(src))
+    tied = {g.input[0] for g in _tied_gathers(model)}
+    with _QuietRootLogger():
+        quantize_dynamic(
+            model,
+            str(dst),
+            per_channel=per_channel,
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul"],
+            nodes_to_quantize=_linear_matmuls(model),
+            extra_options={"MatMulConstBOnly": True},
+        )
+    quantized = onnx.load(str(dst))
+    _share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
+    _save(quantized, dst)
+    return {
+        "mode": "dynamic",
+        "weights": "int8 symmetric",
+        "per_channel": per_channel,
+        "activations": "uint8, quantized at run time",
+        "ops": "linear MatMuls + tied embedding",
+    }
+
+
+def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "minmax", per_channel: bool = True) -> dict:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    methods = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }
+    model = onnx.load(str(src))
+    tied = {g.input[0] for g in _tied_gathers(model)}
+    with _QuietRootLogger():
+        quantize_static(
+            str(src),
+            str(dst),
+            reader,
+            quant_format=QuantFormat.QDQ,
+            op_types_to_quantize=["MatMul"],
+            nodes_to_quantize=_linear_matmuls(model),
+            per_channel=per_channel,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=methods[method],
+            calibration_providers=["CPUExecutionProvider"],
+            extra_options={
+                "MatMulConstBOnly": True,
+                "WeightSymmetric": True,
+                "ActivationSymmetric": False,
+                "CalibTensorRangeSymmetric": False,
+                "CalibPercentile": 99.999,
+                "CalibStridedMinMax": None,
+            },
+        )
+    quantized = onnx.load(str(dst))
+    _share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
+    _save(quantized, dst)
+    return {
+        "mode": "static",
+        "format": "QDQ",
+        "weights": "int8 symmetric",
+        "per_channel": per_channel,
+        "activations": "uint8 asymmetric, calibrated",
+        "calibration_method": method,
+        "calibration_samples": reader.samples,
+        "calibration_feeds": len(reader),
+        "ops": "linear MatMuls; attention products, LayerNorm, GELU, softmax stay float",
+    }
+
+
+def quantize_int4(src: Path, dst: Path, *, block_size: int = 32) -> dict:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
+    model = onnx.load(str(src))
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=4,
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=4,
+        nodes_to_include=_linear_matmuls(model),
+        op_types_to_quantize=("MatMul",),
+    )
+    quantizer.process()
+    quantized = quantizer.model.model
+    # the tied embedding: gather from the LM head's 4-bit weights instead of keeping an fp32 copy
+    heads = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMul"}
+    nbits = {n.name: n for n in quantized.graph.node if n.op_type == "MatMulNBits"}
+    for gather in _tied_gathers(quantized):
+        head = heads.get(gather.input[0])
+        packed = next((q for q in nbits.values() if head is not None and q.name == head.name + "_Q4"), None)
+        packed = packed or next((q for q in nbits.values() if q.input[1] == gather.input[0] + "_Q4"), None)
+        if packed is not None and len(packed.input) < 4:  # symmetric: no zero-point input
+            _gather_from_int4(quantized, gather, packed.input[1], packed.input[2], block_size)
+    _drop_unused_initializers(quantized)
+    _save(quantized, dst)
+    return {"mode": "int4", "op": "MatMulNBits", "block_size": block_size, "symmetric": True, "accuracy_level": 4}
+
+
+def convert_fp16(src: Path, dst: Path) -> dict:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = onnx.load(str(src))
+    converted = convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
+    _save(converted, dst)
+    return {"mode": "fp16", "note": "for GPU execution providers; KV cache and logits in float16"}
+
+
+def _calibration_ids(path: str | Path | None, tokenizer) -> np.ndarray:
+    if path is None:
+        raise ValueError("static quantization needs calibration text: pass --calibration-text FILE")
+    if tokenizer is None:
+        raise PackageError("static calibration reads text, and this package has no tokenizer.json")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration text {path} does not exist")
+    ids = np.array(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=np.int64)
+    if len(ids) < MIN_CALIBRATION_TOKENS:
+        raise ValueError(
+            f"calibration text {path} is too short: {len(ids)} tokens, need at least {MIN_CALIBRATION_TOKENS}"
+        )
+    return ids
+
+
+def quantize_package(
+    package: str | Path,
+    out_dir: str | Path,
+    *,
+    mode: str,
+    calibration_text: str | Path | None = None,
+    calibration_method: str = "minmax",
+    calibration_samples: int = 32,
+    per_channel: bool | None = None,
+    block_size: int = 32,
+    eval_text: str | Path | None = None,
+    evaluate: bool = True,
+    overwrite: bool = False,
+    progress=print,
+) -> dict:
+    """Read a package, write its quantized copy to out_dir; returns the new manifest."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    if calibration_method not in CALIBRATION_METHODS:
+        raise ValueError(f"unknown calibration method {calibration_method!r}; valid: {', '.join(CALIBRATION_METHODS)}")
+    package, out_dir = Path(package), Path(out_dir)
+    spec = read_package(package)  # verifies every file's sha256
+    if spec.kind != "edgelm":
+        raise PackageError(f"{package} is not an edgelm package (no {MANIFEST_FILE}); export it with edgelm first")
+    if spec.precision != "fp32":
+        raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
+    if out_dir.resolve() == package.resolve():
+        raise ValueError("the output folder must differ from the input package")
+    if spec.manifest.get("export", {}).get("external_data"):
+        raise PackageError("quantizing packages with external data (> 2 GB) is not supported yet")
+    source = load(package, provider="cpu")
+    reader = None
+    if mode == "static":
+        ids = _calibration_ids(calibration_text, source.tokenizer)
+        reader = DecoderCalibrationReader(source, ids, samples=calibration_samples)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (use --overwrite / overwrite=True to replace it)")
+
+    progress(f"quantizing {package} -> {out_dir} ({mode})")
+    with StagedPackage(out_dir, overwrite=overwrite) as staging:
+        model_file = spec.model_path.name
+        target = staging / model_file
+        if mode == "dynamic":
+            recipe = quantize_dynamic_int8(
+                spec.model_path, target, per_channel=True if per_channel is None else per_channel
+            )
+        elif mode == "static":
+            recipe = quantize_static_int8(
+                spec.model_path,
+                target,
+                reader=reader,
+                method=calibration_method,
+                per_channel=True if per_channel is None else per_channel,
+            )
+        elif mode == "int4":
+            recipe = quantize_int4(spec.model_path, target, block_size=block_size)
+        else:
+            recipe = convert_fp16(spec.model_path, target)
+        for name in spec.manifest["files"]:
+            if name != model_file and not (staging / name).exists():
+                shutil.copyfile(package / name, staging / name)
+        manifest = json.loads(json.dumps(spec.manifest))
+        precision = {"dynamic": "int8-dynamic", "static": "int8-static", "int4": "int4", "fp16": "fp16"}[mode]
+        manifest["precision"] = precision
+        manifest["recipe"] = {
+            **recipe,
+            "tool": f"edgelm {__version__}",
+            "source_package": package.name,
+            "source_model_sha256": spec.manifest["files"][model_file]["sha256"],
+        }
+        if mode == "fp16":
+            manifest["io"]["kv_dtype"] = "float16"
+        manifest.pop("evaluation", None)
+        manifest["files"] = list_files(staging)
+        write_json(staging / MANIFEST_FILE, manifest)
+        if evaluate and eval_text is not None and mode != "fp16":
+            progress(f"evaluating on {eval_text} against {package}")
+            report = evaluate_package(staging, eval_text, reference=source)
+            report["package"] = out_dir.name
+            report["reference"] = package.name
+            manifest["evaluation"] = report
+            write_json(staging / MANIFEST_FILE, manifest)
+            progress(
+                f"  perplexity x{report['perplexity_ratio']:.4f}, top-1 agreement "
+                f"{100 * report['top1_agreement']:.2f}%, KL {report['mean_kl_nats']:.5f}, size "
+                f"x{report['size_ratio']:.3f}"
+            )
+    progress(f"wrote {out_dir} ({sum(f['bytes'] for f in manifest['files'].values()) / 1e6:.2f} MB)")
+    return manifest

@@ -1,0 +1,359 @@
+"""Export: ONNX Runtime against PyTorch (prompt and cached decode steps, padded batches, every export
+option), the tied embedding stored once, the manifest, onnxruntime-genai running the package as it is,
+clean failures that leave nothing behind, and the `edgelm export` command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import TINY, make_hf_checkpoint
+from edgelm.export.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint, save_checkpoint
+from edgelm.export.model import GPT, GPTConfig
+from edgelm.export.onnx_export import export_package
+from edgelm.runtime.package import file_sha256, read_package
+
+ONNX_TOLERANCE = 1e-4
+DECODE_STEPS = 5
+# A vocabulary big enough that a second copy of the embedding (2048 x 32 floats = 256 KB) could not
+# hide in the size test's slack; initializer_range 0.3 so the random model does not just repeat its
+# last token (GPT-2's 0.02 does), which makes greedy token parity worth checking.
+VOCAB = 2048
+SIZE_SLACK = 64 * 1024  # bytes of graph structure allowed on top of the weights
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt") / "gpt2"
+    return make_hf_checkpoint(folder, tokenizer=False, vocab_size=VOCAB, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> GPT:
+    return load_checkpoint(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "pkg"
+    export_package(checkpoint, out, progress=quiet)
+    return out
+
+
+def max_onnx_difference(
+    model: GPT,
+    onnx_path: Path,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    last_token_logits: bool = False,
+) -> float:
+    """Feed the prompt, then DECODE_STEPS one-token steps, to ONNX Runtime and to PyTorch, each with
+    its own cache; returns the largest |logit difference| over real (unpadded) positions."""
+    config = model.config
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    layers = [(i, kv) for i in range(config.n_layer) for kv in ("key", "value")]
+    past_names = [f"past_key_values.{i}.{kv}" for i, kv in layers]
+    output_names = ["logits"] + [f"present.{i}.{kv}" for i, kv in layers]
+    batch = input_ids.shape[0]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    empty = np.zeros((batch, config.n_head, 0, config.head_dim), dtype=np.float32)
+    onnx_past = dict.fromkeys(past_names, empty)
+    torch_past = None
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(DECODE_STEPS + 1):
+            feed = {
+                "input_ids": input_ids.numpy(),
+                "attention_mask": attention_mask.numpy(),
+                "position_ids": position_ids.numpy(),
+                **onnx_past,
+            }
+            onnx_logits, *present = session.run(output_names, feed)
+            torch_logits, torch_past = model(
+                input_ids, attention_mask, position_ids, torch_past, last_token_logits=last_token_logits
+            )
+            assert onnx_logits.shape == tuple(torch_logits.shape)  # compared without broadcasting
+            real = attention_mask[:, -torch_logits.shape[1] :].bool().numpy()
+            worst = max(worst, float(np.abs(onnx_logits - torch_logits.numpy())[real].max()))
+            assert present[0].shape == (batch, config.n_head, attention_mask.shape[1], config.head_dim)
+            onnx_past = dict(zip(past_names, present, strict=True))  # present.{i}.* feeds past_key_values.{i}.*
+            input_ids = torch_logits[:, -1, :].argmax(-1, keepdim=True)  # both sides get the same next token
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+    return worst
+
+
+def prompt_batch(model: GPT, *, batch: int, length: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts; row r is left-padded by 2r tokens (its mask starts with 2r zeros)."""
+    input_ids = torch.randint(
+        0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)
+    )
+    attention_mask = torch.ones_like(input_ids)
+    for row in range(1, batch):
+        attention_mask[row, : 2 * row] = 0
+    return input_ids, attention_mask
+
+
+def vocab_initializers(onnx_path: Path, config: GPTConfig) -> list[onnx.TensorProto]:
+    shapes = {(config.n_embd, config.vocab_size), (config.vocab_size, config.n_embd)}
+    graph = onnx.load(str(onnx_path)).graph
+    return [init for init in graph.initializer if tuple(init.dims) in shapes]
+
+
+# ONNX Runtime against PyTorch
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["batch1", "batch2-left-padded"])
+def test_onnx_matches_pytorch(reference, exported, batch):
+    input_ids, attention_mask = prompt_batch(reference, batch=batch)
+    assert max_onnx_difference(reference, exported / "model.onnx", input_ids, attention_mask) < ONNX_TOLERANCE
+
+
+def test_onnx_graph_has_the_contract_io_names(reference, exported):
+    session = ort.InferenceSession(str(exported / "model.onnx"), providers=["CPUExecutionProvider"])
+    n_layer = reference.config.n_layer
+    pairs = [(i, kv) for i in range(n_layer) for kv in ("key", "value")]
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for i, kv in pairs
+    ]
+    assert [o.name for o in session.get_outputs()] == ["logits"] + [f"present.{i}.{kv}" for i, kv in pairs]
+    assert session.get_outputs()[0].shape == ["batch_size", "sequence_length", VOCAB]
+
+
+def test_last_token_logits_export(checkpoint, reference, tmp_path):
+    manifest = export_package(checkpoint, tmp_path / "pkg", last_token_logits=True, progress=quiet)
+    assert manifest["io"]["last_token_logits"] is True
+    onnx_path = tmp_path / "pkg" / "model.onnx"
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    input_ids, attention_mask = prompt_batch(reference, batch=2)
+    config = reference.config
+    empty = np.zeros((2, config.n_head, 0, config.head_dim), dtype=np.float32)
+    feed = {
+        "input_ids": input_ids.numpy(),
+        "attention_mask": attention_mask.numpy(),
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0).numpy(),
+        **{f"past_key_values.{i}.{kv}": empty for i in range(config.n_layer) for kv in ("key", "value")},
+    }
+    (logits,) = session.run(["logits"], feed)
+    assert logits.shape == (2, 1, VOCAB)
+    difference = max_onnx_difference(reference, onnx_path, input_ids, attention_mask, last_token_logits=True)
+    assert difference < ONNX_TOLERANCE
+
+
+def test_untied_export(checkpoint, reference, exported, tmp_path):
+    manifest = export_package(checkpoint, tmp_path / "pkg", untie=True, progress=quiet)
+    onnx_path = tmp_path / "pkg" / "model.onnx"
+    assert manifest["architecture"]["tie_word_embeddings"] is False
+    assert manifest["export"]["tied_embedding_bytes_saved"] == 0
+    assert len(vocab_initializers(onnx_path, reference.config)) == 2  # embedding and LM head, separately
+    embedding_bytes = VOCAB * reference.config.n_embd * 4
+    extra_bytes = onnx_path.stat().st_size - (exported / "model.onnx").stat().st_size
+    assert extra_bytes == pytest.approx(embedding_bytes, abs=4096)  # the second copy, and little else
+    input_ids, attention_mask = prompt_batch(reference, batch=2)
+    assert max_onnx_difference(reference, onnx_path, input_ids, attention_mask) < ONNX_TOLERANCE
+
+
+def test_sinusoidal_positions_export(tmp_path):
+    torch.manual_seed(0)
+    config = GPTConfig(**TINY, positional="sinusoidal", bos_token_id=0, eos_token_id=0)
+    model = GPT(config).eval()
+    save_checkpoint(model, tmp_path / "ckpt")
+    manifest = export_package(tmp_path / "ckpt", tmp_path / "pkg", progress=quiet)
+    assert manifest["architecture"]["positional"] == "sinusoidal"
+    # compared with the model in memory: this also checks that the checkpoint kept its positional kind
+    input_ids, attention_mask = prompt_batch(model, batch=2)
+    assert max_onnx_difference(model, tmp_path / "pkg" / "model.onnx", input_ids, attention_mask) < ONNX_TOLERANCE
+
+
+# Size: a tied embedding is stored once
+
+
+def test_tied_embedding_stored_once(reference, exported):
+    onnx_path = exported / "model.onnx"
+    assert len(vocab_initializers(onnx_path, reference.config)) == 1
+    assert onnx_path.stat().st_size <= reference.num_parameters() * 4 + SIZE_SLACK
+    assert not (exported / "model.onnx.data").exists()
+
+
+# The manifest
+
+
+def test_manifest(package, hf_checkpoint):
+    manifest = json.loads((package / "edgelm.json").read_text())
+    config = load_checkpoint(hf_checkpoint).config
+    assert manifest["format"] == "edgelm-package"
+    assert manifest["format_version"] == 1
+    arch = manifest["architecture"]
+    assert arch["type"] == "gpt2"
+    assert (arch["vocab_size"], arch["n_layer"], arch["n_head"], arch["n_embd"]) == (
+        config.vocab_size,
+        config.n_layer,
+        config.n_head,
+        config.n_embd,
+    )
+    assert arch["head_dim"] == config.n_embd // config.n_head
+    assert arch["context_length"] == config.n_positions
+    assert arch["tie_word_embeddings"] is True
+    assert manifest["model_file"] == "model.onnx"
+    n_layer = config.n_layer
+    assert manifest["io"]["inputs"] == ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")
+    ]
+    assert manifest["io"]["outputs"] == ["logits"] + [
+        f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")
+    ]
+    assert manifest["io"]["last_token_logits"] is False
+    assert manifest["tokenizer"] == {
+        "file": "tokenizer.json",
+        "bos_token_id": 0,
+        "eos_token_ids": [0],
+        "pad_token_id": 0,
+    }
+    assert manifest["precision"] == "fp32"
+    assert manifest["export"]["opset"] == 17
+    assert manifest["export"]["external_data"] is None
+    assert manifest["export"]["tied_embedding_bytes_saved"] == config.vocab_size * config.n_embd * 4
+    assert manifest["source"]["sha256"] == checkpoint_hash(hf_checkpoint)
+    assert 0 <= manifest["parity"]["max_abs_logit_diff"] <= ONNX_TOLERANCE
+
+    on_disk = {p.name for p in package.iterdir()}
+    assert on_disk == set(manifest["files"]) | {"edgelm.json"}
+    assert {"model.onnx", "genai_config.json", "tokenizer.json", "tokenizer_config.json"} <= on_disk
+    for name, entry in manifest["files"].items():
+        assert entry["sha256"] == file_sha256(package / name), name
+        assert entry["bytes"] == (package / name).stat().st_size, name
+    assert read_package(package).kind == "edgelm"  # the runtime's reader accepts it, hashes verified
+
+
+def test_genai_config(package, hf_checkpoint):
+    config = load_checkpoint(hf_checkpoint).config
+    genai = json.loads((package / "genai_config.json").read_text())
+    decoder = genai["model"]["decoder"]
+    assert decoder["filename"] == "model.onnx"
+    assert decoder["num_hidden_layers"] == config.n_layer
+    assert decoder["head_size"] == config.n_embd // config.n_head
+    assert genai["model"]["context_length"] == config.n_positions
+    assert genai["model"]["eos_token_id"] == 0
+
+
+def test_source_hash_identifies_the_checkpoint(hf_checkpoint, tmp_path):
+    copy = Path(shutil.copytree(hf_checkpoint, tmp_path / "copy"))
+    assert checkpoint_hash(copy) == checkpoint_hash(hf_checkpoint)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1e-6}))
+    assert checkpoint_hash(copy) != checkpoint_hash(hf_checkpoint)
+
+
+# onnxruntime-genai runs the package as it is
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_onnxruntime_genai_greedy_matches_pytorch(reference, exported, seed):
+    og = pytest.importorskip("onnxruntime_genai")
+    new_tokens = 32
+    prompt = torch.randint(1, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    expected = reference.generate_greedy(torch.tensor([prompt]), new_tokens)[0].tolist()
+    assert reference.config.eos_token_id not in expected  # else genai would stop early, by design
+    assert len(set(expected)) > 4  # a model that repeats one token would make this test weak
+
+    genai_model = og.Model(str(exported))
+    params = og.GeneratorParams(genai_model)
+    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+    generator = og.Generator(genai_model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    sequence = [int(t) for t in generator.get_sequence(0)]
+    assert sequence[: len(prompt)] == prompt
+    assert sequence[len(prompt) :] == expected
+
+
+# Failures are clear and leave nothing behind
+
+
+def test_existing_out_dir_needs_overwrite(checkpoint, tmp_path):
+    out = tmp_path / "pkg"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_package(checkpoint, out, progress=quiet)
+    assert (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+
+    export_package(checkpoint, out, overwrite=True, progress=quiet)
+    assert (out / "edgelm.json").is_file() and not (out / "keep.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+
+
+def test_out_dir_must_not_be_the_checkpoint(checkpoint, tmp_path):
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
+    before = sorted(p.name for p in copy.iterdir())
+    with pytest.raises(ValueError, match="must differ"):
+        export_package(copy, copy, overwrite=True, progress=quiet)
+    assert sorted(p.name for p in copy.iterdir()) == before
+
+
+def test_failed_parity_leaves_nothing(checkpoint, tmp_path):
+    parent = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="disagree"):
+        export_package(checkpoint, parent / "pkg", tolerance=-1.0, progress=quiet)
+    assert list(parent.iterdir()) == []  # no package and no staging folder
+
+
+def test_failed_load_leaves_nothing(checkpoint, tmp_path):
+    bad = Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    parent = tmp_path / "out"
+    parent.mkdir()
+    with pytest.raises(CheckpointError, match="llama"):
+        export_package(bad, parent / "pkg", progress=quiet)
+    assert list(parent.iterdir()) == []
+
+
+# The command line
+
+
+def edgelm(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "edgelm", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_cli_export(checkpoint, tmp_path):
+    result = edgelm("export", checkpoint, tmp_path / "pkg", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "max |logit difference|" in result.stdout
+    assert read_package(tmp_path / "pkg").n_layer == TINY["n_layer"]
+
+
+@pytest.mark.parametrize("problem", ["missing-checkpoint", "not-gpt2", "out-dir-exists"])
+def test_cli_export_bad_input(checkpoint, tmp_path, problem):
+    source, out = checkpoint, tmp_path / "pkg"
+    if problem == "missing-checkpoint":
+        source = tmp_path / "nowhere"
+    elif problem == "not-gpt2":
+        source = Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
+        config = json.loads((source / "config.json").read_text())
+        (source / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    else:
+        out.mkdir()
+    result = edgelm("export", source, out, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("edgelm export: error:")
+    assert out.exists() == (problem == "out-dir-exists")

@@ -1,0 +1,209 @@
+"""Quantization: every mode gives a package the runtime runs, the trained bundled model meets the
+accuracy and size bars of the quantization issue on held-out text, and bad input loses nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from edgelm.runtime import PackageError, load
+from edgelm.runtime.package import list_files
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLED = REPO / "models" / "shakespeare"
+HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
+CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
+EVAL_TOKENS = 12_000  # a fifth of the held-out text: enough for stable ratios, quick on 2 cores
+
+# mode: (max perplexity ratio, min top-1 agreement, max size ratio), from the quantization issue
+BARS = {
+    "dynamic": (1.01, 0.97, 0.30),
+    "static": (1.03, 0.95, 0.30),
+    "int4": (1.06, 0.92, 0.20),
+}
+
+
+@pytest.fixture(scope="module")
+def fp32_package(tmp_path_factory) -> Path:
+    from edgelm.export.onnx_export import export_package
+
+    if not (BUNDLED / "model.safetensors").is_file():
+        pytest.fail("the bundled model models/shakespeare is missing")
+    out = tmp_path_factory.mktemp("quant") / "fp32"
+    export_package(BUNDLED, out, progress=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized(fp32_package) -> dict[str, Path]:
+    from edgelm.quantize.quantize import quantize_package
+
+    packages = {}
+    for mode in ("dynamic", "static", "int4", "fp16"):
+        out = fp32_package.parent / mode
+        quantize_package(
+            fp32_package,
+            out,
+            mode=mode,
+            calibration_text=CALIBRATION,
+            calibration_samples=16,
+            evaluate=False,
+            progress=lambda _: None,
+        )
+        packages[mode] = out
+    return packages
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static", "int4"])
+def test_accuracy_and_size_bars(mode, quantized, fp32_package):
+    from edgelm.quantize.evaluate import evaluate_package
+
+    report = evaluate_package(quantized[mode], HELDOUT, reference=fp32_package, max_tokens=EVAL_TOKENS)
+    max_ratio, min_agreement, max_size = BARS[mode]
+    summary = json.dumps({k: report[k] for k in ("perplexity_ratio", "top1_agreement", "size_ratio")})
+    assert report["perplexity_ratio"] <= max_ratio, summary
+    assert report["top1_agreement"] >= min_agreement, summary
+    assert report["size_ratio"] <= max_size, summary
+    assert report["mean_kl_nats"] < 0.1, summary
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static", "int4", "fp16"])
+def test_quantized_package_generates_and_records_its_recipe(mode, quantized):
+    model = load(quantized[mode], provider="cpu")
+    manifest = model.spec.manifest
+    assert manifest["precision"] != "fp32"
+    assert manifest["recipe"]["mode"] == mode
+    assert set(manifest["files"]) == set(list_files(quantized[mode]))
+    result = model.generate("ROMEO:\n", 24)
+    assert len(result.token_ids) > 0
+    assert result.text.strip()
+
+
+def test_static_recipe_keeps_attention_products_in_float(quantized):
+    import onnx
+
+    graph = onnx.load(str(quantized["static"] / "model.onnx")).graph
+    initializers = {i.name for i in graph.initializer}
+    float_matmuls = [n for n in graph.node if n.op_type == "MatMul"]
+    # 2 attention products per layer stay float MatMuls; every linear layer reads a dequantized weight
+    assert len(float_matmuls) >= 2 * 4
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers}
+    linear = [n for n in float_matmuls if n.input[1] in dequantized]
+    assert len(linear) == 4 * 4 + 1  # c_attn, c_proj, c_fc, mlp.c_proj per layer + the LM head
+
+
+def test_fp16_greedy_matches_fp32(quantized, fp32_package):
+    fp32 = load(fp32_package, provider="cpu").generate("JULIET:\n", 16)
+    fp16 = load(quantized["fp16"], provider="cpu").generate("JULIET:\n", 16)
+    same = sum(a == b for a, b in zip(fp32.token_ids, fp16.token_ids, strict=False))
+    assert same >= 12, (fp32.token_ids, fp16.token_ids)
+
+
+def test_manifest_stores_the_accuracy_report(fp32_package, tmp_path):
+    from edgelm.quantize.quantize import quantize_package
+
+    manifest = quantize_package(
+        fp32_package, tmp_path / "dyn", mode="dynamic", eval_text=HELDOUT, progress=lambda _: None
+    )
+    report = manifest["evaluation"]
+    assert report["perplexity_ratio"] <= BARS["dynamic"][0]
+    assert json.loads((tmp_path / "dyn" / "edgelm.json").read_text())["evaluation"] == report
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(mode="int3"), ValueError, "dynamic, static, int4, fp16"),
+        (dict(mode="static"), ValueError, "calibration text"),
+        (dict(mode="static", calibration_text="/nonexistent.txt"), FileNotFoundError, "nonexistent"),
+        (dict(mode="static", calibration_method="magic"), ValueError, "minmax, entropy, percentile"),
+    ],
+)
+def test_bad_requests_leave_input_untouched(fp32_package, tmp_path, kwargs, error, message):
+    from edgelm.quantize.quantize import quantize_package
+
+    before = _snapshot(fp32_package)
+    with pytest.raises(error, match=message):
+        quantize_package(fp32_package, tmp_path / "out", progress=lambda _: None, **kwargs)
+    assert _snapshot(fp32_package) == before
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_short_calibration_text(fp32_package, tmp_path):
+    from edgelm.quantize.quantize import quantize_package
+
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be.")
+    with pytest.raises(ValueError, match="too short"):
+        quantize_package(fp32_package, tmp_path / "out", mode="static", calibration_text=short, progress=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_already_quantized_and_unreadable_packages(quantized, tmp_path):
+    from edgelm.quantize.quantize import quantize_package
+
+    with pytest.raises(PackageError, match="already quantized"):
+        quantize_package(quantized["dynamic"], tmp_path / "again", mode="dynamic", progress=lambda _: None)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "edgelm.json").write_text("{not json")
+    with pytest.raises(PackageError, match="not valid JSON"):
+        quantize_package(broken, tmp_path / "out", mode="dynamic", progress=lambda _: None)
+    assert not (tmp_path / "again").exists() and not (tmp_path / "out").exists()
+
+
+def test_interrupted_quantization_leaves_no_package(fp32_package, tmp_path, monkeypatch):
+    from edgelm.quantize import quantize as quantize_module
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated crash in the middle of quantization")
+
+    monkeypatch.setattr(quantize_module, "quantize_int4", fail)
+    with pytest.raises(RuntimeError):
+        quantize_module.quantize_package(fp32_package, tmp_path / "int4", mode="int4", progress=lambda _: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_quantize_errors_are_one_line(fp32_package, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "edgelm", "quantize", str(fp32_package), str(tmp_path / "x"), "--mode", "int2"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgelm quantize: error:") and "dynamic" in lines[0]
+
+
+def test_cli_eval_json(fp32_package, quantized):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgelm",
+            "eval",
+            str(quantized["dynamic"]),
+            "--text",
+            str(HELDOUT),
+            "--reference",
+            str(fp32_package),
+            "--max-tokens",
+            "2000",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tokens"] == 2000
+    assert 0 < report["bits_per_byte"] < 3
+    assert report["top1_agreement"] > 0.9
