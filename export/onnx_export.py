@@ -30,13 +30,7 @@ from onnx import helper, numpy_helper
 
 from edgelm import __version__
 
-from ..runtime.package import (
-    MANIFEST_FILE,
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
-    file_sha256,
-    write_json,
-)
+from ..runtime.package import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, StagedPackage, list_files, write_json
 from .checkpoint import TOKENIZER_FILES, checkpoint_hash, load_checkpoint
 from .model import GPT
 
@@ -318,7 +312,7 @@ def export_package(
     manifest."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
+        raise FileExistsError(f"{out_dir} already exists (use --overwrite / overwrite=True to replace it)")
     if out_dir.resolve() == checkpoint.resolve():
         raise ValueError("the output folder must differ from the checkpoint folder")
     progress(f"[1/4] loading checkpoint {checkpoint}")
@@ -332,9 +326,7 @@ def export_package(
         f"      {model.num_parameters() / 1e6:.1f}M parameters, {config.n_layer} layers, context {config.n_positions}"
     )
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with StagedPackage(out_dir, overwrite=overwrite) as staging:
         progress(f"[2/4] exporting ONNX (opset {opset}{', last-token logits' if last_token_logits else ''})")
         facts = export_onnx(model, staging / MODEL_FILE, opset=opset, last_token_logits=last_token_logits)
         progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
@@ -359,7 +351,7 @@ def export_package(
             if (checkpoint / name).is_file():
                 shutil.copyfile(checkpoint / name, staging / name)
         input_names, output_names = io_names(config.n_layer)
-        files = sorted(p.name for p in staging.iterdir() if p.is_file())
+        files = list_files(staging)
         manifest = {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_VERSION,
@@ -399,19 +391,9 @@ def export_package(
             },
             "source": {"checkpoint": checkpoint.resolve().name, "sha256": checkpoint_hash(checkpoint)},
             "parity": {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2},
-            "files": {
-                name: {"sha256": file_sha256(staging / name), "bytes": (staging / name).stat().st_size}
-                for name in files
-            },
+            "files": files,
         }
         write_json(staging / MANIFEST_FILE, manifest)
-        staging.chmod(0o755)  # mkdtemp makes it private; a package is an ordinary folder
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     size = sum(f["bytes"] for f in manifest["files"].values())
     progress(f"wrote {out_dir} ({size / 1e6:.1f} MB)")
     return manifest
