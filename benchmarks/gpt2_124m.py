@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def make_checkpoint(folder: Path) -> None:
     import torch
+
     from edgelm.export.checkpoint import save_checkpoint
     from edgelm.export.model import GPT, PRESETS, GPTConfig
 

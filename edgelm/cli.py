@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 
 from edgelm import __version__
 
@@ -155,16 +154,10 @@ def _generate(args) -> int:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(json.dumps(result.to_dict(), ensure_ascii=False))
         return 0
-    cancel = threading.Event()
-    stream = model.stream(args.prompt, args.max_new_tokens, cancel=cancel, **options)
-    try:
-        for piece in stream:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        cancel.set()
-        for piece in stream:  # the loop sees the cancel before its next step
-            sys.stdout.write(piece)
+    stream = model.stream(args.prompt, args.max_new_tokens, **options)
+    for piece in stream:  # Ctrl-C propagates to main(): the loop stops between two pieces
+        sys.stdout.write(piece)
+        sys.stdout.flush()
     sys.stdout.write("\n")
     r = stream.result
     t = r.timings

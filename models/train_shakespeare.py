@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 from edgelm.export.checkpoint import save_checkpoint
 from edgelm.export.model import GPT, GPTConfig
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "tinyshakespeare.txt"

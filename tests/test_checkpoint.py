@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import make_hf_checkpoint
 from edgelm.export.checkpoint import CheckpointError, load_checkpoint
 

@@ -15,6 +15,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+
 from conftest import TINY, make_hf_checkpoint
 from edgelm.export.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint, save_checkpoint
 from edgelm.export.model import GPT, GPTConfig

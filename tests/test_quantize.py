@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from edgelm.runtime import PackageError, load
 from edgelm.runtime.package import list_files
 

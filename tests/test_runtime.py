@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 import pytest
+
 from conftest import make_hf_checkpoint
 from edgelm.runtime import (
     ContextLengthError,
@@ -72,6 +73,7 @@ def edit_manifest(package: Path, edit) -> None:
 
 def test_greedy_tokens_match_the_pytorch_reference(long_checkpoint, long_model):
     import torch
+
     from edgelm.export.checkpoint import load_checkpoint
 
     result = long_model.generate(PROMPT, 64, ignore_eos=True)

@@ -59,9 +59,9 @@ def venv_bin(tmp_path_factory) -> Path:
     )
     if install.returncode != 0:
         output = install.stdout + install.stderr
-        last_line = output.strip().splitlines()[-1] if output.strip() else "no output"
         if any(marker in output for marker in NETWORK_ERRORS):
-            pytest.skip(f"pip cannot reach the package index: {last_line}")
+            errors = [line for line in output.splitlines() if line.startswith("ERROR:")] or output.splitlines()
+            pytest.skip(f"pip cannot reach the package index: {errors[-1]}")
         pytest.fail(f"pip install of the runtime-only package failed:\n{output[-3000:]}")
     return bin_dir
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from edgelm.runtime import InvalidParameterError, SamplingParams
 from edgelm.runtime.sampling import (
     apply_repetition_penalty,
