@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parent.parent / "examples" / "desktop" / "app.py"
-STEP_DELAY_S = 0.02  # see slow_model below
+STEP_DELAY_S = 0.02  # see SlowSession below
 
 tkinter = pytest.importorskip("tkinter", reason="tkinter is not installed (Debian: apt-get install python3-tk)")
 pytestmark = pytest.mark.skipif(
@@ -68,10 +68,10 @@ def app(display):
     root.report_callback_exception = lambda *exc: root.callback_errors.append(exc)
     app = module.CompletionApp(root, provider="cpu", threads=1)
     yield app
-    assert not root.callback_errors, f"a Tk callback raised: {root.callback_errors[0][1]!r}"
     app.stop_generation()
     pump(root, lambda: not app.is_busy, timeout=10)
     root.destroy()
+    assert not root.callback_errors, f"a Tk callback raised: {root.callback_errors[0][1]!r}"
 
 
 def pump(root, condition: Callable[[], bool], *, timeout: float) -> bool:

@@ -60,8 +60,8 @@ def venv_bin(tmp_path_factory) -> Path:
     if install.returncode != 0:
         output = install.stdout + install.stderr
         if any(marker in output for marker in NETWORK_ERRORS):
-            errors = [line for line in output.splitlines() if line.startswith("ERROR:")] or output.splitlines()
-            pytest.skip(f"pip cannot reach the package index: {errors[-1]}")
+            errors = [line.strip() for line in output.splitlines() if line.strip().startswith("ERROR:")]
+            pytest.skip(f"pip cannot reach the package index: {(errors or ['no ERROR line'])[0]}")
         pytest.fail(f"pip install of the runtime-only package failed:\n{output[-3000:]}")
     return bin_dir
 

@@ -2,11 +2,12 @@
 
     python examples/desktop/app.py [--package PATH] [--provider cpu|cuda|auto] [--threads N]
 
-Tk may only be touched from the thread that created it, and the model call blocks while it runs.
-So loading and generating run on a worker thread that never calls Tk: it puts messages on a
-queue, and the UI thread drains that queue every POLL_MS with `after` (the pattern of the Python
-docs' "tkinter and threads" note). Stop sets the threading.Event passed to `Model.stream` as
-`cancel`; the runtime checks it before every decode step, so generation ends within one step.
+Tk may only be touched from the thread that created it (the tkinter docs' "Threading model"), and
+a model call blocks while it runs. So loading and generating run on a worker thread that never
+calls Tk: it puts messages on a queue, and the UI thread drains that queue every POLL_MS with
+`after`, so the window keeps repainting and answering clicks. Stop sets the threading.Event
+passed to `Model.stream` as `cancel`; the runtime checks it before every decode step, so
+generation ends within one step.
 """
 
 from __future__ import annotations
