@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--context", type=int, default=256, help="context length (n_positions)")
-    parser.add_argument("--seq-len", type=int, default=128, help="training sequence length")
-    parser.add_argument("--batch-size", type=int, default=32)
+    # Training windows are the full context: a learned position embedding never trained on would
+    # be random at evaluation (and in use) for the positions past the training length.
+    parser.add_argument("--context", type=int, default=256, help="context length (n_positions) = training window")
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--min-lr", type=float, default=1e-4)
@@ -180,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        starts = rng.integers(0, len(train_ids) - args.seq_len - 1, size=args.batch_size)
-        x = torch.from_numpy(np.stack([train_ids[s : s + args.seq_len] for s in starts]))
-        y = torch.from_numpy(np.stack([train_ids[s + 1 : s + 1 + args.seq_len] for s in starts]))
+        starts = rng.integers(0, len(train_ids) - args.context - 1, size=args.batch_size)
+        x = torch.from_numpy(np.stack([train_ids[s : s + args.context] for s in starts]))
+        y = torch.from_numpy(np.stack([train_ids[s + 1 : s + 1 + args.context] for s in starts]))
         logits, _ = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         optimizer.zero_grad(set_to_none=True)
