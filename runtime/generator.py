@@ -17,6 +17,7 @@ keeps its own cache, binding and random generator.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,17 @@ from .text import TextAssembler, Tokenizer
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+MAX_THREADS = 1024
+
+
+def _ort_reason(error: Exception) -> str:
+    """The useful part of an ONNX Runtime exception: its first line without the status-code prefix,
+    the C++ source location and function signature, which mean nothing to a user."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"^(Load model from .*? failed:|Error in execution: )", "", text)
+    text = re.sub(r"\S+\.(cc|cpp|h):\d+ (\S+\(.*?\)( const)? )?", "", text)
+    return text.split("Status Message: ")[-1].strip()
 
 
 @dataclass
@@ -81,7 +93,7 @@ def resolve_providers(provider: str) -> list[str]:
     available = ort.get_available_providers()
     if provider == "auto":
         return [PROVIDERS["cuda"], PROVIDERS["cpu"]] if PROVIDERS["cuda"] in available else [PROVIDERS["cpu"]]
-    if provider not in PROVIDERS:
+    if not isinstance(provider, str) or provider not in PROVIDERS:
         raise ProviderError(f"unknown provider {provider!r}; choose one of 'cpu', 'cuda', 'auto'")
     name = PROVIDERS[provider]
     if name not in available:
@@ -101,8 +113,10 @@ def load(path: str | Path, provider: str = "auto", threads: int | None = None, *
 
 class Model:
     def __init__(self, path: str | Path, *, provider: str = "auto", threads: int | None = None, verify: bool = True):
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise InvalidParameterError(f"threads must be a positive integer or None, got {threads!r}")
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
+        ):
+            raise InvalidParameterError(f"threads must be an integer from 1 to {MAX_THREADS} or None, got {threads!r}")
         started = time.perf_counter()
         providers = resolve_providers(provider)
         self.spec: PackageSpec = read_package(path, verify=verify)
@@ -117,9 +131,7 @@ class Model:
         try:
             self.session = ort.InferenceSession(str(self.spec.model_path), options, providers=providers)
         except Exception as e:  # onnxruntime raises its own pybind exception types
-            raise PackageError(
-                f"ONNX Runtime cannot load {self.spec.model_path.name}: {str(e).splitlines()[0]}"
-            ) from None
+            raise PackageError(f"ONNX Runtime cannot load {self.spec.model_path.name}: {_ort_reason(e)}") from None
         if provider == "cuda" and PROVIDERS["cuda"] not in self.session.get_providers():
             raise ProviderError("the CUDA provider is installed but failed to start (check the CUDA/cuDNN libraries)")
         self.device = "cuda" if PROVIDERS["cuda"] in self.session.get_providers() else "cpu"
@@ -129,9 +141,14 @@ class Model:
     # ---- package facts -------------------------------------------------------------------------
 
     def _check_io(self) -> None:
+        """The graph's I/O against the package JSON, so that a mismatch is a PackageError at load
+        time and not an ONNX Runtime failure in the middle of generation."""
         spec = self.spec
+        name = spec.model_path.name
         inputs = {i.name: i for i in self.session.get_inputs()}
-        outputs = {o.name for o in self.session.get_outputs()}
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        if 2 * spec.n_layer > len(inputs):  # before building 2 * n_layer names: n_layer may be huge
+            raise PackageError(f"the package says {spec.n_layer} layers, but {name} has only {len(inputs)} inputs")
         self._past_names = [(spec.past_key % i, spec.past_value % i) for i in range(spec.n_layer)]
         self._present_names = [(spec.present_key % i, spec.present_value % i) for i in range(spec.n_layer)]
         needed_in = [spec.input_ids, spec.attention_mask, *[n for pair in self._past_names for n in pair]]
@@ -139,10 +156,29 @@ class Model:
         missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
         if missing:
             raise PackageError(
-                f"{spec.model_path.name} does not match its package description: no I/O named "
+                f"{name} does not match its package description: no I/O named "
                 f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
             )
         self._use_position_ids = spec.position_ids is not None and spec.position_ids in inputs
+        bound = needed_in + ([spec.position_ids] if self._use_position_ids else [])
+        if len(set(bound)) < len(bound) or len(set(needed_out)) < len(needed_out):
+            raise PackageError(f"the package description gives two of {name}'s inputs or outputs the same name")
+        unbound = sorted(set(inputs) - set(bound))
+        if unbound:
+            raise PackageError(f"{name} has inputs the package description does not name: {', '.join(unbound[:3])}")
+        # fixed axes must agree with the JSON: caches (B, n_head, T, head_dim), logits (B, T, vocab)
+        agrees = lambda dim, expected: not isinstance(dim, int) or dim == expected  # a symbolic axis always does
+        for n in needed_in[2:] + needed_out[1:]:
+            shape = inputs[n].shape if n in inputs else outputs[n].shape
+            if len(shape) != 4 or not (agrees(shape[1], spec.n_head) and agrees(shape[3], spec.head_dim)):
+                raise PackageError(
+                    f"{n} in {name} has shape {shape}; the package says (batch, {spec.n_head}, length, {spec.head_dim})"
+                )
+        shape = outputs[spec.logits].shape
+        if len(shape) != 3 or not agrees(shape[2], spec.vocab_size):
+            raise PackageError(
+                f"{spec.logits} in {name} has shape {shape}; the package says (batch, length, {spec.vocab_size})"
+            )
         self._kv_dtype = _KV_DTYPES.get(inputs[self._past_names[0][0]].type)
         if self._kv_dtype is None:
             raise PackageError(f"unsupported KV-cache type {inputs[self._past_names[0][0]].type}")
@@ -161,7 +197,9 @@ class Model:
 
     def info(self) -> dict:
         s = self.spec
-        files = s.manifest.get("files", {})
+        files = s.manifest.get("files")  # unchecked when loaded with verify=False: any JSON at all
+        sizes = [f.get("bytes") for f in files.values() if isinstance(f, dict)] if isinstance(files, dict) else []
+        sizes = [n for n in sizes if isinstance(n, int) and not isinstance(n, bool)]
         return {
             "package": str(s.folder),
             "kind": s.kind,
@@ -177,7 +215,7 @@ class Model:
             "bos_token_id": s.bos_token_id,
             "tokenizer": s.tokenizer_path.name if s.tokenizer_path else None,
             "provider": self.session.get_providers()[0],
-            "size_bytes": sum(f.get("bytes", 0) for f in files.values()) if files else s.model_path.stat().st_size,
+            "size_bytes": sum(sizes) if sizes else s.model_path.stat().st_size,
             "parity": s.manifest.get("parity"),
             "evaluation": s.manifest.get("evaluation"),
         }
@@ -189,8 +227,14 @@ class Model:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidInputError("this package has no tokenizer.json: pass token ids instead of text")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad UTF-16 decode
+                raise InvalidInputError(f"the prompt is not valid Unicode text: {e.reason} at {e.start}") from None
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
+            if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+                raise InvalidInputError(f"a token-id array must be one-dimensional, got shape {prompt.shape}")
             ids = list(prompt)
             for i in ids:
                 if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
@@ -245,7 +289,13 @@ class Model:
         for key_name, value_name in self._present_names:
             binding.bind_output(key_name, self.device)
             binding.bind_output(value_name, self.device)
-        self.session.run_with_iobinding(binding)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as e:  # onnxruntime's pybind types; inputs were validated, so the package is at fault
+            raise PackageError(
+                f"ONNX Runtime failed running {spec.model_path.name}: {_ort_reason(e)} (does the package's "
+                "JSON match its model, e.g. context length or vocabulary size?)"
+            ) from None
         outputs = binding.get_outputs()
         logits = outputs[0].numpy()[:, -1, :]
         return logits, outputs[1:]
@@ -307,7 +357,18 @@ class Model:
             finish[row] = finish[row] or "length"
 
     def _prepare(
-        self, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, truncate_prompt
+        self,
+        prompt,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        seed,
+        stop,
+        truncate_prompt,
+        cancel=None,
     ):
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
@@ -316,11 +377,15 @@ class Model:
             raise InvalidParameterError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise InvalidParameterError(f"seed must be a non-negative integer or None, got {seed!r}")
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if stops and self.tokenizer is None:
             raise InvalidParameterError("stop strings need a tokenizer, and this package has none")
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise InvalidParameterError(f"cancel must be a threading.Event or None, got {cancel!r}")
         prompts = [self._fit_context(self.encode(p), int(max_new_tokens), truncate_prompt) for p in prompt]
         return params, stops, prompts
 
@@ -347,7 +412,17 @@ class Model:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
         params, stops, encoded = self._prepare(
-            prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, truncate_prompt
+            prompts,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            seed,
+            stop,
+            truncate_prompt,
+            cancel,
         )
         assemblers = [TextAssembler(self.tokenizer, stops) if self.tokenizer else None for _ in encoded]
         generated: list[list[int]] = [[] for _ in encoded]
@@ -389,11 +464,7 @@ class Model:
         (never half a character, never part of a stop string); its .result is set at the end.
         Parameters are validated here, before the first piece is asked for."""
         started = time.perf_counter()
-        keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "truncate_prompt")
-        unknown = set(kwargs) - set(keys) - {"cancel"}
-        if unknown:
-            raise TypeError(f"stream() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
-        defaults = dict(
+        defaults = dict(  # in _prepare's order
             temperature=0.0,
             top_k=0,
             top_p=1.0,
@@ -402,9 +473,13 @@ class Model:
             seed=None,
             stop=None,
             truncate_prompt=False,
+            cancel=None,
         )
+        unknown = set(kwargs) - set(defaults)
+        if unknown:
+            raise TypeError(f"stream() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
         values = {**defaults, **kwargs}
-        params, stops, (ids,) = self._prepare([prompt], max_new_tokens, *(values[k] for k in keys))
+        params, stops, (ids,) = self._prepare([prompt], max_new_tokens, *values.values())
         if self.tokenizer is None:
             raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
         stream: Stream
@@ -420,7 +495,7 @@ class Model:
                 max_new_tokens=int(max_new_tokens),
                 params=params,
                 seed=values["seed"],
-                cancel=kwargs.get("cancel"),
+                cancel=values["cancel"],
             ):
                 piece = assembler.add(token)
                 if piece:

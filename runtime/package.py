@@ -9,13 +9,15 @@ Three kinds of folder load:
 3. an Optimum export of GPT-2: `model.onnx` + Hugging Face `config.json`.
 
 Everything the runtime needs comes from these JSON files; nothing is guessed from names. Every path
-a JSON file names must resolve inside the package folder.
+a JSON file names must resolve inside the package folder, and so must every external-data location
+inside model.onnx (read with a small protobuf walker, since the runtime does not depend on `onnx`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,8 +74,10 @@ def write_json(path: str | Path, data: dict) -> None:
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise PackageError(f"{path.name} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise PackageError(f"{path.name} cannot be read: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise PackageError(f"{path.name} is not a JSON object")
     return data
@@ -96,6 +100,26 @@ def _int(data: dict, key: str, where: str, *, minimum: int = 0) -> int:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PackageError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _optional_id(value: object) -> int | None:
+    """A token id that a package may leave out (null); range-checked in read_package."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _io_name(
+    table: dict, key: str, default: str, where: str, *, per_layer: bool = False, optional: bool = False
+) -> str | None:
+    """An ONNX I/O name from package JSON (None where optional and null). Per-layer names hold exactly
+    one %d (the layer index) and no other %, so formatting them can neither fail nor blow up."""
+    value = table.get(key, default)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise PackageError(f"{where}: {key} must be a non-empty string, got {value!r}")
+    if per_layer and (value.count("%") != 1 or "%d" not in value):
+        raise PackageError(f"{where}: {key} must hold one %d for the layer index, got {value!r}")
     return value
 
 
@@ -129,7 +153,7 @@ def _from_manifest(folder: Path, manifest: dict) -> PackageSpec:
     tokenizer_file = tok.get("file")
     pad = tok.get("pad_token_id")
     eos = _token_list(tok.get("eos_token_ids"), where)
-    bos = tok.get("bos_token_id")
+    bos, pad = _optional_id(tok.get("bos_token_id")), _optional_id(pad)
     return PackageSpec(
         folder=folder,
         kind="edgelm",
@@ -140,14 +164,14 @@ def _from_manifest(folder: Path, manifest: dict) -> PackageSpec:
         n_head=_int(arch, "n_head", where, minimum=1),
         head_dim=_int(arch, "head_dim", where, minimum=1),
         eos_token_ids=eos,
-        bos_token_id=bos if isinstance(bos, int) else None,
-        pad_token_id=pad if isinstance(pad, int) else eos[0],
+        bos_token_id=bos,
+        pad_token_id=pad if pad is not None else eos[0],
         tokenizer_path=inside(folder, tokenizer_file, "tokenizer file") if tokenizer_file else None,
         precision=str(manifest.get("precision", "fp32")),
-        past_key=str(io.get("past_key", "past_key_values.%d.key")),
-        past_value=str(io.get("past_value", "past_key_values.%d.value")),
-        present_key=str(io.get("present_key", "present.%d.key")),
-        present_value=str(io.get("present_value", "present.%d.value")),
+        past_key=_io_name(io, "past_key", "past_key_values.%d.key", where, per_layer=True),
+        past_value=_io_name(io, "past_value", "past_key_values.%d.value", where, per_layer=True),
+        present_key=_io_name(io, "present_key", "present.%d.key", where, per_layer=True),
+        present_value=_io_name(io, "present_value", "present.%d.value", where, per_layer=True),
         manifest=manifest,
     )
 
@@ -159,12 +183,13 @@ def _from_genai(folder: Path, config: dict) -> PackageSpec:
     if not isinstance(decoder, dict):
         raise PackageError(f"{where}: model.decoder is missing")
     inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
-    head_dim = decoder.get("head_size") or (
-        decoder.get("hidden_size", 0) // max(1, decoder.get("num_attention_heads", 1))
-    )
+    if not isinstance(inputs, dict) or not isinstance(outputs, dict):
+        raise PackageError(f"{where}: model.decoder.inputs and .outputs must be objects")
+    n_head = _int(decoder, "num_attention_heads", where, minimum=1)
+    head_dim = decoder.get("head_size") or _int(decoder, "hidden_size", where, minimum=1) // n_head
     eos = _token_list(model.get("eos_token_id"), where)
-    pad = model.get("pad_token_id")
-    bos = model.get("bos_token_id")
+    pad = _optional_id(model.get("pad_token_id"))
+    bos = _optional_id(model.get("bos_token_id"))
     return PackageSpec(
         folder=folder,
         kind="genai",
@@ -172,20 +197,20 @@ def _from_genai(folder: Path, config: dict) -> PackageSpec:
         vocab_size=_int(model, "vocab_size", where, minimum=1),
         context_length=_int(model, "context_length", where, minimum=1),
         n_layer=_int(decoder, "num_hidden_layers", where, minimum=1),
-        n_head=_int(decoder, "num_attention_heads", where, minimum=1),
+        n_head=n_head,
         head_dim=_int({"head_size": head_dim}, "head_size", where, minimum=1),
         eos_token_ids=eos,
-        bos_token_id=bos if isinstance(bos, int) else None,
-        pad_token_id=pad if isinstance(pad, int) else eos[0],
+        bos_token_id=bos,
+        pad_token_id=pad if pad is not None else eos[0],
         tokenizer_path=_tokenizer(folder),
-        input_ids=inputs.get("input_ids", "input_ids"),
-        attention_mask=inputs.get("attention_mask", "attention_mask"),
-        position_ids=inputs.get("position_ids", "position_ids"),
-        logits=outputs.get("logits", "logits"),
-        past_key=inputs.get("past_key_names", "past_key_values.%d.key"),
-        past_value=inputs.get("past_value_names", "past_key_values.%d.value"),
-        present_key=outputs.get("present_key_names", "present.%d.key"),
-        present_value=outputs.get("present_value_names", "present.%d.value"),
+        input_ids=_io_name(inputs, "input_ids", "input_ids", where),
+        attention_mask=_io_name(inputs, "attention_mask", "attention_mask", where),
+        position_ids=_io_name(inputs, "position_ids", "position_ids", where, optional=True),
+        logits=_io_name(outputs, "logits", "logits", where),
+        past_key=_io_name(inputs, "past_key_names", "past_key_values.%d.key", where, per_layer=True),
+        past_value=_io_name(inputs, "past_value_names", "past_key_values.%d.value", where, per_layer=True),
+        present_key=_io_name(outputs, "present_key_names", "present.%d.key", where, per_layer=True),
+        present_value=_io_name(outputs, "present_value_names", "present.%d.value", where, per_layer=True),
     )
 
 
@@ -195,8 +220,8 @@ def _from_hf_config(folder: Path, config: dict) -> PackageSpec:
         raise PackageError(f"{where}: unknown model_type {config.get('model_type')!r} (this runtime runs 'gpt2')")
     n_embd, n_head = _int(config, "n_embd", where, minimum=1), _int(config, "n_head", where, minimum=1)
     eos = _token_list(config.get("eos_token_id", 50256), where)
-    pad = config.get("pad_token_id")
-    bos = config.get("bos_token_id")
+    pad = _optional_id(config.get("pad_token_id"))
+    bos = _optional_id(config.get("bos_token_id"))
     return PackageSpec(
         folder=folder,
         kind="optimum",
@@ -207,8 +232,8 @@ def _from_hf_config(folder: Path, config: dict) -> PackageSpec:
         n_head=n_head,
         head_dim=n_embd // n_head,
         eos_token_ids=eos,
-        bos_token_id=bos if isinstance(bos, int) else None,
-        pad_token_id=pad if isinstance(pad, int) else eos[0],
+        bos_token_id=bos,
+        pad_token_id=pad if pad is not None else eos[0],
         tokenizer_path=_tokenizer(folder),
     )
 
@@ -235,22 +260,135 @@ def verify_files(folder: Path, manifest: dict) -> None:
             )
 
 
+# ---- external data in model.onnx -------------------------------------------------------------------
+#
+# An initializer (or a Constant's tensor, at any depth of subgraphs) may keep its bytes in another file:
+# TensorProto.external_data is a list of key/value entries, one with key "location", a path relative to
+# the model file. ONNX Runtime refuses locations outside the model's folder only since late 2025
+# (microsoft/onnxruntime#26776); older releases, which pyproject allows, follow "../../etc/passwd", an
+# absolute path or a symlink anywhere. So the runtime checks every location before the session opens
+# the model. It cannot import `onnx`; it walks the protobuf wire format instead, descending only through
+# the fields that can lead to a TensorProto (field numbers from onnx/onnx.proto) and skipping everything
+# else, weights included, by length. The file is memory-mapped: only the graph's structure is read.
+
+_ONNX_PATHS = {  # message -> {field number: message type of that (length-delimited) field}
+    "ModelProto": {7: "GraphProto", 20: "TrainingInfoProto", 25: "FunctionProto"},
+    "TrainingInfoProto": {1: "GraphProto", 2: "GraphProto"},
+    "FunctionProto": {7: "NodeProto"},
+    "GraphProto": {1: "NodeProto", 5: "TensorProto", 15: "SparseTensorProto"},
+    "NodeProto": {5: "AttributeProto"},
+    "AttributeProto": {
+        5: "TensorProto",  # t
+        6: "GraphProto",  # g
+        10: "TensorProto",  # tensors
+        11: "GraphProto",  # graphs
+        22: "SparseTensorProto",  # sparse_tensor
+        23: "SparseTensorProto",  # sparse_tensors
+    },
+    "SparseTensorProto": {1: "TensorProto", 2: "TensorProto"},
+    "TensorProto": {13: "StringStringEntryProto"},  # external_data
+}
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _Malformed
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _length_delimited(buf: memoryview, start: int, end: int):
+    """Yield (field number, start, end) of each length-delimited field of the message in buf[start:end]."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        wire_type = key & 7
+        if wire_type == 0:  # varint
+            _, pos = _varint(buf, pos, end)
+        elif wire_type == 1:  # 64-bit
+            pos += 8
+        elif wire_type == 2:  # bytes, string, sub-message, packed repeated
+            length, pos = _varint(buf, pos, end)
+            if pos + length > end:
+                raise _Malformed
+            yield key >> 3, pos, pos + length
+            pos += length
+        elif wire_type == 5:  # 32-bit
+            pos += 4
+        else:  # groups (3, 4) are not used by ONNX; 6 and 7 do not exist
+            raise _Malformed
+    if pos != end:
+        raise _Malformed
+
+
+def external_data_locations(model_path: Path) -> list[str]:
+    """The external-data locations model.onnx names, from every tensor at any depth of the graph."""
+    if model_path.stat().st_size == 0:
+        return []  # ONNX Runtime refuses an empty file itself
+    locations = []
+    with open(model_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as buf:
+            try:
+                stack = [("ModelProto", 0, len(buf))]  # a stack, not recursion: subgraphs nest arbitrarily deep
+                while stack:
+                    message, start, end = stack.pop()
+                    if message == "StringStringEntryProto":
+                        entry = {number: bytes(buf[s:e]) for number, s, e in _length_delimited(buf, start, end)}
+                        if entry.get(1) == b"location":
+                            locations.append(entry.get(2, b"").decode("utf-8"))
+                        continue
+                    children = _ONNX_PATHS[message]
+                    for number, s, e in _length_delimited(buf, start, end):
+                        if number in children:
+                            stack.append((children[number], s, e))
+            except (_Malformed, UnicodeDecodeError):
+                raise PackageError(f"{model_path.name} is not a valid ONNX file (corrupt or truncated)") from None
+    return locations
+
+
+def _check_listed(folder: Path, manifest: dict, paths: list[Path]) -> None:
+    """With verification, every file the runtime reads must be one whose sha256 was just checked."""
+    listed = {inside(folder, name, "listed file") for name in manifest["files"]}
+    for path in paths:
+        if path not in listed:
+            raise PackageError(
+                f"{path.relative_to(folder.resolve())} is not listed in {MANIFEST_FILE}'s files, so it cannot be "
+                "verified; re-export the package or load it with verify=False"
+            )
+
+
 def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
     """Read a package folder's JSON; with verify, check file hashes first (edgelm packages)."""
+    if not isinstance(path, (str, os.PathLike)) or "\x00" in str(path):
+        raise PackageError(f"a package path must be a str or Path without NUL characters, got {path!r}")
     folder = Path(path)
-    if not folder.exists():
+    try:
+        exists, is_dir = folder.exists(), folder.is_dir()
+    except OSError as e:  # a name too long for the file system, a folder we may not read
+        raise PackageError(f"cannot read package folder {str(folder)[:200]!r}: {e.strerror or e}") from None
+    if not exists:
         raise PackageNotFoundError(f"package folder {folder} does not exist")
-    if not folder.is_dir():
+    if not is_dir:
         raise PackageError(f"{folder} is not a folder (a package is a folder holding model.onnx and its JSON)")
     if (folder / MANIFEST_FILE).is_file():
-        manifest = _read_json(folder / MANIFEST_FILE)
+        manifest = _read_json(inside(folder, MANIFEST_FILE, "manifest"))
         if verify:
             verify_files(folder, manifest)
         spec = _from_manifest(folder, manifest)
     elif (folder / GENAI_CONFIG_FILE).is_file():
-        spec = _from_genai(folder, _read_json(folder / GENAI_CONFIG_FILE))
+        spec = _from_genai(folder, _read_json(inside(folder, GENAI_CONFIG_FILE, "genai config")))
     elif (folder / HF_CONFIG_FILE).is_file() and (folder / "model.onnx").is_file():
-        spec = _from_hf_config(folder, _read_json(folder / HF_CONFIG_FILE))
+        spec = _from_hf_config(folder, _read_json(inside(folder, HF_CONFIG_FILE, "config")))
     else:
         raise PackageError(
             f"{folder} is not a model package: it has no {MANIFEST_FILE}, no {GENAI_CONFIG_FILE}, "
@@ -258,9 +396,16 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
         )
     if not spec.model_path.is_file():
         raise PackageNotFoundError(f"model file {spec.model_path.name} is missing from {folder}")
-    for token in [*spec.eos_token_ids, spec.pad_token_id]:
-        if token >= spec.vocab_size:
+    for token in [*spec.eos_token_ids, spec.pad_token_id, spec.bos_token_id]:
+        if token is not None and not 0 <= token < spec.vocab_size:
             raise PackageError(f"special token id {token} is outside the vocabulary (size {spec.vocab_size})")
+    external = [
+        inside(spec.model_path.parent, location, f"external data location in {spec.model_path.name}")
+        for location in external_data_locations(spec.model_path)
+    ]
+    if verify and spec.kind == "edgelm":
+        read = [spec.model_path, *external, *([spec.tokenizer_path] if spec.tokenizer_path else [])]
+        _check_listed(folder, spec.manifest, read)
     return spec
 
 

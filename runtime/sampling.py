@@ -8,6 +8,7 @@ filtering, then one draw from the renormalised distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +36,16 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
+def _is_finite(x: object) -> bool:
+    try:
+        return _is_number(x) and math.isfinite(x)
+    except OverflowError:  # an int beyond float's range (np.isfinite raises TypeError for it)
+        return False
+
+
 def check_params(temperature: float, top_k: int, top_p: float, min_p: float, repetition_penalty: float) -> None:
     """Raise InvalidParameterError naming the first parameter out of its range."""
-    if not _is_number(temperature) or not np.isfinite(temperature) or temperature < 0:
+    if not _is_finite(temperature) or temperature < 0:
         raise InvalidParameterError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise InvalidParameterError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
@@ -45,7 +53,7 @@ def check_params(temperature: float, top_k: int, top_p: float, min_p: float, rep
         raise InvalidParameterError(f"top_p must be in (0, 1], got {top_p!r}")
     if not _is_number(min_p) or not 0.0 <= min_p < 1.0:
         raise InvalidParameterError(f"min_p must be in [0, 1), got {min_p!r}")
-    if not _is_number(repetition_penalty) or not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
+    if not _is_finite(repetition_penalty) or repetition_penalty <= 0:
         raise InvalidParameterError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
 
 
@@ -63,6 +71,7 @@ def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: floa
 
 def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
     """Keep the k largest logits, set the rest to -inf. Ties at the k-th value are all kept."""
+    k = int(k)  # a numpy unsigned k (np.uint64) would not negate below
     if k <= 0 or k >= logits.shape[-1]:
         return logits
     kth = np.partition(logits, -k)[-k]
