@@ -475,6 +475,7 @@ class Model:
             truncate_prompt=False,
             cancel=None,
         )
+        ignore_eos = bool(kwargs.pop("ignore_eos", False))
         unknown = set(kwargs) - set(defaults)
         if unknown:
             raise TypeError(f"stream() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
@@ -496,6 +497,7 @@ class Model:
                 params=params,
                 seed=values["seed"],
                 cancel=values["cancel"],
+                ignore_eos=ignore_eos,
             ):
                 piece = assembler.add(token)
                 if piece:
