@@ -59,6 +59,30 @@ class _QuietRootLogger:
         logging.getLogger().setLevel(self.level)
 
 
+class _FlatHistograms:
+    """onnxruntime's histogram calibrators (entropy, percentile) stack each tensor's values from all
+    calibration runs into one array, which fails when runs differ in shape, as a prompt pass and a
+    decode step do. A histogram only needs the values: flatten each run's array first."""
+
+    def __enter__(self):
+        from onnxruntime.quantization import calibrate
+
+        self.collector = calibrate.HistogramCollector
+        self.original = original = self.collector.collect
+
+        def collect(collector, name_to_arr):
+            flat = {
+                name: np.concatenate([np.ravel(a) for a in arrays]) if isinstance(arrays, list) else arrays
+                for name, arrays in name_to_arr.items()
+            }
+            return original(collector, flat)
+
+        self.collector.collect = collect
+
+    def __exit__(self, *exc):
+        self.collector.collect = self.original
+
+
 def _save(model: onnx.ModelProto, path: Path) -> None:
     if model.ByteSize() > 1_800_000_000:
         onnx.save_model(
@@ -230,7 +254,7 @@ def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> 
     }
 
 
-def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "minmax", per_channel: bool = True) -> dict:
+def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "entropy", per_channel: bool = True) -> dict:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     methods = {
@@ -240,7 +264,7 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "minmax"
     }
     model = onnx.load(str(src))
     tied = {g.input[0] for g in _tied_gathers(model)}
-    with _QuietRootLogger():
+    with _QuietRootLogger(), _FlatHistograms():
         quantize_static(
             str(src),
             str(dst),
@@ -340,7 +364,7 @@ def quantize_package(
     *,
     mode: str,
     calibration_text: str | Path | None = None,
-    calibration_method: str = "minmax",
+    calibration_method: str = "entropy",
     calibration_samples: int = 32,
     per_channel: bool | None = None,
     block_size: int = 32,
