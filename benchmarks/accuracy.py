@@ -27,7 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=str(REPO / "models" / "shakespeare"))
     parser.add_argument("--out", default=str(REPO / "out" / "accuracy"))
-    parser.add_argument("--calibration-method", default="entropy")
+    parser.add_argument("--calibration-method", default="percentile")
     parser.add_argument("--calibration-samples", type=int, default=32)
     parser.add_argument("--modes", default="dynamic,static,int4")
     args = parser.parse_args()

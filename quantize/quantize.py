@@ -22,6 +22,8 @@ and dequantizes just the gathered columns, so the package keeps one int8 copy, n
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import shutil
@@ -254,7 +256,7 @@ def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> 
     }
 
 
-def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "entropy", per_channel: bool = True) -> dict:
+def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percentile", per_channel: bool = True) -> dict:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     methods = {
@@ -264,7 +266,8 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "entropy
     }
     model = onnx.load(str(src))
     tied = {g.input[0] for g in _tied_gathers(model)}
-    with _QuietRootLogger(), _FlatHistograms():
+    # the histogram calibrators print their progress to stdout; our progress bar already says it
+    with _QuietRootLogger(), _FlatHistograms(), contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
             str(src),
             str(dst),
@@ -364,7 +367,7 @@ def quantize_package(
     *,
     mode: str,
     calibration_text: str | Path | None = None,
-    calibration_method: str = "entropy",
+    calibration_method: str = "percentile",
     calibration_samples: int = 32,
     per_channel: bool | None = None,
     block_size: int = 32,
