@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--mode", required=True, help="dynamic | static | int4 | fp16")
     p.add_argument("--calibration-text", default=None, help="text file for static calibration (default: bundled)")
-    p.add_argument("--calibration-method", default="percentile", help="percentile (default) | entropy | minmax (static)")
+    p.add_argument(
+        "--calibration-method", default="percentile", help="percentile (default) | entropy | minmax (static)"
+    )
     p.add_argument("--calibration-samples", type=int, default=32, help="calibration windows (static)")
     p.add_argument(
         "--per-channel",

@@ -212,19 +212,32 @@ def _drop_unused_initializers(model: onnx.ModelProto) -> None:
 
 
 def _share_int8_embedding(model: onnx.ModelProto, weight_names: dict) -> None:
-    """After int8 quantization of the LM head: point the tied Gather at the int8 copy."""
-    inits = {i.name: i for i in model.graph.initializer}
-    for gather in _tied_gathers(model):
+    """After int8 quantization of the LM head: point the tied Gather at the int8 copy.
+
+    Dynamic quantization leaves the Gather reading the fp32 table and names the int8 copy after it
+    (weight_names: table -> (quantized, scale, zero point)); QDQ rewires the Gather to the table's
+    DequantizeLinear, which would dequantize the whole (n_embd, vocab) matrix on every step."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    gathers = [
+        n for n in graph.node if n.op_type == "Gather" and any(a.name == "axis" and a.i == 1 for a in n.attribute)
+    ]
+    for gather in gathers:
         table = gather.input[0]
-        names = weight_names.get(table)
-        if names is None:
+        dequantize = producers.get(table)
+        if table in weight_names:
+            quantized, scale, zero_point = weight_names[table]
+        elif dequantize is not None and dequantize.op_type == "DequantizeLinear" and dequantize.input[0] in inits:
+            quantized, scale = dequantize.input[0], dequantize.input[1]
+            zero_point = dequantize.input[2] if len(dequantize.input) > 2 else ""
+        else:
             continue
-        quantized, scale, zero_point = names
         if quantized not in inits or scale not in inits:
             continue
-        zp = zero_point if zero_point in inits and numpy_helper.to_array(inits[zero_point]).any() else None
         if numpy_helper.to_array(inits[scale]).ndim != 1:
             continue  # per-tensor scale: not worth special-casing
+        zp = zero_point if zero_point in inits and numpy_helper.to_array(inits[zero_point]).any() else None
         _gather_from_int8(model, gather, quantized, scale, zp)
     _drop_unused_initializers(model)
 

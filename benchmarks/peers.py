@@ -1,0 +1,676 @@
+"""edgelm against the tools a user would pick instead, on one GPT-2 checkpoint, in one run.
+
+    python benchmarks/peers.py [--config gpt2|tiny] [--prompt-tokens 32,512] [--new-tokens 128]
+                               [--threads 2] [--repeats 3] [--out out/peers]
+
+The checkpoint is Hugging Face's GPT-2 124M (`GPT2LMHeadModel(GPT2Config())`, random weights, seed 0)
+written with `save_pretrained`: no download. Random weights say nothing about accuracy, only about
+speed and size. `--config tiny` (2 layers, width 64) checks the script in seconds.
+
+Systems, batch 1, greedy, the same random prompt ids for all, every one made to produce exactly
+--new-tokens tokens (EOS does not stop it):
+- transformers: `GPT2LMHeadModel.generate` in PyTorch, fp32, `do_sample=False`, EOS disabled.
+- Optimum (`ORTModelForCausalLM`) and onnxruntime-genai on an Optimum export: not measured yet; the
+  run reports them missing with the reason (optimum[onnxruntime] needs transformers<4.58).
+- onnxruntime-genai: `og.Model` on edgelm's own packages, unchanged (each carries genai_config.json);
+  threads through `og.Config.overlay`; `min_length = max_length`, since genai cannot step past EOS:
+  it masks EOS instead, which is the same greedy output unless EOS itself is the argmax.
+- edgelm: export, then quantize (dynamic int8, static int8, int4), runtime `generate(ignore_eos=True)`.
+
+Each system and precision runs in a child process of its own, so its load time and peak RSS are its
+own (RSS includes the interpreter and the system's imports: torch for transformers). Figures are
+medians over --repeats runs after one warm-up: time to first token (call to first sampled token,
+prompt pass included), decode tokens/s (the tokens after the first, from the first token to the end
+of the call), load time, peak RSS, size on disk; plus each row's ratio to edgelm at the same
+precision, measured in the same run.
+
+The physical limit: decoding one token reads every weight once, plus the KV cache. The machine's
+memory bandwidth is measured with numpy (a copy, STREAM-style, and a read-only reduction, one slice
+per thread, GIL released) and bandwidth / bytes per token is a bound on decode tokens/s. It is a
+rough bound: caches hold part of a small model, and a tuned kernel may read faster than numpy.
+
+Contention: for each row the share of the CPU that other processes used meanwhile is recorded, and
+rows above 5% are named in the report (on 2 cores, other work changes the figures several-fold).
+
+Correctness: every fp32 system's generated ids are compared with transformers'; a mismatch is
+reported with the position and transformers' top-1/top-2 logit gap there, and its speed is flagged.
+
+Writes OUT/CONFIG/peers.json, OUT/CONFIG/peers.png and prints the markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
+CONFIGS = {
+    "gpt2": {},  # GPT2Config() itself: 12 layers, width 768, 12 heads, vocab 50257, context 1024 (124M)
+    "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4},  # 3.4M parameters (most of them the embedding)
+}
+EDGELM_MODES = {"fp32": None, "int8-dynamic": "dynamic", "int8-static": "static", "int4": "int4"}
+PRECISIONS = tuple(EDGELM_MODES)
+CHILD_TIMEOUT_S = 1800
+CONTENTION_PCT = 5  # other processes' share of the machine's CPU above which a row is reported as contended
+
+
+# ---- the checkpoint and the packages ------------------------------------------------------------
+
+
+def make_checkpoint(folder: Path, config_name: str) -> None:
+    """A Hugging Face GPT-2 folder with random weights, plus a small byte-level BPE tokenizer.json:
+    edgelm's static int8 calibrates on text, and the tokenizer's 512 ids are a subset of GPT-2's
+    vocabulary (with random weights, which text it is does not matter for speed)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**CONFIGS[config_name])).save_pretrained(folder)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([CALIBRATION.read_text(encoding="utf-8")], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "peers-config.json").write_text(json.dumps({"config": config_name}))
+
+
+def timed_child(command: list[str]) -> float:
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[2:5])} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return time.perf_counter() - started
+
+
+def build_edgelm_packages(checkpoint: Path, out: Path, *, rebuild: bool) -> dict[str, Path]:
+    """edgelm export, then quantize in each mode, each in a child process (the CLI a user runs)."""
+    packages = {}
+    for precision, mode in EDGELM_MODES.items():
+        package = out / f"edgelm-{precision}"
+        packages[precision] = package
+        if (package / "edgelm.json").is_file() and not rebuild:
+            print(f"  {package.name}: reusing (--rebuild to redo)", flush=True)
+            continue
+        edgelm = [sys.executable, "-m", "edgelm"]
+        if mode is None:
+            command = [*edgelm, "export", str(checkpoint), str(package), "--overwrite"]
+        else:
+            command = [*edgelm, "quantize", str(packages["fp32"]), str(package), "--mode", mode, "--no-eval"]
+            command += ["--overwrite", "--calibration-text", str(CALIBRATION), "--calibration-samples", "8"]
+        print(f"  {package.name}: {timed_child(command):.1f} s", flush=True)
+    return packages
+
+
+def folder_bytes(folder: Path, only: tuple[str, ...] = ()) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and (not only or f.suffix in only))
+
+
+# ---- the machine --------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")), "")
+    mem_kb = next((int(line.split()[1]) for line in _lines("/proc/meminfo") if line.startswith("MemTotal")), 0)
+    versions = {}
+    for name in ("torch", "transformers", "onnxruntime", "onnxruntime-genai", "numpy", "optimum", "edgelm"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu or platform.processor(),
+        "ram_gib": round(mem_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "load_average_at_start": os.getloadavg(),
+        "versions": versions,
+    }
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def memory_bandwidth(threads: int, megabytes: int, repeats: int = 10) -> dict:
+    """Two numpy kernels over a float32 array, each thread on its own slice (numpy releases the GIL):
+    "copy" counts bytes read + written (STREAM's convention), "read" is a max-reduction that only
+    reads. Best of `repeats` each, as STREAM reports; the bound uses the higher of the two, so that
+    it stays an upper bound for a decode step, which mostly reads."""
+    n = megabytes * 2**20 // 4
+    src, dst = np.ones(n, dtype=np.float32), np.ones(n, dtype=np.float32)  # ones, not zeros: pages touched
+    slices = [slice(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
+
+    def best_seconds(kernel) -> float:
+        best = float("inf")
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in range(repeats):
+                started = time.perf_counter()
+                list(pool.map(kernel, slices))
+                best = min(best, time.perf_counter() - started)
+        return best
+
+    copy = 2 * src.nbytes / best_seconds(lambda s: np.copyto(dst[s], src[s])) / 1e9
+    read = src.nbytes / best_seconds(lambda s: src[s].max()) / 1e9
+    return {
+        "method": f"numpy over a {megabytes} MiB float32 array, {threads} threads, best of {repeats}: copy "
+        "(read + written bytes) and max-reduction (read bytes); the higher one",
+        "copy_gb_per_s": copy,
+        "read_gb_per_s": read,
+        "gb_per_s": max(copy, read),
+    }
+
+
+# ---- the child processes: one system, one precision, one prompt -------------------------------
+
+
+def child_transformers(path: str, prompt: list[int], args) -> dict:
+    import torch
+    from transformers import GPT2LMHeadModel
+    from transformers.generation.streamers import BaseStreamer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - started
+    model.generation_config.eos_token_id = None  # keep going past EOS, like edgelm's ignore_eos
+    model.generation_config.pad_token_id = model.config.eos_token_id  # batch 1, no padding: silences a warning
+
+    class Clock(BaseStreamer):
+        """generate() calls put() with the prompt, then once per new token."""
+
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    input_ids = torch.tensor([prompt])
+    mask = torch.ones_like(input_ids)
+
+    def run(new_tokens: int) -> dict:
+        clock = Clock()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, streamer=clock
+            )
+        ended = time.perf_counter()
+        first = clock.times[1]
+        return _run(started, first, ended, out[0, len(prompt) :].tolist())
+
+    run(4)
+    runs = [run(args.new_tokens) for _ in range(args.repeats)]
+    # untimed: transformers' logits, for the top-1/top-2 gap at any token where another system differs
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    gaps = [float(d[0] - d[1]) for d in (torch.topk(step[0], 2).values for step in out.logits)]
+    return {"load_s": load_s, "runs": runs, "top2_gaps": gaps}
+
+
+def child_genai(path: str, prompt: list[int], args) -> dict:
+    import onnxruntime_genai as og
+
+    started = time.perf_counter()
+    config = og.Config(path)
+    config.clear_providers()  # CPU
+    options = {"intra_op_num_threads": args.threads, "inter_op_num_threads": 1}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    model = og.Model(config)
+    load_s = time.perf_counter() - started
+    ids = np.array(prompt, dtype=np.int32)
+
+    def run(new_tokens: int) -> dict:
+        started = time.perf_counter()
+        params = og.GeneratorParams(model)
+        length = len(prompt) + new_tokens
+        params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=1)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        tokens, first = [], 0.0
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+            first = first or time.perf_counter()
+        return _run(started, first, time.perf_counter(), tokens)
+
+    run(4)
+    return {"load_s": load_s, "runs": [run(args.new_tokens) for _ in range(args.repeats)]}
+
+
+def child_edgelm(path: str, prompt: list[int], args) -> dict:
+    from edgelm.runtime import load
+
+    started = time.perf_counter()
+    model = load(path, provider="cpu", threads=args.threads)  # verifies every file's sha256
+    load_s = time.perf_counter() - started
+
+    def run(new_tokens: int) -> dict:
+        result = model.generate(prompt, new_tokens, ignore_eos=True)
+        t = result.timings
+        return {
+            "ttft_s": t.time_to_first_token_s,
+            "decode_tokens_per_s": t.decode_tokens_per_s,
+            "token_ids": result.token_ids,
+        }
+
+    run(4)
+    return {"load_s": load_s, "runs": [run(args.new_tokens) for _ in range(args.repeats)]}
+
+
+def _run(started: float, first: float, ended: float, tokens: list[int]) -> dict:
+    rate = (len(tokens) - 1) / (ended - first) if len(tokens) > 1 else 0.0
+    return {"ttft_s": first - started, "decode_tokens_per_s": rate, "token_ids": tokens}
+
+
+CHILDREN = {"transformers": child_transformers, "onnxruntime-genai": child_genai, "edgelm": child_edgelm}
+
+
+def child_main(args) -> int:
+    prompt = json.loads(Path(args.prompt_file).read_text())
+    report = CHILDREN[args.child](args.path, prompt, args)
+    runs = report.pop("runs")
+    assert all(r["token_ids"] == runs[0]["token_ids"] for r in runs), "greedy output changed between repetitions"
+    report.update(
+        ttft_s=statistics.median(r["ttft_s"] for r in runs),
+        decode_tokens_per_s=statistics.median(r["decode_tokens_per_s"] for r in runs),
+        all_decode_tokens_per_s=[r["decode_tokens_per_s"] for r in runs],
+        token_ids=runs[0]["token_ids"],
+        peak_rss_mb=peak_rss_mb(),
+    )
+    print(json.dumps(report))
+    return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Not getrusage's ru_maxrss: Linux carries that across
+    fork + exec, so a child would report its parent's peak when it is higher; VmHWM is this image's."""
+    for line in _lines("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # not Linux: bytes on macOS, kB elsewhere
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def busy_cpu_seconds() -> float:
+    """Seconds of CPU time the whole machine has spent busy since boot (/proc/stat; 0 elsewhere)."""
+    fields = next((line.split()[1:] for line in _lines("/proc/stat") if line.startswith("cpu ")), None)
+    if fields is None:
+        return 0.0
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_in_child(system: str, path: Path, prompt_file: Path, args) -> dict:
+    """Runs one system in a child; also reports the share of the machine's CPU that other processes
+    used meanwhile (busy time of the machine minus the child's own), so contention is visible."""
+    command = [sys.executable, __file__, "--child", system, "--path", str(path), "--prompt-file", str(prompt_file)]
+    command += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy_before, started = busy_cpu_seconds(), time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {CHILD_TIMEOUT_S} s"}
+    wall, busy = time.perf_counter() - started, busy_cpu_seconds() - busy_before
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": last}
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report["other_cpu_pct"] = max(0.0, 100 * (busy - own) / (wall * (os.cpu_count() or 1)))
+    return report
+
+
+# ---- the systems this machine has --------------------------------------------------------------
+
+
+def missing_systems() -> dict[str, str]:
+    """System -> why it is not measured here. Optimum is only installed where it leaves the versions
+    of torch, transformers, onnxruntime and numpy that the other systems run on as they are."""
+    missing = {}
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.onnxruntime") is None:
+        transformers = _version("transformers") or "?"
+        reason = "optimum[onnxruntime] is not installed"
+        if transformers.split(".")[0].isdigit() and int(transformers.split(".")[0]) >= 5:
+            reason += (
+                f". It cannot go beside transformers {transformers}: optimum[onnxruntime] (optimum-onnx 0.1.0) "
+                "requires transformers<4.58, so pip would downgrade the transformers (and tokenizers) that the "
+                "transformers baseline runs on; compare in a separate environment"
+            )
+    else:
+        reason = "optimum[onnxruntime] is installed, but this script's Optimum runner is not written yet."
+    missing["optimum (ORTModelForCausalLM, fp32 + int8)"] = reason
+    missing["onnxruntime-genai on the Optimum export"] = "needs the Optimum export: " + reason
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        missing["onnxruntime-genai"] = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+        missing["transformers"] = "transformers and torch are needed, for the checkpoint and the reference output"
+    return missing
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+
+def compare_with_reference(rows: list[dict]) -> list[dict]:
+    """Every row's token ids against transformers' fp32 ids: where they first differ, and
+    transformers' top-1/top-2 logit gap there (a near-tie flips on rounding alone)."""
+    reference = next((r for r in rows if r["system"] == "transformers" and "token_ids" in r), None)
+    if reference is None:
+        return []
+    mismatches = []
+    for row in rows:
+        if "token_ids" not in row or row is reference:
+            continue
+        ids, ref = row["token_ids"], reference["token_ids"]
+        first = next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b), None)
+        if first is None and len(ids) != len(ref):
+            first = min(len(ids), len(ref))
+        row["same_as_reference"] = first is None
+        row["first_difference"] = first
+        if first is not None and row["precision"] == "fp32":
+            row["flagged"] = True
+            gap = reference["top2_gaps"][first] if first < len(reference["top2_gaps"]) else None
+            mismatches.append(
+                {
+                    "system": row["system"],
+                    "precision": row["precision"],
+                    "prompt_tokens": row["prompt_tokens"],
+                    "first_difference": first,
+                    "reference_top2_gap": gap,
+                    "eos_in_reference": row["eos_token_id"] in ref[: first + 1],
+                }
+            )
+    return mismatches
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's figures divided by edgelm's at the same precision (same run, same prompt)."""
+    edgelm = {r["precision"]: r for r in rows if r["system"] == "edgelm" and "decode_tokens_per_s" in r}
+    for r in rows:
+        ours = edgelm.get(r["precision"])
+        if ours and "decode_tokens_per_s" in r:
+            keys = ("decode_tokens_per_s", "ttft_s", "load_s", "peak_rss_mb", "size_bytes")
+            r["vs_edgelm"] = {key: r[key] / ours[key] for key in keys}
+            if r["system"] == "onnxruntime-genai":  # the very same package file: expect the very same ids
+                r["same_as_edgelm"] = r["token_ids"] == ours["token_ids"]
+
+
+def markdown(rows: list[dict], bounds: dict) -> str:
+    header = (
+        "| system | precision | size MB | load s | first token ms | vs edgelm | decode tokens/s | vs edgelm "
+        "| of bound | peak RSS MB | ids = transformers fp32 |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    edgelm = {r["precision"]: r for r in rows if r["system"] == "edgelm" and "decode_tokens_per_s" in r}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['system']} | {r['precision']} | | | | | failed: {r['error'][:80]} | | | | |")
+            continue
+        rate = r["decode_tokens_per_s"]
+        ours = edgelm.get(r["precision"])
+        ttft_versus = f"{r['ttft_s'] / ours['ttft_s']:.2f}x" if ours else "-"
+        versus = f"{rate / ours['decode_tokens_per_s']:.2f}x" if ours else "-"
+        bound = bounds[r["precision"]]["tokens_per_s"]
+        if r["system"] == "transformers":
+            same = "(reference)"
+        elif r.get("first_difference") is None:
+            same = "yes"
+        else:
+            same = f"differs from token {r['first_difference']}"
+        flag = " ⚠" if r.get("flagged") else ""
+        lines.append(
+            f"| {r['system']} | {r['precision']} | {r['size_bytes'] / 1e6:.0f} | {r['load_s']:.2f} | "
+            f"{r['ttft_s'] * 1000:.1f} | {ttft_versus} | {rate:.1f}{flag} | {versus} | {100 * rate / bound:.0f}% | "
+            f"{r['peak_rss_mb']:.0f} | {same} |"
+        )
+    return header + "\n".join(lines)
+
+
+def plot(results: dict, bounds_by_prompt: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = list(results)
+    fig, axes = plt.subplots(1, len(prompts), figsize=(max(9, 7 * len(prompts)), 5), squeeze=False)
+    systems = list(dict.fromkeys(r["system"] for rows in results.values() for r in rows))
+    width = 0.8 / len(systems)
+    for ax, prompt in zip(axes[0], prompts, strict=True):
+        for s, system in enumerate(systems):
+            for p, precision in enumerate(PRECISIONS):
+                row = next((r for r in results[prompt] if r["system"] == system and r["precision"] == precision), None)
+                if row is None or "decode_tokens_per_s" not in row:
+                    continue
+                x, rate = p - 0.4 + (s + 0.5) * width, row["decode_tokens_per_s"]
+                ax.bar(x, rate, width, color=f"C{s}", label=system)
+                mark = " (ids differ!)" if row.get("flagged") else ""
+                ax.text(x, rate, f"{rate:.0f}{mark}", ha="center", va="bottom", fontsize=7, rotation=90 if mark else 0)
+        for p, precision in enumerate(PRECISIONS):
+            bound = bounds_by_prompt[prompt][precision]["tokens_per_s"]
+            ax.hlines(bound, p - 0.45, p + 0.45, colors="black", linestyles="dashed", label="memory-bandwidth bound")
+        ax.set_xticks(range(len(PRECISIONS)), PRECISIONS)
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{prompt}-token prompt")
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="gpt2")
+    parser.add_argument("--prompt-tokens", default="32", help="comma-separated prompt lengths, e.g. 32,512")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads (ORT), torch.set_num_threads")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "out" / "peers"))
+    parser.add_argument("--rebuild", action="store_true", help="write the checkpoint and packages anew")
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child_main(args)
+    try:
+        prompt_lengths = [int(n) for n in args.prompt_tokens.split(",")]
+    except ValueError:
+        parser.error(f"--prompt-tokens must be comma-separated integers, got {args.prompt_tokens!r}")
+    if args.repeats < 1 or args.new_tokens < 2 or args.threads < 1:
+        parser.error("--repeats and --threads must be at least 1, --new-tokens at least 2")
+
+    missing = missing_systems()
+    if "transformers" in missing:
+        print(f"error: {missing['transformers']}", file=sys.stderr)
+        return 1
+    out = Path(args.out) / args.config
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = out / "checkpoint"
+    stamp = checkpoint / "peers-config.json"
+    if args.rebuild or not stamp.is_file():
+        print(f"writing a random GPT-2 checkpoint ({args.config}) with transformers ...", flush=True)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        make_checkpoint(checkpoint, args.config)
+    config = json.loads((checkpoint / "config.json").read_text())
+    longest = max(prompt_lengths) + args.new_tokens
+    if longest > config["n_positions"]:
+        parser.error(f"prompt + new tokens ({longest}) exceed the model's context ({config['n_positions']})")
+    print("building edgelm packages ...", flush=True)
+    packages = build_edgelm_packages(checkpoint, out, rebuild=args.rebuild)
+
+    facts = machine()
+    print(f"measuring memory bandwidth ({args.threads} threads) ...", flush=True)
+    megabytes = 512 if args.config == "gpt2" else 64
+    bandwidth = memory_bandwidth(args.threads, megabytes)
+    bandwidth["one_thread_gb_per_s"] = memory_bandwidth(1, megabytes)["gb_per_s"]
+    print(
+        f"  copy {bandwidth['copy_gb_per_s']:.1f} GB/s, read {bandwidth['read_gb_per_s']:.1f} GB/s "
+        f"({bandwidth['one_thread_gb_per_s']:.1f} GB/s with 1 thread)",
+        flush=True,
+    )
+
+    systems = [("transformers", "fp32", checkpoint)]
+    if "onnxruntime-genai" not in missing:
+        systems += [("onnxruntime-genai", p, packages[p]) for p in PRECISIONS]
+    systems += [("edgelm", p, packages[p]) for p in PRECISIONS]
+    for name, reason in missing.items():
+        print(f"MISSING {name}: {reason}", flush=True)
+
+    # bytes one decode step reads: every weight (the model file of edgelm's package at that precision;
+    # the position table is read one row at a time, 0.6% of GPT-2's) + the KV cache at mean length
+    kv_per_token = 2 * config["n_layer"] * config["n_embd"] * 4
+    results, bounds_by_prompt = {}, {}
+    for prompt_tokens in prompt_lengths:
+        rng = np.random.default_rng(prompt_tokens)
+        prompt = rng.integers(0, config["vocab_size"], prompt_tokens)
+        prompt = [int(t) if t != config["eos_token_id"] else 0 for t in prompt]
+        prompt_file = out / f"prompt-{prompt_tokens}.json"
+        prompt_file.write_text(json.dumps(prompt))
+        mean_context = prompt_tokens + args.new_tokens / 2
+        bounds = {}
+        for precision, package in packages.items():
+            weights = folder_bytes(package, only=(".onnx", ".data"))
+            per_token = weights + kv_per_token * mean_context
+            bounds[precision] = {
+                "bytes_per_token": per_token,
+                "tokens_per_s": bandwidth["gb_per_s"] * 1e9 / per_token,
+            }
+        bounds_by_prompt[prompt_tokens] = bounds
+        rows = []
+        for system, precision, path in systems:
+            print(f"[{prompt_tokens}-token prompt] {system} {precision} ...", flush=True)
+            row = {"system": system, "precision": precision, "prompt_tokens": prompt_tokens}
+            row["eos_token_id"] = config["eos_token_id"]
+            row["load_average_before"] = os.getloadavg()[0]  # other work on the machine shows here
+            row["size_bytes"] = folder_bytes(path)
+            row.update(bench_in_child(system, path, prompt_file, args))
+            if "error" in row:
+                print(f"  FAILED: {row['error']}", flush=True)
+            else:
+                print(
+                    f"  {row['decode_tokens_per_s']:.1f} tokens/s, first token {1000 * row['ttft_s']:.0f} ms, "
+                    f"load {row['load_s']:.2f} s, peak RSS {row['peak_rss_mb']:.0f} MB; other processes used "
+                    f"{row['other_cpu_pct']:.0f}% of the CPU meanwhile",
+                    flush=True,
+                )
+            rows.append(row)
+        results[prompt_tokens] = rows
+
+    mismatches = [m for rows in results.values() for m in compare_with_reference(rows)]
+    for rows in results.values():
+        add_ratios(rows)
+    same_package = [
+        f"{r['precision']} ({r['prompt_tokens']}-token prompt): {'same ids' if r['same_as_edgelm'] else 'ids DIFFER'}"
+        for rows in results.values()
+        for r in rows
+        if "same_as_edgelm" in r
+    ]
+    title = (
+        f"GPT-2 {'124M' if args.config == 'gpt2' else args.config} (random weights), CPU, {args.threads} threads, "
+        f"batch 1, greedy, {args.new_tokens} new tokens, median of {args.repeats}"
+    )
+    print(f"\n{title}")
+    print(f"machine: {facts['nproc']} CPUs, {facts['cpu']}, {facts['ram_gib']} GiB; load average at start ", end="")
+    print(f"{facts['load_average_at_start'][0]:.2f}; memory bandwidth {bandwidth['gb_per_s']:.1f} GB/s")
+    for prompt_tokens, rows in results.items():
+        print(f"\n{prompt_tokens}-token prompt\n")
+        print(markdown(rows, bounds_by_prompt[prompt_tokens]))
+        print("\n| precision | MB read per decode step | bound tokens/s |\n|---|---|---|")
+        for precision, b in bounds_by_prompt[prompt_tokens].items():
+            print(f"| {precision} | {b['bytes_per_token'] / 1e6:.0f} | {b['tokens_per_s']:.1f} |")
+    print("\nfp32 greedy ids against transformers:", "all identical" if not mismatches else "")
+    for m in mismatches:
+        gap = m["reference_top2_gap"]
+        print(
+            f"  MISMATCH {m['system']} {m['precision']}, {m['prompt_tokens']}-token prompt: differs from token "
+            f"{m['first_difference']} (transformers' top-1/top-2 logit gap there: "
+            f"{'n/a' if gap is None else f'{gap:.2e}'}{'; EOS in the reference' if m['eos_in_reference'] else ''})"
+        )
+    contended = [
+        f"{r['system']} {r['precision']} ({r['prompt_tokens']}): {r['other_cpu_pct']:.0f}%"
+        for rows in results.values()
+        for r in rows
+        if r.get("other_cpu_pct", 0) > CONTENTION_PCT
+    ]
+    print(
+        f"rows measured while other processes used more than {CONTENTION_PCT}% of the CPU: "
+        + ("; ".join(contended) if contended else "none")
+    )
+    if same_package:
+        print("onnxruntime-genai against edgelm on the same package:", "; ".join(same_package))
+    if missing:
+        print("\nnot measured:")
+        for name, reason in missing.items():
+            print(f"  {name}: {reason}")
+
+    report = {
+        "title": title,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": facts,
+        "memory_bandwidth": bandwidth,
+        "bounds": bounds_by_prompt,
+        "results": results,
+        "mismatches": mismatches,
+        "missing": missing,
+    }
+    (out / "peers.json").write_text(json.dumps(report, indent=1))
+    plot(results, bounds_by_prompt, out / "peers.png", title)
+    print(f"\nwrote {out / 'peers.json'} and {out / 'peers.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
