@@ -75,9 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="package folder to write")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     p.add_argument(
+        "--attention",
+        choices=("fused", "standard"),
+        default="fused",
+        help="fused (default): ONNX Runtime's GroupQueryAttention with a KV buffer updated in place, the fast "
+        "graph; standard: standard ONNX ops only, for other ONNX runtimes",
+    )
+    p.add_argument(
         "--last-token-logits",
         action="store_true",
-        help="emit logits for the last position only (faster prompts; eval then needs full logits)",
+        help="standard graph only: emit logits for the last position only (faster prompts; eval then needs "
+        "full logits). The fused graph picks per call",
     )
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| allowed (default 1e-4)")
@@ -219,6 +227,7 @@ def _export(args) -> int:
         args.checkpoint,
         args.out_dir,
         opset=args.opset,
+        attention=args.attention,
         last_token_logits=args.last_token_logits,
         untie=args.untied,
         tolerance=args.tolerance,

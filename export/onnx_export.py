@@ -32,6 +32,7 @@ from edgelm import __version__
 
 from ..runtime.package import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, StagedPackage, list_files, write_json
 from .checkpoint import TOKENIZER_FILES, checkpoint_hash, load_checkpoint
+from .fused import LOGITS_TO_KEEP, build_fused_graph, check_parity_shared
 from .model import GPT
 
 MODEL_FILE = "model.onnx"
@@ -39,6 +40,9 @@ EXTERNAL_DATA_FILE = "model.onnx.data"
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # bytes of initializers above which weights go to model.onnx.data
 PARITY_TOLERANCE = 1e-4
 DEFAULT_OPSET = 17
+# "fused": ONNX Runtime's GroupQueryAttention and a shared KV buffer (export/fused.py), the fast graph;
+# "standard": the traced graph of standard ONNX ops only, for runtimes other than ONNX Runtime.
+ATTENTION_KINDS = ("fused", "standard")
 
 Progress = Callable[[str], None]
 
@@ -149,6 +153,20 @@ def export_onnx(
         onnx_model = onnx.load(str(traced_path))  # loads external data too, if the exporter wrote any
 
     saved = _share_tied_embedding(onnx_model) if config.tie_word_embeddings else 0
+    facts = {"opset": opset, "last_token_logits": last_token_logits, "tied_embedding_bytes_saved": saved}
+    return {**facts, **_save(onnx_model, path)}
+
+
+def export_fused_onnx(model: GPT, path: str | Path, *, opset: int = DEFAULT_OPSET) -> dict:
+    """Build the fused graph (export/fused.py) at `path`; returns facts for the manifest."""
+    config = model.config
+    saved = 4 * config.vocab_size * config.n_embd if config.tie_word_embeddings else 0  # one table, not two
+    facts = {"opset": opset, "last_token_logits": False, "tied_embedding_bytes_saved": saved}
+    return {**facts, **_save(build_fused_graph(model, opset=opset), path)}
+
+
+def _save(onnx_model: onnx.ModelProto, path: Path) -> dict:
+    """Write the model, its weights in model.onnx.data past the protobuf's 2 GB limit."""
     onnx_model.producer_name = "edgelm"
     onnx_model.producer_version = __version__
     weight_bytes = sum(numpy_helper.to_array(t).nbytes for t in onnx_model.graph.initializer)
@@ -164,13 +182,7 @@ def export_onnx(
         )
     else:
         onnx.save_model(onnx_model, str(path))
-    return {
-        "opset": opset,
-        "last_token_logits": last_token_logits,
-        "external_data": EXTERNAL_DATA_FILE if external else None,
-        "weight_bytes": weight_bytes,
-        "tied_embedding_bytes_saved": saved,
-    }
+    return {"external_data": EXTERNAL_DATA_FILE if external else None, "weight_bytes": weight_bytes}
 
 
 def check_parity(
@@ -225,11 +237,14 @@ def check_parity(
     return worst
 
 
-def genai_config(config, *, eos_token_id: int, bos_token_id: int, pad_token_id: int) -> dict:
+def genai_config(
+    config, *, eos_token_id: int, bos_token_id: int, pad_token_id: int, shared_buffer: bool = False
+) -> dict:
     """genai_config.json as onnxruntime-genai reads it. Its "gpt2" type expects the legacy combined
     "past_%d" cache of (2, B, nh, past, hs); the generic decoder-only path with separate key/value names
     runs our graph as it is, so we name a decoder-only type of the same family ("phi", GPT-2's
-    tokenizer and a learned-free but otherwise identical I/O contract)."""
+    tokenizer and a learned-free but otherwise identical I/O contract). shared_buffer: the fused graph,
+    whose past and present are one buffer (genai's past_present_share_buffer)."""
     return {
         "model": {
             "type": "phi",
@@ -266,7 +281,7 @@ def genai_config(config, *, eos_token_id: int, bos_token_id: int, pad_token_id: 
             "min_length": 0,
             "num_beams": 1,
             "num_return_sequences": 1,
-            "past_present_share_buffer": False,
+            "past_present_share_buffer": shared_buffer,
             "repetition_penalty": 1.0,
             "temperature": 1.0,
             "top_k": 1,
@@ -301,6 +316,7 @@ def export_package(
     out_dir: str | Path,
     *,
     opset: int = DEFAULT_OPSET,
+    attention: str = "fused",
     last_token_logits: bool = False,
     untie: bool = False,
     tolerance: float = PARITY_TOLERANCE,
@@ -309,8 +325,15 @@ def export_package(
 ) -> dict:
     """Checkpoint folder -> model package folder. Writes to a temporary folder beside `out_dir` and
     renames it into place at the end, so a failed export leaves no half-written package. Returns the
-    manifest."""
+    manifest. attention: "fused" (ONNX Runtime's fused attention, shared KV buffer; the default) or
+    "standard" (standard ONNX ops only); last_token_logits applies to "standard" (the fused graph
+    takes the number of positions to keep as an input)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+    if attention == "fused" and last_token_logits:
+        raise ValueError("last_token_logits is for the standard graph; the fused graph takes num_logits_to_keep")
+    fused = attention == "fused"
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (use --overwrite / overwrite=True to replace it)")
     if out_dir.resolve() == checkpoint.resolve():
@@ -327,10 +350,19 @@ def export_package(
     )
 
     with StagedPackage(out_dir, overwrite=overwrite) as staging:
-        progress(f"[2/4] exporting ONNX (opset {opset}{', last-token logits' if last_token_logits else ''})")
-        facts = export_onnx(model, staging / MODEL_FILE, opset=opset, last_token_logits=last_token_logits)
+        progress(
+            f"[2/4] exporting ONNX ({attention} attention, opset {opset}"
+            f"{', last-token logits' if last_token_logits else ''})"
+        )
+        if fused:
+            facts = export_fused_onnx(model, staging / MODEL_FILE, opset=opset)
+        else:
+            facts = export_onnx(model, staging / MODEL_FILE, opset=opset, last_token_logits=last_token_logits)
         progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
-        max_diff = check_parity(model, staging / MODEL_FILE, last_token_logits=last_token_logits)
+        if fused:
+            max_diff = check_parity_shared(model, staging / MODEL_FILE)
+        else:
+            max_diff = check_parity(model, staging / MODEL_FILE, last_token_logits=last_token_logits)
         progress(f"      max |logit difference| = {max_diff:.2e} (tolerance {tolerance:.0e})")
         if not max_diff <= tolerance:
             raise RuntimeError(
@@ -345,12 +377,15 @@ def export_package(
                 eos_token_id=tokens["eos_token_ids"][0],
                 bos_token_id=tokens["bos_token_id"],
                 pad_token_id=tokens["pad_token_id"],
+                shared_buffer=fused,
             ),
         )
         for name in TOKENIZER_FILES:
             if (checkpoint / name).is_file():
                 shutil.copyfile(checkpoint / name, staging / name)
         input_names, output_names = io_names(config.n_layer)
+        if fused:
+            input_names.append(LOGITS_TO_KEEP)  # optional: an initializer that is also an input (default 0)
         files = list_files(staging)
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -378,12 +413,19 @@ def export_package(
                 "present_value": "present.%d.value",
                 "last_token_logits": last_token_logits,
                 "kv_dtype": "float32",
+                # fused: one (B, n_head, capacity, head_dim) buffer per cache tensor, bound as both past
+                # and present; right padding; num_logits_to_keep selects the positions that get logits
+                "attention": attention,
+                "kv_cache": "shared_buffer" if fused else "concat",
+                "padding": "right" if fused else "left",
+                "logits_to_keep": LOGITS_TO_KEEP if fused else None,
             },
             "tokenizer": {"file": "tokenizer.json" if "tokenizer.json" in files else None, **tokens},
             "precision": "fp32",
             "recipe": {"mode": "fp32"},
             "export": {
                 "opset": opset,
+                "attention": attention,
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
                 "external_data": facts["external_data"],

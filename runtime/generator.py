@@ -7,9 +7,10 @@
 
 The decode loop has one shape (onnxruntime-genai's `while not generator.is_done()`): feed the
 prompt, then sample, append, feed one token, until EOS, a stop string, the token budget or a
-cancellation. The KV cache moves from step to step as OrtValues through IO binding: each step's
-`present.*` outputs are bound as the next step's `past_key_values.*` inputs, never copied through
-numpy, and with CUDA they stay on the device.
+cancellation. The KV cache never goes through numpy and, with CUDA, stays on the device. How it
+moves depends on the graph (the package's io.kv_cache): the fused graph (export's default) updates
+one preallocated buffer per cache tensor in place, bound once as both past and present; the standard
+graph returns past + new as new OrtValues, bound as the next step's past.
 
 One loaded Model may be shared by threads: ONNX Runtime sessions run concurrently, and every call
 keeps its own cache, binding and random generator.
@@ -33,7 +34,7 @@ from .sampling import SamplingParams, sample
 from .text import TextAssembler, Tokenizer
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-_KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # cache and logits types
 MAX_THREADS = 1024
 
 
@@ -160,6 +161,10 @@ class Model:
                 f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
             )
         self._use_position_ids = spec.position_ids is not None and spec.position_ids in inputs
+        if spec.logits_to_keep and spec.logits_to_keep not in inputs:
+            overridable = {i.name for i in self.session.get_overridable_initializers()}
+            if spec.logits_to_keep not in overridable:
+                raise PackageError(f"{name} has no input {spec.logits_to_keep}, which the package names logits_to_keep")
         bound = needed_in + ([spec.position_ids] if self._use_position_ids else [])
         if len(set(bound)) < len(bound) or len(set(needed_out)) < len(needed_out):
             raise PackageError(f"the package description gives two of {name}'s inputs or outputs the same name")
@@ -179,6 +184,9 @@ class Model:
             raise PackageError(
                 f"{spec.logits} in {name} has shape {shape}; the package says (batch, length, {spec.vocab_size})"
             )
+        self._logits_dtype = _KV_DTYPES.get(outputs[spec.logits].type)
+        if self._logits_dtype is None:
+            raise PackageError(f"unsupported logits type {outputs[spec.logits].type}")
         self._kv_dtype = _KV_DTYPES.get(inputs[self._past_names[0][0]].type)
         if self._kv_dtype is None:
             raise PackageError(f"unsupported KV-cache type {inputs[self._past_names[0][0]].type}")
@@ -266,39 +274,14 @@ class Model:
 
     # ---- the decode loop -----------------------------------------------------------------------
 
-    def _empty_past(self, batch: int) -> list[ort.OrtValue]:
-        shape = (batch, self.spec.n_head, 0, self.spec.head_dim)
-        empty = np.zeros(shape, dtype=self._kv_dtype)
-        return [ort.OrtValue.ortvalue_from_numpy(empty, self.device) for _ in range(2 * self.spec.n_layer)]
-
-    def _step(self, binding, input_ids: np.ndarray, attention_mask: np.ndarray, past: list) -> tuple[np.ndarray, list]:
-        """One forward pass. Returns the last position's logits (B, V) and the present OrtValues."""
-        spec = self.spec
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        binding.bind_cpu_input(spec.input_ids, input_ids)
-        binding.bind_cpu_input(spec.attention_mask, attention_mask)
-        if self._use_position_ids:
-            # positions count real tokens only, so a left-padded row starts at 0 like an unpadded one
-            positions = np.cumsum(attention_mask, axis=1)[:, -input_ids.shape[1] :] - 1
-            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0).astype(np.int64))
-        for (key_name, value_name), i in zip(self._past_names, range(0, len(past), 2), strict=True):
-            binding.bind_ortvalue_input(key_name, past[i])
-            binding.bind_ortvalue_input(value_name, past[i + 1])
-        binding.bind_output(spec.logits, "cpu")
-        for key_name, value_name in self._present_names:
-            binding.bind_output(key_name, self.device)
-            binding.bind_output(value_name, self.device)
+    def _run(self, binding) -> None:
         try:
             self.session.run_with_iobinding(binding)
         except Exception as e:  # onnxruntime's pybind types; inputs were validated, so the package is at fault
             raise PackageError(
-                f"ONNX Runtime failed running {spec.model_path.name}: {_ort_reason(e)} (does the package's "
+                f"ONNX Runtime failed running {self.spec.model_path.name}: {_ort_reason(e)} (does the package's "
                 "JSON match its model, e.g. context length or vocabulary size?)"
             ) from None
-        outputs = binding.get_outputs()
-        logits = outputs[0].numpy()[:, -1, :]
-        return logits, outputs[1:]
 
     def _decode(
         self,
@@ -311,29 +294,26 @@ class Model:
         cancel: threading.Event | None,
         ignore_eos: bool = False,
     ) -> Iterator[tuple[int, int]]:
-        """Batched decoding over left-padded prompts: yields (row, token id) for every new token of
-        an unfinished row. state.finish[row] records why a row ended; the consumer may end a row
-        itself (a stop string) by setting it."""
+        """Batched decoding, prompts padded as the package's cache wants (_ConcatCache, _SharedCache):
+        yields (row, token id) for every new token of an unfinished row. state.finish[row] records why
+        a row ended; the consumer may end a row itself (a stop string) by setting it."""
         batch = len(prompts)
-        width = max(len(p) for p in prompts)
-        input_ids = np.full((batch, width), self.spec.pad_token_id, dtype=np.int64)
-        attention_mask = np.zeros((batch, width), dtype=np.int64)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids) :] = ids
-            attention_mask[row, width - len(ids) :] = 1
+        if self.spec.kv_cache == "shared_buffer":
+            cache = _SharedCache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
+        else:
+            cache = _ConcatCache(self, prompts)
         rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(batch)]
         penalize = params.repetition_penalty != 1.0
         seen = [np.array(p, dtype=np.int64) for p in prompts]
         eos = set() if ignore_eos else set(self.spec.eos_token_ids)
         finish = state.finish
-        binding = self.session.io_binding()
-        past = self._empty_past(batch)
+        next_ids = None
         for step in range(max_new_tokens):
             if cancel is not None and cancel.is_set():
                 for row in range(batch):
                     finish[row] = finish[row] or "cancelled"
                 break
-            logits, past = self._step(binding, input_ids, attention_mask, past)
+            logits = cache.prompt() if step == 0 else cache.next(next_ids)  # (B, V): each row's newest position
             live = [row for row in range(batch) if not finish[row]]
             if not np.all(np.isfinite(logits[live])):
                 raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
@@ -351,8 +331,6 @@ class Model:
                 yield row, token
             if all(finish):
                 break
-            input_ids = next_ids
-            attention_mask = np.concatenate([attention_mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
         for row in range(batch):
             finish[row] = finish[row] or "length"
 
@@ -517,6 +495,118 @@ class Model:
 
         stream = Stream(pieces())
         return stream
+
+
+class _ConcatCache:
+    """The standard graph's cache: past keys/values go in, past + new come out as new OrtValues, bound
+    as the next step's past (never copied through numpy; with CUDA they stay on the device). Left
+    padding, so every row's newest token is the last position."""
+
+    def __init__(self, model: Model, prompts: list[list[int]]):
+        spec = model.spec
+        self.model, self.spec = model, spec
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        self.input_ids = np.full((batch, width), spec.pad_token_id, dtype=np.int64)
+        self.attention_mask = np.zeros((batch, width), dtype=np.int64)
+        for row, ids in enumerate(prompts):
+            self.input_ids[row, width - len(ids) :] = ids
+            self.attention_mask[row, width - len(ids) :] = 1
+        empty = np.zeros((batch, spec.n_head, 0, spec.head_dim), dtype=model._kv_dtype)
+        self.past = [ort.OrtValue.ortvalue_from_numpy(empty, model.device) for _ in range(2 * spec.n_layer)]
+        self.binding = model.session.io_binding()
+
+    def prompt(self) -> np.ndarray:
+        return self._step(self.input_ids)
+
+    def next(self, next_ids: np.ndarray) -> np.ndarray:
+        self.attention_mask = np.concatenate([self.attention_mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
+        return self._step(next_ids)
+
+    def _step(self, input_ids: np.ndarray) -> np.ndarray:
+        spec, binding, device = self.spec, self.binding, self.model.device
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        binding.bind_cpu_input(spec.input_ids, input_ids)
+        binding.bind_cpu_input(spec.attention_mask, self.attention_mask)
+        if self.model._use_position_ids:
+            # positions count real tokens only, so a left-padded row starts at 0 like an unpadded one
+            positions = np.cumsum(self.attention_mask, axis=1)[:, -input_ids.shape[1] :] - 1
+            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0).astype(np.int64))
+        for (key_name, value_name), i in zip(self.model._past_names, range(0, len(self.past), 2), strict=True):
+            binding.bind_ortvalue_input(key_name, self.past[i])
+            binding.bind_ortvalue_input(value_name, self.past[i + 1])
+        binding.bind_output(spec.logits, "cpu")
+        for key_name, value_name in self.model._present_names:
+            binding.bind_output(key_name, device)
+            binding.bind_output(value_name, device)
+        self.model._run(binding)
+        outputs = binding.get_outputs()
+        self.past = outputs[1:]
+        return outputs[0].numpy()[:, -1, :]
+
+
+class _SharedCache:
+    """The fused graph's cache: one (B, n_head, capacity, head_dim) buffer per cache tensor, bound once
+    as both past and present; the graph writes each row's new keys/values at that row's length, in
+    place, so a step copies no cache and rebinds nothing but the token, mask and positions. Right
+    padding: row b's tokens are positions 0 .. length_b - 1, and attention_mask row b is length_b
+    ones. Decode-step logits land in one preallocated array."""
+
+    def __init__(self, model: Model, prompts: list[list[int]], *, capacity: int):
+        spec = model.spec
+        self.model, self.spec = model, spec
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # tokens in the cache after a step
+        self.input_ids = np.full((batch, width), spec.pad_token_id, dtype=np.int64)
+        for row, ids in enumerate(prompts):
+            self.input_ids[row, : len(ids)] = ids
+        binding = self.binding = model.session.io_binding()
+        binding.bind_output(spec.logits, "cpu")  # bound first: the prompt's logits are get_outputs()[0]
+        shape = (batch, spec.n_head, capacity, spec.head_dim)
+        self.buffers = []
+        for key_name, value_name in model._past_names:
+            for name in (key_name, value_name):
+                self.buffers.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, model._kv_dtype), model.device))
+                binding.bind_ortvalue_input(name, self.buffers[-1])
+        for (key_name, value_name), i in zip(model._present_names, range(0, len(self.buffers), 2), strict=True):
+            binding.bind_ortvalue_output(key_name, self.buffers[i])
+            binding.bind_ortvalue_output(value_name, self.buffers[i + 1])
+        self.keep = {}
+        if spec.logits_to_keep:  # an overridable initializer: bound as an OrtValue
+            self.keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)}
+        self.logits = np.empty((batch, 1, spec.vocab_size), dtype=model._logits_dtype)  # decode steps write here
+        self._logits_bound = False
+
+    def prompt(self) -> np.ndarray:
+        batch, width = self.input_ids.shape
+        mask = (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
+        uniform = bool(np.all(self.lengths == width))  # then only the last position needs logits
+        self._bind_inputs(self.input_ids, mask, np.arange(width)[None, :] * mask, keep=1 if uniform else 0)
+        self.model._run(self.binding)
+        logits = self.binding.get_outputs()[0].numpy()  # (B, width or 1, V)
+        if uniform:
+            return logits[:, -1, :]
+        return logits[np.arange(batch), self.lengths - 1]  # each row's last real position
+
+    def next(self, next_ids: np.ndarray) -> np.ndarray:
+        positions = self.lengths[:, None].copy()  # the new token's position is the row's current length
+        self.lengths += 1
+        mask = (np.arange(self.lengths.max())[None, :] < self.lengths[:, None]).astype(np.int64)
+        self._bind_inputs(next_ids, mask, positions, keep=1)
+        if not self._logits_bound:  # after the prompt, whose logits had another shape
+            self.binding.bind_ortvalue_output(self.spec.logits, ort.OrtValue.ortvalue_from_numpy(self.logits))
+            self._logits_bound = True
+        self.model._run(self.binding)
+        return self.logits[:, -1, :]
+
+    def _bind_inputs(self, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, *, keep: int) -> None:
+        binding, spec = self.binding, self.spec
+        binding.bind_cpu_input(spec.input_ids, input_ids)
+        binding.bind_cpu_input(spec.attention_mask, mask)
+        if self.model._use_position_ids:
+            binding.bind_cpu_input(spec.position_ids, positions.astype(np.int64))
+        if self.keep:
+            binding.bind_ortvalue_input(spec.logits_to_keep, self.keep[keep])
 
 
 @dataclass

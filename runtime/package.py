@@ -56,6 +56,11 @@ class PackageSpec:
     past_value: str = "past_key_values.%d.value"
     present_key: str = "present.%d.key"
     present_value: str = "present.%d.value"
+    # How the graph keeps its cache: "concat" (past in, past + new out; left padding) or
+    # "shared_buffer" (one buffer per cache tensor bound as both past and present, updated in place at
+    # each row's length from attention_mask; right padding).
+    kv_cache: str = "concat"
+    logits_to_keep: str | None = None  # optional input: how many last positions get logits (0 = all)
     manifest: dict = field(default_factory=dict)
 
 
@@ -172,8 +177,19 @@ def _from_manifest(folder: Path, manifest: dict) -> PackageSpec:
         past_value=_io_name(io, "past_value", "past_key_values.%d.value", where, per_layer=True),
         present_key=_io_name(io, "present_key", "present.%d.key", where, per_layer=True),
         present_value=_io_name(io, "present_value", "present.%d.value", where, per_layer=True),
+        kv_cache=_kv_cache(io.get("kv_cache", "concat"), where),
+        logits_to_keep=_io_name(io, "logits_to_keep", None, where, optional=True),
         manifest=manifest,
     )
+
+
+KV_CACHE_KINDS = ("concat", "shared_buffer")
+
+
+def _kv_cache(value: object, where: str) -> str:
+    if value not in KV_CACHE_KINDS:
+        raise PackageError(f"{where}: kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {value!r}")
+    return value
 
 
 def _from_genai(folder: Path, config: dict) -> PackageSpec:
@@ -190,9 +206,12 @@ def _from_genai(folder: Path, config: dict) -> PackageSpec:
     eos = _token_list(model.get("eos_token_id"), where)
     pad = _optional_id(model.get("pad_token_id"))
     bos = _optional_id(model.get("bos_token_id"))
+    search = config.get("search")
+    shared = isinstance(search, dict) and search.get("past_present_share_buffer") is True
     return PackageSpec(
         folder=folder,
         kind="genai",
+        kv_cache="shared_buffer" if shared else "concat",
         model_path=inside(folder, decoder.get("filename"), "decoder filename"),
         vocab_size=_int(model, "vocab_size", where, minimum=1),
         context_length=_int(model, "context_length", where, minimum=1),

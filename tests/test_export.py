@@ -1,6 +1,7 @@
-"""Export: ONNX Runtime against PyTorch (prompt and cached decode steps, padded batches, every export
-option), the tied embedding stored once, the manifest, onnxruntime-genai running the package as it is,
-clean failures that leave nothing behind, and the `edgelm export` command."""
+"""Export: ONNX Runtime against PyTorch (prompt and cached decode steps, padded batches, both graphs:
+fused attention with a shared KV buffer, and standard ops; every export option), the tied embedding
+stored once, the manifest, onnxruntime-genai running the package as it is, clean failures that leave
+nothing behind, and the `edgelm export` command."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ def exported(checkpoint, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def exported_standard(checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "standard"
+    export_package(checkpoint, out, attention="standard", progress=quiet)
+    return out
+
+
 def max_onnx_difference(
     model: GPT,
     onnx_path: Path,
@@ -97,6 +105,62 @@ def max_onnx_difference(
     return worst
 
 
+def max_fused_difference(model: GPT, onnx_path: Path, lengths: list[int], *, seed: int = 0) -> float:
+    """The fused graph as the runtime drives it: right-padded prompts of the given lengths, then
+    DECODE_STEPS one-token steps, each cache tensor one buffer bound as both past and present; the
+    prompt with every position's logits (num_logits_to_keep 0), decode steps with the last (1).
+    PyTorch runs the same rows with its own growing, masked cache."""
+    config = model.config
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    batch, width = len(lengths), max(lengths)
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (batch, width), generator=generator)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    buffers = [
+        ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((batch, config.n_head, width + DECODE_STEPS, config.head_dim), np.float32)
+        )
+        for _ in range(2 * config.n_layer)
+    ]
+    binding = session.io_binding()
+    binding.bind_output("logits")
+    for i in range(config.n_layer):
+        for j, kv in enumerate(("key", "value")):
+            binding.bind_ortvalue_input(f"past_key_values.{i}.{kv}", buffers[2 * i + j])
+            binding.bind_ortvalue_output(f"present.{i}.{kv}", buffers[2 * i + j])
+
+    def run(ids, onnx_mask, positions, keep):
+        binding.bind_cpu_input("input_ids", ids.numpy())
+        binding.bind_cpu_input("attention_mask", onnx_mask.numpy())
+        binding.bind_cpu_input("position_ids", positions.numpy())
+        binding.bind_ortvalue_input("num_logits_to_keep", ort.OrtValue.ortvalue_from_numpy(np.array(keep)))
+        binding.bind_output("logits")
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+    with torch.no_grad():
+        positions = torch.arange(width)[None, :] * mask
+        torch_logits, torch_past = model(input_ids, mask, positions)
+        onnx_logits = run(input_ids, mask, positions, 0)
+        assert onnx_logits.shape == tuple(torch_logits.shape)
+        worst = float(np.abs(onnx_logits - torch_logits.numpy())[mask.bool().numpy()].max())
+        totals = torch.tensor(lengths)
+        next_ids = torch_logits[torch.arange(batch), totals - 1].argmax(-1, keepdim=True)  # each row's last token
+        torch_mask = mask
+        for _ in range(DECODE_STEPS):
+            positions = totals[:, None].clone()
+            torch_mask = torch.cat([torch_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            torch_logits, torch_past = model(next_ids, torch_mask, positions, torch_past)
+            totals = totals + 1
+            onnx_logits = run(
+                next_ids, (torch.arange(int(totals.max()))[None, :] < totals[:, None]).long(), positions, 1
+            )
+            assert onnx_logits.shape == tuple(torch_logits.shape) == (batch, 1, config.vocab_size)
+            worst = max(worst, float(np.abs(onnx_logits - torch_logits.numpy()).max()))
+            next_ids = torch_logits[:, -1, :].argmax(-1, keepdim=True)
+    return worst
+
+
 def prompt_batch(model: GPT, *, batch: int, length: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random prompts; row r is left-padded by 2r tokens (its mask starts with 2r zeros)."""
     input_ids = torch.randint(
@@ -117,25 +181,52 @@ def vocab_initializers(onnx_path: Path, config: GPTConfig) -> list[onnx.TensorPr
 # ONNX Runtime against PyTorch
 
 
+@pytest.mark.parametrize("lengths", [[7], [7, 4, 6]], ids=["batch1", "batch3-right-padded"])
+def test_fused_onnx_matches_pytorch(reference, exported, lengths):
+    assert max_fused_difference(reference, exported / "model.onnx", lengths) < ONNX_TOLERANCE
+
+
 @pytest.mark.parametrize("batch", [1, 2], ids=["batch1", "batch2-left-padded"])
-def test_onnx_matches_pytorch(reference, exported, batch):
+def test_standard_onnx_matches_pytorch(reference, exported_standard, batch):
     input_ids, attention_mask = prompt_batch(reference, batch=batch)
+    difference = max_onnx_difference(reference, exported_standard / "model.onnx", input_ids, attention_mask)
+    assert difference < ONNX_TOLERANCE
+
+
+def test_fused_graph_with_a_growing_cache(reference, exported):
+    """Fed separate past arrays (no shared buffer), the fused graph also runs as the standard one does."""
+    input_ids, attention_mask = prompt_batch(reference, batch=1)
     assert max_onnx_difference(reference, exported / "model.onnx", input_ids, attention_mask) < ONNX_TOLERANCE
 
 
-def test_onnx_graph_has_the_contract_io_names(reference, exported):
-    session = ort.InferenceSession(str(exported / "model.onnx"), providers=["CPUExecutionProvider"])
+def test_fused_graph_is_fused(exported, exported_standard):
+    ops = [n.op_type for n in onnx.load(str(exported / "model.onnx")).graph.node]
+    standard_ops = [n.op_type for n in onnx.load(str(exported_standard / "model.onnx")).graph.node]
+    assert ops.count("GroupQueryAttention") == 2  # one per layer
+    assert "Concat" not in ops and "Softmax" not in ops
+    assert "GroupQueryAttention" not in standard_ops and "Softmax" in standard_ops
+    assert len(ops) < len(standard_ops) / 2
+
+
+@pytest.mark.parametrize("graph", ["fused", "standard"])
+def test_onnx_graph_has_the_contract_io_names(reference, exported, exported_standard, graph):
+    folder = exported if graph == "fused" else exported_standard
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     n_layer = reference.config.n_layer
     pairs = [(i, kv) for i in range(n_layer) for kv in ("key", "value")]
     assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask", "position_ids"] + [
         f"past_key_values.{i}.{kv}" for i, kv in pairs
     ]
     assert [o.name for o in session.get_outputs()] == ["logits"] + [f"present.{i}.{kv}" for i, kv in pairs]
-    assert session.get_outputs()[0].shape == ["batch_size", "sequence_length", VOCAB]
+    assert session.get_outputs()[0].shape[2] == VOCAB
+    optional = [i.name for i in session.get_overridable_initializers()]
+    assert optional == (["num_logits_to_keep"] if graph == "fused" else [])
 
 
 def test_last_token_logits_export(checkpoint, reference, tmp_path):
-    manifest = export_package(checkpoint, tmp_path / "pkg", last_token_logits=True, progress=quiet)
+    manifest = export_package(
+        checkpoint, tmp_path / "pkg", attention="standard", last_token_logits=True, progress=quiet
+    )
     assert manifest["io"]["last_token_logits"] is True
     onnx_path = tmp_path / "pkg" / "model.onnx"
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
@@ -163,20 +254,28 @@ def test_untied_export(checkpoint, reference, exported, tmp_path):
     embedding_bytes = VOCAB * reference.config.n_embd * 4
     extra_bytes = onnx_path.stat().st_size - (exported / "model.onnx").stat().st_size
     assert extra_bytes == pytest.approx(embedding_bytes, abs=4096)  # the second copy, and little else
+    assert max_fused_difference(reference, onnx_path, [7, 5]) < ONNX_TOLERANCE
+    manifest = export_package(checkpoint, tmp_path / "standard", attention="standard", untie=True, progress=quiet)
+    assert len(vocab_initializers(tmp_path / "standard" / "model.onnx", reference.config)) == 2
     input_ids, attention_mask = prompt_batch(reference, batch=2)
-    assert max_onnx_difference(reference, onnx_path, input_ids, attention_mask) < ONNX_TOLERANCE
+    difference = max_onnx_difference(reference, tmp_path / "standard" / "model.onnx", input_ids, attention_mask)
+    assert difference < ONNX_TOLERANCE
 
 
-def test_sinusoidal_positions_export(tmp_path):
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu"])
+def test_sinusoidal_positions_export(tmp_path, activation):
     torch.manual_seed(0)
-    config = GPTConfig(**TINY, positional="sinusoidal", bos_token_id=0, eos_token_id=0)
+    config = GPTConfig(**TINY, positional="sinusoidal", activation=activation, bos_token_id=0, eos_token_id=0)
     model = GPT(config).eval()
     save_checkpoint(model, tmp_path / "ckpt")
     manifest = export_package(tmp_path / "ckpt", tmp_path / "pkg", progress=quiet)
     assert manifest["architecture"]["positional"] == "sinusoidal"
     # compared with the model in memory: this also checks that the checkpoint kept its positional kind
+    assert max_fused_difference(model, tmp_path / "pkg" / "model.onnx", [7, 3]) < ONNX_TOLERANCE
+    export_package(tmp_path / "ckpt", tmp_path / "standard", attention="standard", progress=quiet)
     input_ids, attention_mask = prompt_batch(model, batch=2)
-    assert max_onnx_difference(model, tmp_path / "pkg" / "model.onnx", input_ids, attention_mask) < ONNX_TOLERANCE
+    difference = max_onnx_difference(model, tmp_path / "standard" / "model.onnx", input_ids, attention_mask)
+    assert difference < ONNX_TOLERANCE
 
 
 # Size: a tied embedding is stored once
@@ -212,7 +311,9 @@ def test_manifest(package, hf_checkpoint):
     n_layer = config.n_layer
     assert manifest["io"]["inputs"] == ["input_ids", "attention_mask", "position_ids"] + [
         f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")
-    ]
+    ] + ["num_logits_to_keep"]
+    assert manifest["io"]["kv_cache"] == "shared_buffer"
+    assert manifest["io"]["logits_to_keep"] == "num_logits_to_keep"
     assert manifest["io"]["outputs"] == ["logits"] + [
         f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")
     ]
@@ -261,8 +362,9 @@ def test_source_hash_identifies_the_checkpoint(hf_checkpoint, tmp_path):
 # onnxruntime-genai runs the package as it is
 
 
-@pytest.mark.parametrize("seed", [1, 3])
-def test_onnxruntime_genai_greedy_matches_pytorch(reference, exported, seed):
+@pytest.mark.parametrize("seed,graph", [(1, "fused"), (3, "fused"), (1, "standard")])
+def test_onnxruntime_genai_greedy_matches_pytorch(reference, exported, exported_standard, seed, graph):
+    exported = exported if graph == "fused" else exported_standard
     og = pytest.importorskip("onnxruntime_genai")
     new_tokens = 32
     prompt = torch.randint(1, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()

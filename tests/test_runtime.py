@@ -56,6 +56,19 @@ def long_model(long_package):
     return load(long_package, provider="cpu", threads=1)
 
 
+@pytest.fixture(scope="module")
+def long_standard_model(long_checkpoint, tmp_path_factory):
+    """The same checkpoint as the standard-ops graph: past + new concatenated, left padding."""
+    from edgelm.export.onnx_export import export_package
+
+    out = tmp_path_factory.mktemp("long-pkg") / "gpt2-ctx128-standard"
+    export_package(long_checkpoint, out, attention="standard", progress=lambda _: None)
+    return load(out, provider="cpu", threads=1)
+
+
+GRAPHS = ["long_model", "long_standard_model"]  # fused attention + shared KV buffer, and standard ops
+
+
 def copy_package(package: Path, tmp_path: Path, name: str = "copy") -> Path:
     return Path(shutil.copytree(package, tmp_path / name))
 
@@ -71,8 +84,11 @@ def edit_manifest(package: Path, edit) -> None:
 # ---- parity with the PyTorch reference ------------------------------------------------------------
 
 
-def test_greedy_tokens_match_the_pytorch_reference(long_checkpoint, long_model):
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_greedy_tokens_match_the_pytorch_reference(long_checkpoint, graph, request):
     import torch
+
+    long_model = request.getfixturevalue(graph)
 
     from edgelm.export.checkpoint import load_checkpoint
 
@@ -100,10 +116,12 @@ def test_cuda_greedy_tokens_match_cpu(long_package, long_model):
 BATCH = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "A"]
 
 
-def test_greedy_batch_equals_each_prompt_alone(long_model):
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_greedy_batch_equals_each_prompt_alone(graph, request):
+    long_model = request.getfixturevalue(graph)
     batch = long_model.generate_batch(BATCH, 24)
     lengths = {len(r.prompt_token_ids) for r in batch}
-    assert len(lengths) == 3, "the prompts must differ in length so that left padding is exercised"
+    assert len(lengths) == 3, "the prompts must differ in length so that padding is exercised"
     for prompt, result in zip(BATCH, batch, strict=True):
         alone = long_model.generate(prompt, 24)
         assert result.token_ids == alone.token_ids
@@ -111,7 +129,9 @@ def test_greedy_batch_equals_each_prompt_alone(long_model):
         assert result.finish_reason == alone.finish_reason
 
 
-def test_sampled_batch_row_r_uses_seed_plus_r(long_model):
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_sampled_batch_row_r_uses_seed_plus_r(graph, request):
+    long_model = request.getfixturevalue(graph)
     batch = long_model.generate_batch(BATCH, 16, temperature=1.0, top_k=50, seed=10)
     for row, (prompt, result) in enumerate(zip(BATCH, batch, strict=True)):
         assert result.token_ids == long_model.generate(prompt, 16, temperature=1.0, top_k=50, seed=10 + row).token_ids
