@@ -178,6 +178,7 @@ def check_parity_shared(
     config = model.config
     options = ort.SessionOptions()
     options.log_severity_level = 3  # not the notice that num_logits_to_keep, an input, is not folded
+    options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
     session = ort.InferenceSession(str(onnx_path), options, providers=providers or ["CPUExecutionProvider"])
     generator = torch.Generator().manual_seed(seed)
     lengths = [min(7, config.n_positions - decode_steps), min(5, config.n_positions - decode_steps)]

@@ -195,7 +195,9 @@ def check_parity(
     import onnxruntime as ort
 
     config = model.config
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     generator = torch.Generator().manual_seed(seed)
     prompt_length = min(7, config.n_positions - decode_steps)
     input_ids = torch.randint(0, config.vocab_size, (2, prompt_length), generator=generator)
