@@ -11,7 +11,9 @@ Recipes, chosen for accuracy on decoder LMs:
 - static: QDQ, int8 weights per channel, uint8 activations calibrated on text run the way the model
   really runs (prompt passes *and* decode steps with their past keys/values). Only the linear layers
   are quantized: attention's QK^T and softmax(.)V products, LayerNorm, GELU, softmax and residual
-  adds stay in float, because their activations are where 8-bit ranges lose decoder LMs.
+  adds stay in float, because their activations are where 8-bit ranges lose decoder LMs. The LM
+  head, whose input suffers most from one calibrated range, has its activations quantized at run
+  time instead (int8 weights all the same).
 - int4: MatMulNBits (block-wise 4-bit weights, symmetric), embedding included.
 - fp16: every float tensor in half precision, for GPU providers.
 
@@ -269,8 +271,14 @@ def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> 
     }
 
 
+def _lm_head(model: onnx.ModelProto) -> str | None:
+    """The MatMul that produces the logits (a graph output)."""
+    outputs = {o.name for o in model.graph.output}
+    return next((n.name for n in model.graph.node if n.op_type == "MatMul" and n.output[0] in outputs), None)
+
+
 def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percentile", per_channel: bool = True) -> dict:
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     methods = {
         "minmax": CalibrationMethod.MinMax,
@@ -279,6 +287,12 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
     }
     model = onnx.load(str(src))
     tied = {g.input[0] for g in _tied_gathers(model)}
+    # The LM head's input is where one 8-bit range for all tokens costs most: on the bundled model,
+    # static QDQ of every linear layer agrees with fp32 on 95.2% of next tokens, and 97.4% with the
+    # head left out. So the head gets int8 weights with its activations quantized at run time, per
+    # call (the dynamic recipe), and the blocks' linear layers are static QDQ.
+    head = _lm_head(model)
+    blocks = [n for n in _linear_matmuls(model) if n != head]
     # the histogram calibrators print their progress to stdout; our progress bar already says it
     with _QuietRootLogger(), _FlatHistograms(), contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
@@ -287,7 +301,7 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
             reader,
             quant_format=QuantFormat.QDQ,
             op_types_to_quantize=["MatMul"],
-            nodes_to_quantize=_linear_matmuls(model),
+            nodes_to_quantize=blocks,
             per_channel=per_channel,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
@@ -302,6 +316,16 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
                 "CalibStridedMinMax": None,
             },
         )
+        if head is not None:
+            quantize_dynamic(
+                str(dst),
+                str(dst),
+                per_channel=per_channel,
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=["MatMul"],
+                nodes_to_quantize=[head],
+                extra_options={"MatMulConstBOnly": True},
+            )
     quantized = onnx.load(str(dst))
     _share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
     _save(quantized, dst)
@@ -314,7 +338,8 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
         "calibration_method": method,
         "calibration_samples": reader.samples,
         "calibration_feeds": len(reader),
-        "ops": "linear MatMuls; attention products, LayerNorm, GELU, softmax stay float",
+        "ops": "linear MatMuls of the blocks (static QDQ); LM head + tied embedding int8 with activations "
+        "quantized at run time; attention, LayerNorm, GELU, softmax stay float",
     }
 
 
