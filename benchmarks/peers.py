@@ -1,7 +1,7 @@
 """edgelm against the tools a user would pick instead, on one GPT-2 checkpoint, in one run.
 
     python benchmarks/peers.py [--config gpt2|tiny] [--prompt-tokens 32,512] [--new-tokens 128]
-                               [--threads 2] [--repeats 3] [--out out/peers]
+                               [--threads 2] [--repeats 3] [--out out/peers] [--optimum-python PATH]
 
 The checkpoint is Hugging Face's GPT-2 124M (`GPT2LMHeadModel(GPT2Config())`, random weights, seed 0)
 written with `save_pretrained`: no download. Random weights say nothing about accuracy, only about
@@ -10,24 +10,40 @@ speed and size. `--config tiny` (2 layers, width 64) checks the script in second
 Systems, batch 1, greedy, the same random prompt ids for all, every one made to produce exactly
 --new-tokens tokens (EOS does not stop it):
 - transformers: `GPT2LMHeadModel.generate` in PyTorch, fp32, `do_sample=False`, EOS disabled.
-- Optimum (`ORTModelForCausalLM`) and onnxruntime-genai on an Optimum export: not measured yet; the
-  run reports them missing with the reason (optimum[onnxruntime] needs transformers<4.58).
-- onnxruntime-genai: `og.Model` on edgelm's own packages, unchanged (each carries genai_config.json);
-  threads through `og.Config.overlay`; `min_length = max_length`, since genai cannot step past EOS:
-  it masks EOS instead, which is the same greedy output unless EOS itself is the argmax.
+- Optimum ORTModelForCausalLM: `generate` as for transformers, on an Optimum export
+  (`main_export(task="text-generation-with-past")`, tied weights deduplicated) in fp32, and on its
+  dynamic int8 from `ORTQuantizer` with `AutoQuantizationConfig` for this CPU (avx2, avx512 or
+  avx512_vnni, per-channel, Optimum's default operators); threads through its SessionOptions.
+- onnxruntime-genai on the Optimum export: the same fp32 and int8 files with a genai_config.json
+  (edgelm's, export/onnx_export.py) beside them, and int4: `MatMulNBitsQuantizer` on the fp32 export
+  with edgelm's int4 recipe (block 32, symmetric, accuracy level 4). That quantizer only takes MatMuls
+  with a constant weight and Optimum's GPT-2 graph has none (Conv1D exports as Gemm, the tied head
+  multiplies by Transpose(wte)), so each Gemm becomes MatMul + Add and the head gets its own
+  transposed copy of wte first; the embedding Gather keeps the fp32 wte.
+- onnxruntime-genai on edgelm's own packages, unchanged (each carries genai_config.json).
+  genai's threads go through `og.Config.overlay`; `min_length = max_length`, since genai cannot step
+  past EOS: it masks EOS instead, which is the same greedy output unless EOS itself is the argmax.
 - edgelm: export, then quantize (dynamic int8, static int8, int4), runtime `generate(ignore_eos=True)`.
 
+Optimum runs in a second interpreter: optimum[onnxruntime] (optimum-onnx 0.1.0) needs
+transformers<4.58, and this environment's transformers baseline is 5.x. benchmarks/setup_optimum.sh
+makes that venv (.venv-optimum: the same torch and onnxruntime, transformers 4.57); the Optimum
+export, its quantizations and the ORTModelForCausalLM runs are children of it (--optimum-python).
+onnxruntime-genai runs in this interpreter on every package, so its rows differ only by the package.
+Without the second interpreter the Optimum rows are reported missing, with the command that makes it.
+
 Each system and precision runs in a child process of its own, so its load time and peak RSS are its
-own (RSS includes the interpreter and the system's imports: torch for transformers). Figures are
-medians over --repeats runs after one warm-up: time to first token (call to first sampled token,
-prompt pass included), decode tokens/s (the tokens after the first, from the first token to the end
-of the call), load time, peak RSS, size on disk; plus each row's ratio to edgelm at the same
-precision, measured in the same run.
+own (RSS includes the interpreter and the system's imports: torch for transformers and Optimum).
+Figures are medians over --repeats runs after one warm-up: time to first token (call to first
+sampled token, prompt pass included), decode tokens/s (the tokens after the first, from the first
+token to the end of the call), load time, peak RSS, size on disk; plus each row's ratio to edgelm
+at the same precision, measured in the same run.
 
 The physical limit: decoding one token reads every weight once, plus the KV cache. The machine's
 memory bandwidth is measured with numpy (a copy, STREAM-style, and a read-only reduction, one slice
-per thread, GIL released) and bandwidth / bytes per token is a bound on decode tokens/s. It is a
-rough bound: caches hold part of a small model, and a tuned kernel may read faster than numpy.
+per thread, GIL released) and bandwidth / bytes per token (edgelm's package at that precision) is a
+bound on decode tokens/s. It is a rough bound: caches hold part of a small model, and a tuned kernel
+may read faster than numpy.
 
 Contention: for each row the share of the CPU that other processes used meanwhile is recorded, and
 rows above 5% are named in the report (on 2 cores, other work changes the figures several-fold).
@@ -65,6 +81,13 @@ CONFIGS = {
 }
 EDGELM_MODES = {"fp32": None, "int8-dynamic": "dynamic", "int8-static": "static", "int4": "int4"}
 PRECISIONS = tuple(EDGELM_MODES)
+OPTIMUM_PRECISIONS = ("fp32", "int8-dynamic", "int4")  # the Optimum export, ORTQuantizer's int8, MatMulNBits int4
+OPTIMUM_PYTHON = REPO / ".venv-optimum" / "bin" / "python"  # made by benchmarks/setup_optimum.sh
+OPTIMUM_VERSIONS = ("optimum", "optimum-onnx", "transformers", "torch", "onnxruntime", "onnx", "accelerate", "numpy")
+# row labels: the runtime, and for onnxruntime-genai whose package it runs
+OPTIMUM = "Optimum ORTModelForCausalLM"
+GENAI_ON_OPTIMUM = "onnxruntime-genai on Optimum export"
+GENAI_ON_EDGELM = "onnxruntime-genai on edgelm package"
 CHILD_TIMEOUT_S = 1800
 CONTENTION_PCT = 5  # other processes' share of the machine's CPU above which a row is reported as contended
 
@@ -123,6 +146,47 @@ def build_edgelm_packages(checkpoint: Path, out: Path, *, rebuild: bool) -> dict
     return packages
 
 
+def build_optimum_packages(checkpoint: Path, out: Path, *, python: Path, rebuild: bool) -> dict[str, dict]:
+    """The Optimum export and its quantizations, each in a child of the Optimum interpreter, then a
+    genai_config.json beside each model (written here: edgelm's genai_config needs edgelm).
+    Returns precision -> {"path", "recipe"}."""
+    packages = {}
+    for precision in OPTIMUM_PRECISIONS:
+        package = out / f"optimum-{precision}"
+        source = checkpoint if precision == "fp32" else out / "optimum-fp32"
+        recipe_file = package / "peers-recipe.json"
+        if (package / "genai_config.json").is_file() and recipe_file.is_file() and not rebuild:
+            print(f"  {package.name}: reusing (--rebuild to redo)", flush=True)
+        else:
+            shutil.rmtree(package, ignore_errors=True)
+            command = [str(python), __file__, "--build", precision, "--path", str(source), "--package", str(package)]
+            print(f"  {package.name}: {timed_child(command):.1f} s", flush=True)
+            write_genai_config(package, json.loads((checkpoint / "config.json").read_text()))
+        packages[precision] = {"path": package, "recipe": json.loads(recipe_file.read_text())}
+    return packages
+
+
+def write_genai_config(package: Path, checkpoint_config: dict) -> None:
+    """edgelm's genai_config.json (export/onnx_export.py), pointed at Optimum's model file: its "phi"
+    decoder type with separate past/present key and value names is the I/O contract of Optimum's
+    GPT-2 graph too (checked when the export is built)."""
+    from edgelm.export.model import GPTConfig
+    from edgelm.export.onnx_export import genai_config
+
+    c = checkpoint_config
+    sizes = {key: c[key] for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
+    tokens = {"eos_token_id": c["eos_token_id"], "bos_token_id": c["bos_token_id"], "pad_token_id": c["eos_token_id"]}
+    genai = genai_config(GPTConfig(**sizes), **tokens)
+    genai["model"]["decoder"]["filename"] = onnx_file(package).name
+    (package / "genai_config.json").write_text(json.dumps(genai, indent=1))
+
+
+def onnx_file(package: Path) -> Path:
+    files = sorted(package.glob("*.onnx"))
+    assert len(files) == 1, f"expected one .onnx file in {package}, found {[f.name for f in files]}"
+    return files[0]
+
+
 def folder_bytes(folder: Path, only: tuple[str, ...] = ()) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and (not only or f.suffix in only))
 
@@ -134,7 +198,7 @@ def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")), "")
     mem_kb = next((int(line.split()[1]) for line in _lines("/proc/meminfo") if line.startswith("MemTotal")), 0)
     versions = {}
-    for name in ("torch", "transformers", "onnxruntime", "onnxruntime-genai", "numpy", "optimum", "edgelm"):
+    for name in ("torch", "transformers", "onnxruntime", "onnxruntime-genai", "numpy", "edgelm"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -185,13 +249,156 @@ def memory_bandwidth(threads: int, megabytes: int, repeats: int = 10) -> dict:
     }
 
 
+# ---- the Optimum packages, built in the Optimum interpreter -------------------------------------
+
+
+def build_optimum(precision: str, source: Path, package: Path) -> dict:
+    """One Optimum package: "fp32" exports the checkpoint `source`, the others quantize the fp32
+    export `source`. Writes the recipe to the package as peers-recipe.json and returns it."""
+    import logging
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # an INFO line per node
+    if precision == "fp32":
+        recipe = optimum_export(source, package)
+    elif precision == "int8-dynamic":
+        recipe = optimum_int8(source, package)
+    elif precision == "int4":
+        recipe = optimum_int4(source, package)
+    else:
+        raise ValueError(f"unknown Optimum precision {precision!r}; valid: {', '.join(OPTIMUM_PRECISIONS)}")
+    (package / "peers-recipe.json").write_text(json.dumps(recipe, indent=1))
+    return recipe
+
+
+def optimum_export(checkpoint: Path, package: Path) -> dict:
+    """`main_export` as `optimum-cli export onnx --task text-generation-with-past` runs it (it checks
+    the graph against PyTorch itself); then the I/O names that genai_config.json will name."""
+    import onnx
+    from optimum.exporters.onnx import main_export
+
+    main_export(str(checkpoint), str(package), task="text-generation-with-past")
+    n_layer = json.loads((checkpoint / "config.json").read_text())["n_layer"]
+    graph = onnx.load(str(onnx_file(package)), load_external_data=False).graph
+    inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
+    expected_inputs = {"input_ids", "attention_mask", "position_ids"}
+    expected_inputs |= {f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")}
+    expected_outputs = {"logits"} | {f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")}
+    if inputs != expected_inputs or outputs != expected_outputs:
+        raise RuntimeError(
+            f"Optimum's export has inputs {sorted(inputs)} and outputs {sorted(outputs)}, not the names "
+            "genai_config.json names (input_ids, attention_mask, position_ids, past_key_values.N.key/value; "
+            "logits, present.N.key/value)"
+        )
+    tied = "deduplicated" if _version("accelerate") else "duplicated (Optimum deduplicates them with accelerate)"
+    return {
+        "tool": "optimum.exporters.onnx.main_export",
+        "task": "text-generation-with-past",
+        "tied_weights": tied,
+        "summary": f"main_export(task='text-generation-with-past'), tied weights {tied}",
+    }
+
+
+def optimum_int8(export: Path, package: Path) -> dict:
+    """ORTQuantizer with Optimum's dynamic config for this CPU: the instruction set decides the weight
+    type (uint8 on AVX2, int8 on AVX-512, VNNI and arm64; activations uint8, quantized at run time)."""
+    from optimum.onnxruntime import ORTQuantizer
+    from optimum.onnxruntime.configuration import AutoQuantizationConfig
+
+    flags = next((line.split(":", 1)[1].split() for line in _lines("/proc/cpuinfo") if line.startswith("flags")), [])
+    if platform.machine() in ("aarch64", "arm64"):
+        target = "arm64"
+    elif "avx512_vnni" in flags:
+        target = "avx512_vnni"
+    elif "avx512f" in flags:
+        target = "avx512"
+    else:
+        target = "avx2"
+    config = getattr(AutoQuantizationConfig, target)(is_static=False, per_channel=True)
+    ORTQuantizer.from_pretrained(export).quantize(save_dir=package, quantization_config=config)
+    call = f"AutoQuantizationConfig.{target}(is_static=False, per_channel=True)"
+    weights = f"{config.weights_dtype.name} {'symmetric' if config.weights_symmetric else 'asymmetric'}"
+    return {
+        "tool": "optimum.onnxruntime.ORTQuantizer",
+        "config": call,
+        "format": config.format.name,
+        "weights": weights,
+        "activations": f"{config.activations_dtype.name}, quantized at run time",
+        "operators": config.operators_to_quantize,
+        "summary": f"ORTQuantizer, {call}: {config.format.name}, weights {weights}",
+    }
+
+
+def optimum_int4(export: Path, package: Path) -> dict:
+    """MatMulNBitsQuantizer with edgelm's int4 recipe (quantize/quantize.py: block 32, symmetric,
+    accuracy level 4) on the Optimum export, after the rewrite that lets it see the linear layers."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    shutil.copytree(export, package, ignore=shutil.ignore_patterns("*.onnx", "*.onnx_data", "peers-*.json"))
+    model = onnx.load(str(onnx_file(export)))
+    rewrite = matmuls_with_constant_weights(model)
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True, accuracy_level=4)
+    quantizer.process()
+    quantized = quantizer.model.model
+    weights = {i.name for i in quantized.graph.initializer}
+    ops = [n.op_type for n in quantized.graph.node]
+    left = [n.name for n in quantized.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+    onnx.save(quantized, str(package / "model.onnx"))
+    return {
+        "tool": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
+        "block_size": 32,
+        "symmetric": True,
+        "accuracy_level": 4,
+        **rewrite,
+        "matmulnbits_nodes": ops.count("MatMulNBits"),
+        "float_matmuls_with_constant_weight": left,
+        "embedding": "fp32 (the Gather reads the unquantized wte)",
+        "summary": f"MatMulNBitsQuantizer (block 32, symmetric, accuracy level 4): {ops.count('MatMulNBits')} "
+        f"MatMulNBits after {rewrite['gemms_made_matmul_add']} Gemm -> MatMul + Add and "
+        f"{rewrite['transposed_weights_folded']} transposed weight folded; {len(left)} float MatMul with a "
+        "constant weight left; embedding fp32",
+    }
+
+
+def matmuls_with_constant_weights(model) -> dict:
+    """MatMulNBitsQuantizer only rewrites MatMul nodes whose weight is an initializer. Optimum's GPT-2
+    graph has none: Conv1D exports as Gemm (x @ W + b, x flattened to 2-D), and the tied LM head
+    multiplies by Transpose(wte). Each such Gemm becomes MatMul + Add, and each transposed initializer
+    that feeds a MatMul becomes an initializer of its own. In place; returns the counts."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    matmul_weights = {n.input[1] for n in graph.node if n.op_type == "MatMul"}
+    nodes, gemms, transposes = [], 0, 0
+    for node in graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm" and node.input[1] in initializers:
+            plain = {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}
+            assert all(attributes.get(k, v) == v for k, v in plain.items()), f"{node.name}: Gemm {attributes}"
+            has_bias = len(node.input) > 2 and node.input[2] != ""
+            product = node.output[0] + "_matmul" if has_bias else node.output[0]
+            nodes.append(helper.make_node("MatMul", node.input[:2], [product], name=node.name + "_matmul"))
+            if has_bias:
+                nodes.append(helper.make_node("Add", [product, node.input[2]], node.output, name=node.name + "_bias"))
+            gemms += 1
+        elif node.op_type == "Transpose" and node.input[0] in initializers and node.output[0] in matmul_weights:
+            weight = numpy_helper.to_array(initializers[node.input[0]])
+            graph.initializer.append(numpy_helper.from_array(weight.transpose(attributes.get("perm")), node.output[0]))
+            transposes += 1
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return {"gemms_made_matmul_add": gemms, "transposed_weights_folded": transposes}
+
+
 # ---- the child processes: one system, one precision, one prompt -------------------------------
 
 
 def child_transformers(path: str, prompt: list[int], args) -> dict:
     import torch
     from transformers import GPT2LMHeadModel
-    from transformers.generation.streamers import BaseStreamer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -199,7 +406,47 @@ def child_transformers(path: str, prompt: list[int], args) -> dict:
     started = time.perf_counter()
     model = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
     load_s = time.perf_counter() - started
-    model.generation_config.eos_token_id = None  # keep going past EOS, like edgelm's ignore_eos
+    runs = _generate_runs(model, prompt, args)
+    # untimed: transformers' logits, for the top-1/top-2 gap at any token where another system differs
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    gaps = [float(d[0] - d[1]) for d in (torch.topk(step[0], 2).values for step in out.logits)]
+    return {"load_s": load_s, "runs": runs, "top2_gaps": gaps}
+
+
+def child_optimum(path: str, prompt: list[int], args) -> dict:
+    """Optimum's ORTModelForCausalLM (in the Optimum interpreter): ONNX Runtime runs the graph, the
+    generate() loop and its logits processing are transformers' in PyTorch, as for child_transformers."""
+    import onnxruntime as ort
+    import torch
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
+    started = time.perf_counter()
+    model = ORTModelForCausalLM.from_pretrained(
+        path, file_name=onnx_file(Path(path)).name, provider="CPUExecutionProvider", session_options=options
+    )
+    load_s = time.perf_counter() - started
+    return {"load_s": load_s, "runs": _generate_runs(model, prompt, args)}
+
+
+def _generate_runs(model, prompt: list[int], args) -> list[dict]:
+    """transformers' `generate`, greedy, EOS disabled (like edgelm's ignore_eos), a streamer clocking
+    each token: a warm-up, then --repeats timed runs."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = model.config.eos_token_id  # batch 1, no padding: silences a warning
 
     class Clock(BaseStreamer):
@@ -229,19 +476,7 @@ def child_transformers(path: str, prompt: list[int], args) -> dict:
         return _run(started, first, ended, out[0, len(prompt) :].tolist())
 
     run(4)
-    runs = [run(args.new_tokens) for _ in range(args.repeats)]
-    # untimed: transformers' logits, for the top-1/top-2 gap at any token where another system differs
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids,
-            attention_mask=mask,
-            max_new_tokens=args.new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    gaps = [float(d[0] - d[1]) for d in (torch.topk(step[0], 2).values for step in out.logits)]
-    return {"load_s": load_s, "runs": runs, "top2_gaps": gaps}
+    return [run(args.new_tokens) for _ in range(args.repeats)]
 
 
 def child_genai(path: str, prompt: list[int], args) -> dict:
@@ -299,7 +534,12 @@ def _run(started: float, first: float, ended: float, tokens: list[int]) -> dict:
     return {"ttft_s": first - started, "decode_tokens_per_s": rate, "token_ids": tokens}
 
 
-CHILDREN = {"transformers": child_transformers, "onnxruntime-genai": child_genai, "edgelm": child_edgelm}
+CHILDREN = {
+    "transformers": child_transformers,
+    "optimum": child_optimum,
+    "onnxruntime-genai": child_genai,
+    "edgelm": child_edgelm,
+}
 
 
 def child_main(args) -> int:
@@ -337,10 +577,10 @@ def busy_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_in_child(system: str, path: Path, prompt_file: Path, args) -> dict:
-    """Runs one system in a child; also reports the share of the machine's CPU that other processes
-    used meanwhile (busy time of the machine minus the child's own), so contention is visible."""
-    command = [sys.executable, __file__, "--child", system, "--path", str(path), "--prompt-file", str(prompt_file)]
+def bench_in_child(child: str, path: Path, prompt_file: Path, args, *, python: str = sys.executable) -> dict:
+    """Runs one system in a child of `python`; also reports the share of the machine's CPU that other
+    processes used meanwhile (busy time of the machine minus the child's own), so contention is visible."""
+    command = [python, __file__, "--child", child, "--path", str(path), "--prompt-file", str(prompt_file)]
     command += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -363,28 +603,33 @@ def bench_in_child(system: str, path: Path, prompt_file: Path, args) -> dict:
 # ---- the systems this machine has --------------------------------------------------------------
 
 
-def missing_systems() -> dict[str, str]:
-    """System -> why it is not measured here. Optimum is only installed where it leaves the versions
-    of torch, transformers, onnxruntime and numpy that the other systems run on as they are."""
+def missing_systems(optimum: dict) -> dict[str, str]:
+    """System -> why it is not measured here."""
     missing = {}
-    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.onnxruntime") is None:
-        transformers = _version("transformers") or "?"
-        reason = "optimum[onnxruntime] is not installed"
-        if transformers.split(".")[0].isdigit() and int(transformers.split(".")[0]) >= 5:
-            reason += (
-                f". It cannot go beside transformers {transformers}: optimum[onnxruntime] (optimum-onnx 0.1.0) "
-                "requires transformers<4.58, so pip would downgrade the transformers (and tokenizers) that the "
-                "transformers baseline runs on; compare in a separate environment"
-            )
-    else:
-        reason = "optimum[onnxruntime] is installed, but this script's Optimum runner is not written yet."
-    missing["optimum (ORTModelForCausalLM, fp32 + int8)"] = reason
-    missing["onnxruntime-genai on the Optimum export"] = "needs the Optimum export: " + reason
+    if "error" in optimum:
+        missing[OPTIMUM] = optimum["error"]
+        missing[GENAI_ON_OPTIMUM] = "needs the Optimum export: " + optimum["error"]
     if importlib.util.find_spec("onnxruntime_genai") is None:
-        missing["onnxruntime-genai"] = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
+        reason = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
+        missing[GENAI_ON_EDGELM] = reason
+        missing.setdefault(GENAI_ON_OPTIMUM, reason)
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
         missing["transformers"] = "transformers and torch are needed, for the checkpoint and the reference output"
     return missing
+
+
+def optimum_interpreter(python: Path) -> dict:
+    """The interpreter that runs Optimum: its versions, or "error", why it cannot. It is a venv of its
+    own because optimum[onnxruntime] (optimum-onnx 0.1.0) needs transformers<4.58, and installing it
+    here would downgrade the transformers 5 (and tokenizers) that the transformers baseline runs on."""
+    setup = "run benchmarks/setup_optimum.sh to make it, or pass --optimum-python"
+    if not python.is_file():
+        return {"python": str(python), "error": f"no Optimum interpreter at {python}: {setup}"}
+    done = subprocess.run([str(python), __file__, "--probe-optimum"], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"python": str(python), "error": f"{python} cannot run Optimum ({last}): {setup}"}
+    return {"python": str(python), "versions": json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def _version(name: str) -> str | None:
@@ -437,7 +682,7 @@ def add_ratios(rows: list[dict]) -> None:
         if ours and "decode_tokens_per_s" in r:
             keys = ("decode_tokens_per_s", "ttft_s", "load_s", "peak_rss_mb", "size_bytes")
             r["vs_edgelm"] = {key: r[key] / ours[key] for key in keys}
-            if r["system"] == "onnxruntime-genai":  # the very same package file: expect the very same ids
+            if r["system"] == GENAI_ON_EDGELM:  # the very same package file: expect the very same ids
                 r["same_as_edgelm"] = r["token_ids"] == ours["token_ids"]
 
 
@@ -519,12 +764,29 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "out" / "peers"))
     parser.add_argument("--rebuild", action="store_true", help="write the checkpoint and packages anew")
+    parser.add_argument(
+        "--optimum-python",
+        type=Path,
+        default=OPTIMUM_PYTHON,
+        help="the interpreter that runs Optimum (default: .venv-optimum/bin/python, see benchmarks/setup_optimum.sh)",
+    )
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--build", choices=OPTIMUM_PRECISIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-optimum", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--package", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child_main(args)
+    if args.build:
+        print(json.dumps(build_optimum(args.build, Path(args.path), Path(args.package))))
+        return 0
+    if args.probe_optimum:
+        import optimum.onnxruntime  # noqa: F401  (fails here when the interpreter cannot run Optimum)
+
+        print(json.dumps({name: _version(name) for name in OPTIMUM_VERSIONS}))
+        return 0
     try:
         prompt_lengths = [int(n) for n in args.prompt_tokens.split(",")]
     except ValueError:
@@ -532,7 +794,10 @@ def main() -> int:
     if args.repeats < 1 or args.new_tokens < 2 or args.threads < 1:
         parser.error("--repeats and --threads must be at least 1, --new-tokens at least 2")
 
-    missing = missing_systems()
+    if args.optimum_python != OPTIMUM_PYTHON and not args.optimum_python.is_file():
+        parser.error(f"--optimum-python {args.optimum_python} does not exist")
+    optimum = optimum_interpreter(args.optimum_python)
+    missing = missing_systems(optimum)
     if "transformers" in missing:
         print(f"error: {missing['transformers']}", file=sys.stderr)
         return 1
@@ -550,6 +815,10 @@ def main() -> int:
         parser.error(f"prompt + new tokens ({longest}) exceed the model's context ({config['n_positions']})")
     print("building edgelm packages ...", flush=True)
     packages = build_edgelm_packages(checkpoint, out, rebuild=args.rebuild)
+    optimum_packages = {}
+    if OPTIMUM not in missing:
+        print(f"building Optimum packages with {args.optimum_python} ...", flush=True)
+        optimum_packages = build_optimum_packages(checkpoint, out, python=args.optimum_python, rebuild=args.rebuild)
 
     facts = machine()
     print(f"measuring memory bandwidth ({args.threads} threads) ...", flush=True)
@@ -562,10 +831,22 @@ def main() -> int:
         flush=True,
     )
 
-    systems = [("transformers", "fp32", checkpoint)]
-    if "onnxruntime-genai" not in missing:
-        systems += [("onnxruntime-genai", p, packages[p]) for p in PRECISIONS]
-    systems += [("edgelm", p, packages[p]) for p in PRECISIONS]
+    # (row label, child, precision, path, interpreter)
+    here, optimum_python = sys.executable, str(args.optimum_python)
+    systems = [("transformers", "transformers", "fp32", checkpoint, here)]
+    if optimum_packages:
+        # ORTModelForCausalLM on Optimum's own recipes; the int4 is not one, it runs under genai only
+        systems += [
+            (OPTIMUM, "optimum", p, optimum_packages[p]["path"], optimum_python) for p in ("fp32", "int8-dynamic")
+        ]
+        if GENAI_ON_OPTIMUM not in missing:
+            systems += [
+                (GENAI_ON_OPTIMUM, "onnxruntime-genai", p, optimum_packages[p]["path"], here)
+                for p in OPTIMUM_PRECISIONS
+            ]
+    if GENAI_ON_EDGELM not in missing:
+        systems += [(GENAI_ON_EDGELM, "onnxruntime-genai", p, packages[p], here) for p in PRECISIONS]
+    systems += [("edgelm", "edgelm", p, packages[p], here) for p in PRECISIONS]
     for name, reason in missing.items():
         print(f"MISSING {name}: {reason}", flush=True)
 
@@ -590,13 +871,13 @@ def main() -> int:
             }
         bounds_by_prompt[prompt_tokens] = bounds
         rows = []
-        for system, precision, path in systems:
+        for system, child, precision, path, python in systems:
             print(f"[{prompt_tokens}-token prompt] {system} {precision} ...", flush=True)
             row = {"system": system, "precision": precision, "prompt_tokens": prompt_tokens}
             row["eos_token_id"] = config["eos_token_id"]
             row["load_average_before"] = os.getloadavg()[0]  # other work on the machine shows here
             row["size_bytes"] = folder_bytes(path)
-            row.update(bench_in_child(system, path, prompt_file, args))
+            row.update(bench_in_child(child, path, prompt_file, args, python=python))
             if "error" in row:
                 print(f"  FAILED: {row['error']}", flush=True)
             else:
@@ -625,6 +906,17 @@ def main() -> int:
     print(f"\n{title}")
     print(f"machine: {facts['nproc']} CPUs, {facts['cpu']}, {facts['ram_gib']} GiB; load average at start ", end="")
     print(f"{facts['load_average_at_start'][0]:.2f}; memory bandwidth {bandwidth['gb_per_s']:.1f} GB/s")
+    print("versions:", ", ".join(f"{name} {v}" for name, v in facts["versions"].items() if v))
+    if "versions" in optimum:
+        versions = optimum["versions"]
+        print(f"Optimum interpreter {optimum['python']}:", ", ".join(f"{n} {v}" for n, v in versions.items() if v))
+        if versions["onnxruntime"] != facts["versions"]["onnxruntime"]:
+            print(
+                f"WARNING: Optimum runs onnxruntime {versions['onnxruntime']}, the other systems "
+                f"{facts['versions']['onnxruntime']}: the rows differ by more than the system"
+            )
+    for precision, package in optimum_packages.items():
+        print(f"Optimum {precision}: {package['recipe']['summary']}")
     for prompt_tokens, rows in results.items():
         print(f"\n{prompt_tokens}-token prompt\n")
         print(markdown(rows, bounds_by_prompt[prompt_tokens]))
@@ -665,6 +957,8 @@ def main() -> int:
         "results": results,
         "mismatches": mismatches,
         "missing": missing,
+        "optimum_interpreter": optimum,
+        "optimum_packages": {p: {"path": str(o["path"]), "recipe": o["recipe"]} for p, o in optimum_packages.items()},
     }
     (out / "peers.json").write_text(json.dumps(report, indent=1))
     plot(results, bounds_by_prompt, out / "peers.png", title)
