@@ -315,7 +315,7 @@ class Model:
                 break
             logits = cache.prompt() if step == 0 else cache.next(next_ids)  # (B, V): each row's newest position
             live = [row for row in range(batch) if not finish[row]]
-            if not np.all(np.isfinite(logits[live])):
+            if not np.isfinite(logits[live] if batch > 1 else logits).all():
                 raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
             next_ids = np.full((batch, 1), self.spec.pad_token_id, dtype=np.int64)
             for row in live:
@@ -574,39 +574,49 @@ class _SharedCache:
         self.keep = {}
         if spec.logits_to_keep:  # an overridable initializer: bound as an OrtValue
             self.keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)}
-        self.logits = np.empty((batch, 1, spec.vocab_size), dtype=model._logits_dtype)  # decode steps write here
-        self._logits_bound = False
+        self.mask = (np.arange(capacity)[None, :] < self.lengths[:, None]).astype(np.int64)  # (B, capacity)
+        # decode steps: token, position and logits arrays bound once (as OrtValues sharing their
+        # memory) and rewritten in place; only the mask, one longer each step, is bound anew
+        self.step_ids = np.zeros((batch, 1), dtype=np.int64)
+        self.step_positions = np.zeros((batch, 1), dtype=np.int64)
+        self.logits = np.empty((batch, 1, spec.vocab_size), dtype=model._logits_dtype)
+        self._decode_bound = False
 
     def prompt(self) -> np.ndarray:
         batch, width = self.input_ids.shape
-        mask = (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
+        mask = np.ascontiguousarray(self.mask[:, :width])
         uniform = bool(np.all(self.lengths == width))  # then only the last position needs logits
-        self._bind_inputs(self.input_ids, mask, np.arange(width)[None, :] * mask, keep=1 if uniform else 0)
-        self.model._run(self.binding)
-        logits = self.binding.get_outputs()[0].numpy()  # (B, width or 1, V)
+        binding, spec = self.binding, self.spec
+        binding.bind_cpu_input(spec.input_ids, self.input_ids)
+        binding.bind_cpu_input(spec.attention_mask, mask)
+        if self.model._use_position_ids:
+            binding.bind_cpu_input(spec.position_ids, np.arange(width)[None, :] * mask)
+        if self.keep:
+            binding.bind_ortvalue_input(spec.logits_to_keep, self.keep[1 if uniform else 0])
+        self.model._run(binding)
+        logits = binding.get_outputs()[0].numpy()  # (B, width or 1, V)
         if uniform:
             return logits[:, -1, :]
         return logits[np.arange(batch), self.lengths - 1]  # each row's last real position
 
     def next(self, next_ids: np.ndarray) -> np.ndarray:
-        positions = self.lengths[:, None].copy()  # the new token's position is the row's current length
-        self.lengths += 1
-        mask = (np.arange(self.lengths.max())[None, :] < self.lengths[:, None]).astype(np.int64)
-        self._bind_inputs(next_ids, mask, positions, keep=1)
-        if not self._logits_bound:  # after the prompt, whose logits had another shape
-            self.binding.bind_ortvalue_output(self.spec.logits, ort.OrtValue.ortvalue_from_numpy(self.logits))
-            self._logits_bound = True
-        self.model._run(self.binding)
-        return self.logits[:, -1, :]
-
-    def _bind_inputs(self, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, *, keep: int) -> None:
         binding, spec = self.binding, self.spec
-        binding.bind_cpu_input(spec.input_ids, input_ids)
-        binding.bind_cpu_input(spec.attention_mask, mask)
-        if self.model._use_position_ids:
-            binding.bind_cpu_input(spec.position_ids, positions.astype(np.int64))
-        if self.keep:
-            binding.bind_ortvalue_input(spec.logits_to_keep, self.keep[keep])
+        if not self._decode_bound:
+            binding.bind_ortvalue_input(spec.input_ids, ort.OrtValue.ortvalue_from_numpy(self.step_ids))
+            if self.model._use_position_ids:
+                binding.bind_ortvalue_input(spec.position_ids, ort.OrtValue.ortvalue_from_numpy(self.step_positions))
+            if self.keep:
+                binding.bind_ortvalue_input(spec.logits_to_keep, self.keep[1])
+            binding.bind_ortvalue_output(spec.logits, ort.OrtValue.ortvalue_from_numpy(self.logits))
+            self._decode_bound = True
+        self.step_ids[:] = next_ids
+        self.step_positions[:, 0] = self.lengths  # the new token's position is the row's current length
+        self.mask[np.arange(len(self.lengths)), self.lengths] = 1
+        self.lengths += 1
+        mask = self.mask[:, : self.lengths.max()]
+        binding.bind_cpu_input(spec.attention_mask, mask if len(mask) == 1 else np.ascontiguousarray(mask))
+        self.model._run(binding)
+        return self.logits[:, -1, :]
 
 
 @dataclass
