@@ -106,8 +106,10 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: np.ndarray | None = None) -> int:
-    """One token id from one row of logits (V,)."""
-    logits = logits.astype(np.float64, copy=False)
+    """One token id from one row of logits (V,). Computed in float32: exp and cumsum over a 50k
+    vocabulary cost several times more in float64, and a draw needs no more precision (temperatures
+    too small for float32 to divide by take float64)."""
+    logits = logits.astype(np.float32 if params.temperature >= 1e-30 else np.float64, copy=False)
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
@@ -116,11 +118,36 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     # (probability 0) instead of the largest to inf, which softmax would turn into NaN (inf - inf)
     with np.errstate(over="ignore"):
         logits = (logits - np.max(logits)) / params.temperature
-    logits = top_k_filter(logits, params.top_k)
+    # Work on the few tokens that can still be drawn (ids in ascending order, so the draw below picks
+    # the same token as over the whole vocabulary): with a 50k vocabulary, sorting all of it for top-p
+    # or renormalising it for every draw would cost more than a decode step's Python loop.
+    ids = _candidates(logits, params)
+    if ids is not None:
+        logits = logits[ids]
+    else:
+        logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     logits = min_p_filter(logits, params.min_p)
     probs = softmax(logits)
     # inverse-CDF draw with one uniform number (llama2.c's sample_mult): reproducible for a seed
     coin = rng.random()
-    index = int(np.searchsorted(np.cumsum(probs), coin * probs.sum(), side="right"))
-    return min(index, len(probs) - 1)
+    index = min(int(np.searchsorted(np.cumsum(probs), coin * probs.sum(), side="right")), len(probs) - 1)
+    return int(ids[index]) if ids is not None else index
+
+
+NUCLEUS_CANDIDATES = 1024  # top-p first looks for its set among this many most likely tokens
+
+
+def _candidates(logits: np.ndarray, params: SamplingParams) -> np.ndarray | None:
+    """Ids (ascending) of every token that top-k or top-p can keep, when that is a small part of the
+    vocabulary; None when it is not (then the filters run on the whole vocabulary). Ties at the cut
+    are all included, as top_k_filter keeps them, so the result equals filtering everything."""
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        return np.flatnonzero(logits >= np.partition(logits, -params.top_k)[-params.top_k])
+    if params.top_p < 1.0 and vocab > 2 * NUCLEUS_CANDIDATES:
+        ids = np.flatnonzero(logits >= np.partition(logits, -NUCLEUS_CANDIDATES)[-NUCLEUS_CANDIDATES])
+        weights = np.exp(logits)  # the largest logit is 0 here
+        if weights[ids].sum() >= params.top_p * weights.sum():  # the nucleus lies among them
+            return ids
+    return None
