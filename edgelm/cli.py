@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-channel int8 weights (default: on for static, on for dynamic)",
     )
     p.add_argument("--block-size", type=int, default=32, help="int4 block size (default 32)")
+    p.add_argument(
+        "--int4-lm-head",
+        choices=("int8", "int4"),
+        default="int8",
+        help="int4 mode: precision of the LM head and the tied embedding (default int8; on the bundled model "
+        "93.3%% top-1 agreement at 0.192 of fp32's size, against 89.2%% at 0.175 with int4)",
+    )
     p.add_argument("--eval-text", default=None, help="held-out text for the accuracy report (default: bundled)")
     p.add_argument("--no-eval", action="store_true", help="skip the accuracy report")
     p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
@@ -248,6 +255,7 @@ def _quantize(args) -> int:
         calibration_samples=args.calibration_samples,
         per_channel=args.per_channel,
         block_size=args.block_size,
+        int4_lm_head=args.int4_lm_head,
         eval_text=args.eval_text,
         evaluate=not args.no_eval,
         overwrite=args.overwrite,
