@@ -16,14 +16,16 @@ Systems, batch 1, greedy, the same random prompt ids for all, every one made to 
   avx512_vnni, per-channel, Optimum's default operators); threads through its SessionOptions.
 - onnxruntime-genai on the Optimum export: the same fp32 and int8 files with a genai_config.json
   (edgelm's, export/onnx_export.py) beside them, and int4: `MatMulNBitsQuantizer` on the fp32 export
-  with edgelm's int4 recipe (block 32, symmetric, accuracy level 4). That quantizer only takes MatMuls
+  with block 32, symmetric, accuracy level 4, every linear layer and the LM head 4-bit (edgelm's default
+  keeps its LM head at 8 bits, which reads more bytes: see docs/benchmarks.md). That quantizer only takes MatMuls
   with a constant weight and Optimum's GPT-2 graph has none (Conv1D exports as Gemm, the tied head
   multiplies by Transpose(wte)), so each Gemm becomes MatMul + Add and the head gets its own
   transposed copy of wte first; the embedding Gather keeps the fp32 wte.
 - onnxruntime-genai on edgelm's own packages, unchanged (each carries genai_config.json).
   genai's threads go through `og.Config.overlay`; `min_length = max_length`, since genai cannot step
   past EOS: it masks EOS instead, which is the same greedy output unless EOS itself is the argmax.
-- edgelm: export, then quantize (dynamic int8, static int8, int4), runtime `generate(ignore_eos=True)`.
+- edgelm: export (the fused graph), then quantize (dynamic int8, static int8, int4 with its default
+  8-bit LM head), runtime `generate(ignore_eos=True)`.
 
 Optimum runs in a second interpreter: optimum[onnxruntime] (optimum-onnx 0.1.0) needs
 transformers<4.58, and this environment's transformers baseline is 5.x. benchmarks/setup_optimum.sh
@@ -329,7 +331,7 @@ def optimum_int8(export: Path, package: Path) -> dict:
 
 
 def optimum_int4(export: Path, package: Path) -> dict:
-    """MatMulNBitsQuantizer with edgelm's int4 recipe (quantize/quantize.py: block 32, symmetric,
+    """MatMulNBitsQuantizer as edgelm quantizes its blocks (quantize/quantize.py: block 32, symmetric,
     accuracy level 4) on the Optimum export, after the rewrite that lets it see the linear layers."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
