@@ -59,6 +59,12 @@ class _GraphBuilder:
         self.initializers.append(numpy_helper.from_array(np.asarray(array).copy(order="C"), name))  # 0-d stays 0-d
         return name
 
+    def small_constant(self, name: str, array: np.ndarray) -> str:
+        """A Constant node, not an initializer: saving the weights as external data then never moves
+        the values that shape inference needs (a ReduceSum's axes, a Slice's bounds)."""
+        self.nodes.append(helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(array)))
+        return name
+
     def weight(self, name: str, tensor: torch.Tensor) -> str:
         return self.constant(name, tensor.detach().to(torch.float32).cpu().numpy())
 
@@ -82,8 +88,8 @@ def build_fused_graph(model: GPT, *, opset: int = 17) -> onnx.ModelProto:
     model = model.eval()
     g = _GraphBuilder()
     n_head, head_dim = config.n_head, config.head_dim
-    one = g.constant("const_one", np.array(1, dtype=np.int64))
-    axis_1 = g.constant("const_axis_1", np.array([1], dtype=np.int64))
+    one = g.small_constant("const_one", np.array(1, dtype=np.int64))
+    axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
 
     # Token embedding. Tied: one (n_embd, vocab) matrix; the embedding gathers its columns.
     wte = model.transformer.wte.weight  # (V, C)
@@ -139,8 +145,8 @@ def build_fused_graph(model: GPT, *, opset: int = 17) -> onnx.ModelProto:
     # position for k = 0 (the default, for evaluation) and the last one for k = 1 (generation).
     g.constant(LOGITS_TO_KEEP, np.array(0, dtype=np.int64))
     negated = g.op("Neg", [LOGITS_TO_KEEP], "keep/Neg")
-    start = g.op("Unsqueeze", [negated, g.constant("const_axis_0", np.array([0]))], "keep/start")
-    end = g.constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
+    start = g.op("Unsqueeze", [negated, g.small_constant("const_axis_0", np.array([0]))], "keep/start")
+    end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
     x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
     x = g.layer_norm(x, "transformer.ln_f", model.transformer.ln_f)
     g.op("MatMul", [x, head], "logits")

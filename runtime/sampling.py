@@ -142,9 +142,9 @@ def _candidates(logits: np.ndarray, params: SamplingParams) -> np.ndarray | None
     """Ids (ascending) of every token that top-k or top-p can keep, when that is a small part of the
     vocabulary; None when it is not (then the filters run on the whole vocabulary). Ties at the cut
     are all included, as top_k_filter keeps them, so the result equals filtering everything."""
-    vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
-        return np.flatnonzero(logits >= np.partition(logits, -params.top_k)[-params.top_k])
+    vocab, k = logits.shape[-1], int(params.top_k)  # int(): a numpy unsigned k would not negate
+    if 0 < k < vocab:
+        return np.flatnonzero(logits >= np.partition(logits, -k)[-k])
     if params.top_p < 1.0 and vocab > 2 * NUCLEUS_CANDIDATES:
         ids = np.flatnonzero(logits >= np.partition(logits, -NUCLEUS_CANDIDATES)[-NUCLEUS_CANDIDATES])
         weights = np.exp(logits)  # the largest logit is 0 here

@@ -571,7 +571,7 @@ def test_a_batch_filling_the_context(model):
 # ---- 7. atomic writes: an interrupted export leaves nothing and touches nothing -------------------
 
 
-@pytest.mark.parametrize("step", ["export_onnx", "check_parity", "write_json"])
+@pytest.mark.parametrize("step", ["export_fused_onnx", "check_parity_shared", "write_json"])
 def test_export_interrupted_half_way_leaves_nothing(hf_checkpoint, tmp_path, monkeypatch, step):
     from edgelm.export import onnx_export
 
@@ -579,7 +579,7 @@ def test_export_interrupted_half_way_leaves_nothing(hf_checkpoint, tmp_path, mon
     real = getattr(onnx_export, step)
 
     def interrupt(*args, **kwargs):
-        if step == "export_onnx":
+        if step == "export_fused_onnx":
             real(*args, **kwargs)  # model.onnx written, then Ctrl-C
         raise KeyboardInterrupt
 
@@ -600,7 +600,7 @@ def test_export_interrupted_over_an_existing_package_keeps_it(hf_checkpoint, pac
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(onnx_export, "check_parity", interrupt)
+    monkeypatch.setattr(onnx_export, "check_parity_shared", interrupt)
     with pytest.raises(KeyboardInterrupt):
         onnx_export.export_package(hf_checkpoint, out, overwrite=True, progress=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
