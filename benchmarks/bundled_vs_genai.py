@@ -5,12 +5,14 @@
 At 3.7M parameters a decode step reads 15 MB (fp32), so the time goes to per-step overhead (the
 executor, binding, sampling, Python) rather than to the weights: this measures that overhead.
 Default packages: the bundled model exported and quantized (dynamic int8, int4) under out/bundled.
-Greedy, 32-token prompt, 90 new tokens (the context is 128), EOS masked for both (genai's min_length).
+Greedy, 32-token prompt, 90 new tokens (the context is 128), EOS masked for both (genai's min_length);
+each system in child processes of its own, alternating, 3 generations per child after a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -53,36 +55,50 @@ def genai_rate(og, genai, prompt: list[int]) -> float:
     return steps / (time.perf_counter() - started)
 
 
-def main() -> int:
-    import onnxruntime_genai as og
-
+def child(system: str, package: Path, threads: int, rounds: int) -> list[float]:
+    """Runs in a process of its own: two ONNX Runtime thread pools in one process (edgelm's session and
+    genai's) would spin against each other on 2 cores."""
     from edgelm.runtime import load
 
+    model = load(package, provider="cpu", threads=threads)
+    text = (REPO / "data" / "shakespeare-heldout.txt").read_text(encoding="utf-8")[:2000]
+    prompt = model.encode(text)[:PROMPT_TOKENS]
+    if system == "edgelm":
+        run = lambda: edgelm_rate(model, prompt)
+    else:
+        import onnxruntime_genai as og
+
+        config = og.Config(str(package))
+        config.overlay(f'{{"model": {{"decoder": {{"session_options": {{"intra_op_num_threads": {threads}}}}}}}}}')
+        genai = og.Model(config)
+        run = lambda: genai_rate(og, genai, prompt)
+    run()  # warm-up
+    return [run() for _ in range(rounds)]
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("packages", nargs="*")
     parser.add_argument("--out", default=str(REPO / "out" / "bundled"))
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating child runs per system and package")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", choices=("edgelm", "genai"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, Path(args.packages[0]), args.threads, 3)))
+        return 0
     packages = [Path(p) for p in args.packages] or default_packages(Path(args.out))
-    text = (REPO / "data" / "shakespeare-heldout.txt").read_text(encoding="utf-8")[:2000]
 
     print("| package | edgelm decode tokens/s | onnxruntime-genai decode tokens/s | edgelm / genai |")
     print("|---|---|---|---|")
     for package in packages:
-        model = load(package, provider="cpu", threads=args.threads)
-        prompt = model.encode(text)[:PROMPT_TOKENS]
-        config = og.Config(str(package))
-        config.overlay(f'{{"model": {{"decoder": {{"session_options": {{"intra_op_num_threads": {args.threads}}}}}}}}}')
-        genai = og.Model(config)
-
-        edgelm_rate(model, prompt), genai_rate(og, genai, prompt)  # warm-up
-        ours, theirs = [], []
+        rates: dict[str, list[float]] = {"edgelm": [], "genai": []}
         for _ in range(args.rounds):
-            ours.append(edgelm_rate(model, prompt))
-            theirs.append(genai_rate(og, genai, prompt))
-        a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"| {package.name} | {a:.0f} | {b:.0f} | {a / b:.2f}x |", flush=True)
+            for system in rates:
+                command = [sys.executable, __file__, str(package), "--child", system, "--threads", str(args.threads)]
+                rates[system] += json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
+        ours, theirs = statistics.median(rates["edgelm"]), statistics.median(rates["genai"])
+        print(f"| {package.name} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |", flush=True)
     return 0
 
 

@@ -548,9 +548,10 @@ class _ConcatCache:
 class _SharedCache:
     """The fused graph's cache: one (B, n_head, capacity, head_dim) buffer per cache tensor, bound once
     as both past and present; the graph writes each row's new keys/values at that row's length, in
-    place, so a step copies no cache and rebinds nothing but the token, mask and positions. Right
-    padding: row b's tokens are positions 0 .. length_b - 1, and attention_mask row b is length_b
-    ones. Decode-step logits land in one preallocated array."""
+    place, so a step copies no cache. Right padding: row b's tokens are positions 0 .. length_b - 1,
+    and attention_mask row b is length_b ones (then zeros: in decode steps the mask is as wide as the
+    buffer). Decode steps bind nothing: their token, position, mask and logits arrays are bound once
+    and rewritten in place."""
 
     def __init__(self, model: Model, prompts: list[list[int]], *, capacity: int):
         spec = model.spec
@@ -602,6 +603,9 @@ class _SharedCache:
     def next(self, next_ids: np.ndarray) -> np.ndarray:
         binding, spec = self.binding, self.spec
         if not self._decode_bound:
+            # the mask keeps the buffer's width: every decode step then has the same input shapes,
+            # so ONNX Runtime reuses its memory plan instead of making one per step
+            binding.bind_ortvalue_input(spec.attention_mask, ort.OrtValue.ortvalue_from_numpy(self.mask))
             binding.bind_ortvalue_input(spec.input_ids, ort.OrtValue.ortvalue_from_numpy(self.step_ids))
             if self.model._use_position_ids:
                 binding.bind_ortvalue_input(spec.position_ids, ort.OrtValue.ortvalue_from_numpy(self.step_positions))
@@ -613,8 +617,6 @@ class _SharedCache:
         self.step_positions[:, 0] = self.lengths  # the new token's position is the row's current length
         self.mask[np.arange(len(self.lengths)), self.lengths] = 1
         self.lengths += 1
-        mask = self.mask[:, : self.lengths.max()]
-        binding.bind_cpu_input(spec.attention_mask, mask if len(mask) == 1 else np.ascontiguousarray(mask))
         self.model._run(binding)
         return self.logits[:, -1, :]
 
