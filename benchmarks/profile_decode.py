@@ -18,7 +18,6 @@ import json
 import pstats
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,22 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgelm.runtime import load
-
-
-class TimedSession:
-    """Wraps an InferenceSession; records the seconds spent inside each run_with_iobinding."""
-
-    def __init__(self, session: ort.InferenceSession):
-        self._session = session
-        self.run_seconds: list[float] = []
-
-    def run_with_iobinding(self, binding, *args, **kwargs):
-        started = time.perf_counter()
-        self._session.run_with_iobinding(binding, *args, **kwargs)
-        self.run_seconds.append(time.perf_counter() - started)
-
-    def __getattr__(self, name):
-        return getattr(self._session, name)
+from edgelm.runtime.bench import TimedSession
 
 
 def profiling_session(model_path: Path, threads: int, folder: str) -> ort.InferenceSession:

@@ -17,7 +17,7 @@ import numpy as np
 from .generator import Model, load
 
 
-class _TimedSession:
+class TimedSession:
     """Wraps an InferenceSession; adds up the seconds spent inside run_with_iobinding."""
 
     def __init__(self, session):
@@ -58,7 +58,7 @@ def bench(
     prompts = [rng.integers(0, model.vocab_size, prompt_tokens).tolist() for _ in range(batch)]
     eos = set(model.spec.eos_token_ids)
     prompts = [[t if t not in eos else (t + 1) % model.vocab_size for t in p] for p in prompts]
-    timed = _TimedSession(model.session)
+    timed = TimedSession(model.session)
     model.session = timed
     try:
         model.generate_batch(prompts, 4)  # warm-up: first-run allocations and kernel selection
