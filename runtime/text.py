@@ -45,11 +45,13 @@ class TextAssembler:
         self.emitted = 0  # characters of the decoded text already handed out
         self.text = ""
         self.stopped = False
+        # decode(ids[:anchor]) == anchor_text, and ids[:anchor] ends on a whole character
+        self.anchor, self.anchor_text = 0, ""
 
     def add(self, token_id: int) -> str:
         """Append one id; return the text that is now final (maybe ""). Sets .stopped at a stop string."""
         self.ids.append(token_id)
-        self.text = self.tokenizer.decode(self.ids)
+        self.text = self._decode()
         search_from = max(0, self.emitted - max((len(s) for s in self.stop), default=0))
         cut = min((i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -65,6 +67,25 @@ class TextAssembler:
             (n for s in self.stop for n in range(1, min(len(s) - 1, safe) + 1) if head.endswith(s[:n])), default=0
         )
         return self._emit(max(safe - hold, self.emitted))
+
+    def _decode(self) -> str:
+        """decode(self.ids), without decoding them all every step (that grows with the generation: 0.2 ms
+        a token at 1,000 tokens). Decodes from a few ids before the anchor instead: ids[:anchor] end on
+        a character boundary, so the bytes after it decode on their own; the overlap gives tokenizers
+        whose decode treats the first token specially (a leading space) the same context as in full."""
+        start = max(0, self.anchor - self.OVERLAP)
+        context = self.tokenizer.decode(self.ids[start : self.anchor])
+        window = self.tokenizer.decode(self.ids[start:])
+        if not window.startswith(context):  # a decoder that is not separable here: decode it all
+            text = self.tokenizer.decode(self.ids)
+        else:
+            text = self.anchor_text + window[len(context) :]
+        if len(self.ids) - self.anchor >= self.ANCHOR_EVERY and not text.endswith(REPLACEMENT):
+            self.anchor, self.anchor_text = len(self.ids), text
+        return text
+
+    OVERLAP = 4  # ids decoded again before the anchor
+    ANCHOR_EVERY = 16  # ids between anchors: a window never grows past OVERLAP + ANCHOR_EVERY + held ids
 
     def flush(self) -> str:
         """At the end of generation everything left is final."""

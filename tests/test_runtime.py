@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -234,6 +235,20 @@ def feed(assembler: TextAssembler, ids: list[int]) -> list[str]:
     if not assembler.stopped:
         pieces.append(assembler.flush())
     return pieces
+
+
+def test_text_assembler_decodes_long_and_random_id_sequences_as_a_full_decode_does(tokenizer):
+    """The assembler decodes a window after an anchor, not every id every step: the text must still
+    equal decoding all ids, for long generations and for id sequences that break characters anywhere."""
+    rng = np.random.default_rng(0)
+    sequences = [tokenizer.encode(MULTIBYTE * 40)] + [
+        rng.integers(0, tokenizer.vocab_size, int(rng.integers(1, 120))).tolist() for _ in range(100)
+    ]
+    for ids in sequences:
+        assembler = TextAssembler(tokenizer)
+        pieces = feed(assembler, ids)
+        assert assembler.text == tokenizer.decode(ids)
+        assert "".join(pieces) == assembler.text
 
 
 def test_text_assembler_never_emits_half_a_character(tokenizer):
