@@ -307,7 +307,7 @@ class Model:
         seen = [np.array(p, dtype=np.int64) for p in prompts]
         eos = set() if ignore_eos else set(self.spec.eos_token_ids)
         finish = state.finish
-        next_ids = None
+        next_ids = np.empty((batch, 1), dtype=np.int64)
         for step in range(max_new_tokens):
             if cancel is not None and cancel.is_set():
                 for row in range(batch):
@@ -317,7 +317,7 @@ class Model:
             live = [row for row in range(batch) if not finish[row]]
             if not np.isfinite(logits[live] if batch > 1 else logits).all():
                 raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
-            next_ids = np.full((batch, 1), self.spec.pad_token_id, dtype=np.int64)
+            next_ids.fill(self.spec.pad_token_id)  # rows that have ended feed padding
             for row in live:
                 token = sample(logits[row], params, rngs[row], seen[row] if penalize else None)
                 if step == 0 and not state.first_token_time:
@@ -558,6 +558,7 @@ class _SharedCache:
         self.model, self.spec = model, spec
         batch, width = len(prompts), max(len(p) for p in prompts)
         self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # tokens in the cache after a step
+        self.rows = np.arange(batch)
         self.input_ids = np.full((batch, width), spec.pad_token_id, dtype=np.int64)
         for row, ids in enumerate(prompts):
             self.input_ids[row, : len(ids)] = ids
@@ -615,7 +616,7 @@ class _SharedCache:
             self._decode_bound = True
         self.step_ids[:] = next_ids
         self.step_positions[:, 0] = self.lengths  # the new token's position is the row's current length
-        self.mask[np.arange(len(self.lengths)), self.lengths] = 1
+        self.mask[self.rows, self.lengths] = 1
         self.lengths += 1
         self.model._run(binding)
         return self.logits[:, -1, :]

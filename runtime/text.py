@@ -45,8 +45,9 @@ class TextAssembler:
         self.emitted = 0  # characters of the decoded text already handed out
         self.text = ""
         self.stopped = False
-        # decode(ids[:anchor]) == anchor_text, and ids[:anchor] ends on a whole character
-        self.anchor, self.anchor_text = 0, ""
+        # decode(ids[:anchor]) == anchor_text, and ids[:anchor] ends on a whole character; context is
+        # the decoded OVERLAP ids before the anchor
+        self.anchor, self.anchor_text, self.context = 0, "", ""
 
     def add(self, token_id: int) -> str:
         """Append one id; return the text that is now final (maybe ""). Sets .stopped at a stop string."""
@@ -74,14 +75,14 @@ class TextAssembler:
         a character boundary, so the bytes after it decode on their own; the overlap gives tokenizers
         whose decode treats the first token specially (a leading space) the same context as in full."""
         start = max(0, self.anchor - self.OVERLAP)
-        context = self.tokenizer.decode(self.ids[start : self.anchor])
         window = self.tokenizer.decode(self.ids[start:])
-        if not window.startswith(context):  # a decoder that is not separable here: decode it all
+        if not window.startswith(self.context):  # a decoder that is not separable here: decode it all
             text = self.tokenizer.decode(self.ids)
         else:
-            text = self.anchor_text + window[len(context) :]
+            text = self.anchor_text + window[len(self.context) :]
         if len(self.ids) - self.anchor >= self.ANCHOR_EVERY and not text.endswith(REPLACEMENT):
             self.anchor, self.anchor_text = len(self.ids), text
+            self.context = self.tokenizer.decode(self.ids[self.anchor - self.OVERLAP : self.anchor])
         return text
 
     OVERLAP = 4  # ids decoded again before the anchor
