@@ -218,6 +218,7 @@ class Model:
             "vocab_size": s.vocab_size,
             "context_length": s.context_length,
             "precision": s.precision,
+            "kv_cache": s.kv_cache,  # "shared_buffer": the fused graph; "concat": standard ops
             "recipe": s.manifest.get("recipe"),
             "eos_token_ids": s.eos_token_ids,
             "bos_token_id": s.bos_token_id,
