@@ -152,7 +152,7 @@ def build_fused_graph(model: GPT, *, opset: int = 17) -> onnx.ModelProto:
     g.op("MatMul", [x, head], "logits")
 
     kv_shape = ["batch_size", n_head, "past_sequence_length", head_dim]
-    present_shape = ["batch_size", n_head, "total_sequence_length", head_dim]
+    present_shape = ["batch_size", n_head, "present_sequence_length", head_dim]  # max(past buffer, total)
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
