@@ -172,9 +172,7 @@ def build_fused_graph(model: GPT, *, opset: int = 17) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
-def check_parity_shared(
-    model: GPT, onnx_path, *, decode_steps: int = 5, seed: int = 0, providers: list[str] | None = None
-) -> float:
+def check_parity_shared(model: GPT, onnx_path, *, decode_steps: int = 5, seed: int = 0) -> float:
     """Max |logit difference| between PyTorch and ONNX Runtime for the fused graph, run the way the
     runtime runs it: a batch of 2 right-padded prompts of different lengths with all-position logits,
     then one-token steps with num_logits_to_keep = 1, the cache one buffer per layer bound as both
@@ -185,7 +183,7 @@ def check_parity_shared(
     options = ort.SessionOptions()
     options.log_severity_level = 3  # not the notice that num_logits_to_keep, an input, is not folded
     options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
-    session = ort.InferenceSession(str(onnx_path), options, providers=providers or ["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     generator = torch.Generator().manual_seed(seed)
     lengths = [min(7, config.n_positions - decode_steps), min(5, config.n_positions - decode_steps)]
     width = max(lengths)

@@ -121,16 +121,18 @@ def _linear_matmuls(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers]
 
 
-def _tied_gathers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """Gather(axis=1) nodes reading an initializer: export's shared embedding (see module docstring)."""
-    initializers = {init.name for init in model.graph.initializer}
+def _column_gathers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Gather(axis=1) nodes: export's shared embedding reads columns of the LM head's (n_embd, vocab)
+    matrix (see module docstring)."""
     return [
-        n
-        for n in model.graph.node
-        if n.op_type == "Gather"
-        and n.input[0] in initializers
-        and any(a.name == "axis" and a.i == 1 for a in n.attribute)
+        n for n in model.graph.node if n.op_type == "Gather" and any(a.name == "axis" and a.i == 1 for a in n.attribute)
     ]
+
+
+def _tied_gathers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The shared embedding's Gathers while they still read the float matrix itself (an initializer)."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [n for n in _column_gathers(model) if n.input[0] in initializers]
 
 
 def _gather_from_int8(
@@ -244,10 +246,7 @@ def _share_int8_embedding(model: onnx.ModelProto, weight_names: dict) -> None:
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     producers = {out: node for node in graph.node for out in node.output}
-    gathers = [
-        n for n in graph.node if n.op_type == "Gather" and any(a.name == "axis" and a.i == 1 for a in n.attribute)
-    ]
-    for gather in gathers:
+    for gather in _column_gathers(model):
         table = gather.input[0]
         dequantize = producers.get(table)
         if table in weight_names:
@@ -266,22 +265,28 @@ def _share_int8_embedding(model: onnx.ModelProto, weight_names: dict) -> None:
     _drop_unused_initializers(model)
 
 
-def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> dict:
+def _dynamic_int8(model: onnx.ModelProto | Path, dst: Path, *, nodes: list[str], per_channel: bool) -> None:
+    """int8 weights, activations quantized at run time, for the named MatMuls (the dynamic recipe;
+    static int8 uses it for the LM head)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    quantize_dynamic(
+        model if isinstance(model, onnx.ModelProto) else str(model),
+        str(dst),
+        per_channel=per_channel,
+        reduce_range=True,  # 7-bit weights: see REDUCE_RANGE above
+        weight_type=QuantType.QInt8,
+        op_types_to_quantize=["MatMul"],
+        nodes_to_quantize=nodes,
+        extra_options={"MatMulConstBOnly": True},
+    )
+
+
+def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> dict:
     model = onnx.load(str(src))
     tied = {g.input[0] for g in _tied_gathers(model)}
     with _QuietRootLogger():
-        quantize_dynamic(
-            model,
-            str(dst),
-            per_channel=per_channel,
-            reduce_range=True,  # 7-bit weights: see REDUCE_RANGE above
-            weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul"],
-            nodes_to_quantize=_linear_matmuls(model),
-            extra_options={"MatMulConstBOnly": True},
-        )
+        _dynamic_int8(model, dst, nodes=_linear_matmuls(model), per_channel=per_channel)
     quantized = onnx.load(str(dst))
     _share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
     _save(quantized, dst)
@@ -301,7 +306,7 @@ def _lm_head(model: onnx.ModelProto) -> str | None:
 
 
 def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percentile", per_channel: bool = True) -> dict:
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     methods = {
         "minmax": CalibrationMethod.MinMax,
@@ -343,16 +348,7 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
             },
         )
         if head is not None:
-            quantize_dynamic(
-                str(dst),
-                str(dst),
-                per_channel=per_channel,
-                reduce_range=True,  # 7-bit weights: see REDUCE_RANGE above
-                weight_type=QuantType.QInt8,
-                op_types_to_quantize=["MatMul"],
-                nodes_to_quantize=[head],
-                extra_options={"MatMulConstBOnly": True},
-            )
+            _dynamic_int8(dst, dst, nodes=[head], per_channel=per_channel)
     quantized = onnx.load(str(dst))
     _share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
     _save(quantized, dst)

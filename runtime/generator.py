@@ -567,19 +567,18 @@ class _SharedCache:
         binding.bind_output(spec.logits, "cpu")  # bound first: the prompt's logits are get_outputs()[0]
         shape = (batch, spec.n_head, capacity, spec.head_dim)
         self.buffers = []
-        for key_name, value_name in model._past_names:
-            for name in (key_name, value_name):
-                self.buffers.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, model._kv_dtype), model.device))
-                binding.bind_ortvalue_input(name, self.buffers[-1])
-        for (key_name, value_name), i in zip(model._present_names, range(0, len(self.buffers), 2), strict=True):
-            binding.bind_ortvalue_output(key_name, self.buffers[i])
-            binding.bind_ortvalue_output(value_name, self.buffers[i + 1])
+        past = [name for pair in model._past_names for name in pair]
+        present = [name for pair in model._present_names for name in pair]
+        for past_name, present_name in zip(past, present, strict=True):
+            self.buffers.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, model._kv_dtype), model.device))
+            binding.bind_ortvalue_input(past_name, self.buffers[-1])
+            binding.bind_ortvalue_output(present_name, self.buffers[-1])
         self.keep = {}
         if spec.logits_to_keep:  # an overridable initializer: bound as an OrtValue
             self.keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)}
         self.mask = (np.arange(capacity)[None, :] < self.lengths[:, None]).astype(np.int64)  # (B, capacity)
-        # decode steps: token, position and logits arrays bound once (as OrtValues sharing their
-        # memory) and rewritten in place; only the mask, one longer each step, is bound anew
+        # decode steps: mask, token, position and logits arrays bound once (as OrtValues sharing their
+        # memory) and rewritten in place
         self.step_ids = np.zeros((batch, 1), dtype=np.int64)
         self.step_positions = np.zeros((batch, 1), dtype=np.int64)
         self.logits = np.empty((batch, 1, spec.vocab_size), dtype=model._logits_dtype)

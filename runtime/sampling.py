@@ -71,11 +71,14 @@ def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: floa
 
 def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
     """Keep the k largest logits, set the rest to -inf. Ties at the k-th value are all kept."""
-    k = int(k)  # a numpy unsigned k (np.uint64) would not negate below
+    k = int(k)
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    kth = np.partition(logits, -k)[-k]
-    return np.where(logits >= kth, logits, -np.inf)
+    return np.where(logits >= _kth_largest(logits, k), logits, -np.inf)
+
+
+def _kth_largest(logits: np.ndarray, k: int) -> float:
+    return np.partition(logits, -int(k))[-int(k)]  # int(): a numpy unsigned k (np.uint64) would not negate
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -121,11 +124,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     # Work on the few tokens that can still be drawn (ids in ascending order, so the draw below picks
     # the same token as over the whole vocabulary): with a 50k vocabulary, sorting all of it for top-p
     # or renormalising it for every draw would cost more than a decode step's Python loop.
+    # (_candidates applies top-k itself, keeping ties as top_k_filter does)
     ids = _candidates(logits, params)
     if ids is not None:
         logits = logits[ids]
-    else:
-        logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     logits = min_p_filter(logits, params.min_p)
     probs = softmax(logits)
@@ -142,11 +144,11 @@ def _candidates(logits: np.ndarray, params: SamplingParams) -> np.ndarray | None
     """Ids (ascending) of every token that top-k or top-p can keep, when that is a small part of the
     vocabulary; None when it is not (then the filters run on the whole vocabulary). Ties at the cut
     are all included, as top_k_filter keeps them, so the result equals filtering everything."""
-    vocab, k = logits.shape[-1], int(params.top_k)  # int(): a numpy unsigned k would not negate
+    vocab, k = logits.shape[-1], int(params.top_k)
     if 0 < k < vocab:
-        return np.flatnonzero(logits >= np.partition(logits, -k)[-k])
+        return np.flatnonzero(logits >= _kth_largest(logits, k))
     if params.top_p < 1.0 and vocab > 2 * NUCLEUS_CANDIDATES:
-        ids = np.flatnonzero(logits >= np.partition(logits, -NUCLEUS_CANDIDATES)[-NUCLEUS_CANDIDATES])
+        ids = np.flatnonzero(logits >= _kth_largest(logits, NUCLEUS_CANDIDATES))
         weights = np.exp(logits)  # the largest logit is 0 here
         if weights[ids].sum() >= params.top_p * weights.sum():  # the nucleus lies among them
             return ids
