@@ -54,6 +54,10 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @property
+    def n_kv_head(self) -> int:
+        return self.n_head  # every head has its own keys and values (Llama's grouped-query attention shares them)
+
+    @property
     def inner_dim(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 

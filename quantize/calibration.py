@@ -13,6 +13,7 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from ..runtime import Model
+from ..runtime.kvcache import plain_feed
 
 
 class DecoderCalibrationReader(CalibrationDataReader):
@@ -20,7 +21,6 @@ class DecoderCalibrationReader(CalibrationDataReader):
         if samples < 1:
             raise ValueError(f"calibration samples must be >= 1, got {samples}")
         self.samples = samples
-        spec = model.spec
         window = min(model.context_length, 128)
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, max(1, len(ids) - window), size=samples)
@@ -30,38 +30,16 @@ class DecoderCalibrationReader(CalibrationDataReader):
             tokens = ids[starts[i] : starts[i] + window]
             # vary the prompt length so ranges cover short and long prompts and caches
             prompt_length = int(rng.integers(max(1, len(tokens) // 4), len(tokens) - decode_steps + 1))
-            feed = self._feed(model, tokens[:prompt_length][None, :], 0, None)
+            feed = plain_feed(model, tokens[:prompt_length][None, :])
             self._feeds.append(feed)
-            past = self._run(model, feed)
+            past = model.forward(tokens[:prompt_length][None, :])[1]
             for step in range(decode_steps):
                 position = prompt_length + step
-                feed = self._feed(model, tokens[position : position + 1][None, :], position, past)
-                self._feeds.append(feed)
-                past = self._run(model, feed)
+                step_ids = tokens[position : position + 1][None, :]
+                self._feeds.append(plain_feed(model, step_ids, past))
+                past = model.forward(step_ids, past)[1]
         self._iter = None
         self._bar = None
-        del spec
-
-    @staticmethod
-    def _feed(model: Model, input_ids: np.ndarray, past_length: int, past: list | None) -> dict:
-        spec = model.spec
-        length = input_ids.shape[1]
-        feed = {
-            spec.input_ids: input_ids.astype(np.int64),
-            spec.attention_mask: np.ones((1, past_length + length), dtype=np.int64),
-        }
-        if model._use_position_ids:
-            feed[spec.position_ids] = np.arange(past_length, past_length + length, dtype=np.int64)[None, :]
-        empty = np.zeros((1, spec.n_head, 0, spec.head_dim), dtype=np.float32)
-        for i, (key_name, value_name) in enumerate(model._past_names):
-            feed[key_name] = empty if past is None else past[2 * i]
-            feed[value_name] = empty if past is None else past[2 * i + 1]
-        return feed
-
-    @staticmethod
-    def _run(model: Model, feed: dict) -> list:
-        names = [n for pair in model._present_names for n in pair]
-        return model.session.run(names, feed)
 
     def __len__(self) -> int:
         return len(self._feeds)

@@ -45,15 +45,7 @@ def windows(n_tokens: int, context: int) -> list[tuple[int, int, int]]:
 
 def window_logits(model: Model, ids: np.ndarray) -> np.ndarray:
     """Log-probabilities (T, V) for every position of one window, with an empty cache."""
-    spec = model.spec
-    feed = {spec.input_ids: ids[None, :], spec.attention_mask: np.ones((1, len(ids)), dtype=np.int64)}
-    if model._use_position_ids:
-        feed[spec.position_ids] = np.arange(len(ids), dtype=np.int64)[None, :]
-    empty = np.zeros((1, spec.n_head, 0, spec.head_dim), dtype=model._kv_dtype)
-    for key_name, value_name in model._past_names:
-        feed[key_name] = empty
-        feed[value_name] = empty
-    logits = model.session.run([spec.logits], feed)[0][0].astype(np.float64)
+    logits = model.forward(ids[None, :])[0][0].astype(np.float64)
     if logits.shape[0] != len(ids):
         raise InvalidInputError("this package emits last-token logits only; evaluate its full-logits export instead")
     logits -= logits.max(axis=-1, keepdims=True)

@@ -13,7 +13,8 @@ from .errors import (
     PackageNotFoundError,
     ProviderError,
 )
-from .generator import GenerationResult, Model, Stream, Timings, load
+from .generator import Model, load
+from .results import GenerationResult, Stream, Timings
 from .sampling import SamplingParams
 
 __all__ = [

@@ -49,14 +49,12 @@ def bench(
     repeats: int = 3,
     model: Model | None = None,
 ) -> dict:
-    started = time.perf_counter()
     model = model or load(package, provider=provider, threads=threads)
-    load_s = time.perf_counter() - started
     if prompt_tokens + new_tokens > model.context_length:
         new_tokens = max(1, model.context_length - prompt_tokens)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.vocab_size, prompt_tokens).tolist() for _ in range(batch)]
-    eos = set(model.spec.eos_token_ids)
+    eos = set(model.spec.tokens.eos_token_ids)
     prompts = [[t if t not in eos else (t + 1) % model.vocab_size for t in p] for p in prompts]
     timed = TimedSession(model.session)
     model.session = timed
@@ -91,7 +89,7 @@ def bench(
         "prompt_tokens": prompt_tokens,
         "new_tokens": runs[0]["new_tokens"],
         "repeats": repeats,
-        "load_s": load_s,
+        "load_s": model.load_s,
         "time_to_first_token_s": median("ttft_s"),
         "decode_tokens_per_s": median("decode_tokens_per_s"),
         "runtime_overhead_pct": 100.0 * (1.0 - median("ort_share")),

@@ -18,91 +18,24 @@ keeps its own cache, binding and random generator.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
+from .kvcache import make_cache, plain_feed
 from .package import PackageSpec, read_package
+from .results import GenerationResult, Stream, Timings, make_timings
 from .sampling import SamplingParams, sample
+from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers
 from .text import TextAssembler, Tokenizer
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-_KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # cache and logits types
 MAX_THREADS = 1024
-
-
-def _ort_reason(error: Exception) -> str:
-    """The useful part of an ONNX Runtime exception: its first line without the status-code prefix,
-    the C++ source location and function signature, which mean nothing to a user."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
-    text = re.sub(r"^(Load model from .*? failed:|Error in execution: )", "", text)
-    text = re.sub(r"\S+\.(cc|cpp|h):\d+ (\S+\(.*?\)( const)? )?", "", text)
-    return text.split("Status Message: ")[-1].strip()
-
-
-@dataclass
-class Timings:
-    load_s: float = 0.0  # not per call: filled in by bench
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    time_to_first_token_s: float = 0.0  # from the call to the first sampled token (prompt pass included)
-    decode_tokens_per_s: float = 0.0  # tokens after the first, per second
-    total_s: float = 0.0
-
-
-@dataclass
-class GenerationResult:
-    text: str  # the generated text (a stop string is not included)
-    token_ids: list[int]  # the generated ids (EOS not included)
-    finish_reason: str  # "eos", "stop", "length" or "cancelled"
-    prompt_token_ids: list[int] = field(default_factory=list)
-    timings: Timings = field(default_factory=Timings)
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": len(self.prompt_token_ids),
-            "timings": self.timings.__dict__,
-        }
-
-
-class Stream:
-    """An iterator of final text pieces; after it is exhausted, .result holds the GenerationResult."""
-
-    def __init__(self, pieces: Iterator[str]):
-        self._pieces = pieces
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-
-def resolve_providers(provider: str) -> list[str]:
-    available = ort.get_available_providers()
-    if provider == "auto":
-        return [PROVIDERS["cuda"], PROVIDERS["cpu"]] if PROVIDERS["cuda"] in available else [PROVIDERS["cpu"]]
-    if not isinstance(provider, str) or provider not in PROVIDERS:
-        raise ProviderError(f"unknown provider {provider!r}; choose one of 'cpu', 'cuda', 'auto'")
-    name = PROVIDERS[provider]
-    if name not in available:
-        raise ProviderError(
-            f"provider {provider!r} ({name}) is not available in this onnxruntime build; available: "
-            f"{', '.join(available)}. For CUDA install onnxruntime-gpu instead of onnxruntime."
-        )
-    return [name] if provider == "cpu" else [name, PROVIDERS["cpu"]]
+__all__ = ["GenerationResult", "Model", "Stream", "Timings", "load", "resolve_providers"]
 
 
 def load(path: str | Path, provider: str = "auto", threads: int | None = None, *, verify: bool = True) -> Model:
@@ -122,112 +55,71 @@ class Model:
         providers = resolve_providers(provider)
         self.spec: PackageSpec = read_package(path, verify=verify)
         self.tokenizer = Tokenizer(self.spec.tokenizer_path) if self.spec.tokenizer_path else None
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3  # errors only: warnings about unused initializers are noise to users
-        if threads is not None:
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-        try:
-            self.session = ort.InferenceSession(str(self.spec.model_path), options, providers=providers)
-        except Exception as e:  # onnxruntime raises its own pybind exception types
-            raise PackageError(f"ONNX Runtime cannot load {self.spec.model_path.name}: {_ort_reason(e)}") from None
+        self.session = open_session(self.spec.model_path, providers, threads)
         if provider == "cuda" and PROVIDERS["cuda"] not in self.session.get_providers():
             raise ProviderError("the CUDA provider is installed but failed to start (check the CUDA/cuDNN libraries)")
         self.device = "cuda" if PROVIDERS["cuda"] in self.session.get_providers() else "cpu"
-        self._check_io()
-        self.load_s = time.perf_counter() - started
+        facts = check_io(self.spec, self.session)
+        self.uses_position_ids, self.kv_dtype, self.logits_dtype = (
+            facts.uses_position_ids,
+            facts.kv_dtype,
+            facts.logits_dtype,
+        )
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.spec.arch.vocab_size:
+            raise PackageError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only {self.spec.arch.vocab_size}"
+            )
+        self.load_s = time.perf_counter() - started  # from the call to a model ready to generate
 
     # ---- package facts -------------------------------------------------------------------------
 
-    def _check_io(self) -> None:
-        """The graph's I/O against the package JSON, so that a mismatch is a PackageError at load
-        time and not an ONNX Runtime failure in the middle of generation."""
-        spec = self.spec
-        name = spec.model_path.name
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        outputs = {o.name: o for o in self.session.get_outputs()}
-        if 2 * spec.n_layer > len(inputs):  # before building 2 * n_layer names: n_layer may be huge
-            raise PackageError(f"the package says {spec.n_layer} layers, but {name} has only {len(inputs)} inputs")
-        self._past_names = [(spec.past_key % i, spec.past_value % i) for i in range(spec.n_layer)]
-        self._present_names = [(spec.present_key % i, spec.present_value % i) for i in range(spec.n_layer)]
-        needed_in = [spec.input_ids, spec.attention_mask, *[n for pair in self._past_names for n in pair]]
-        needed_out = [spec.logits, *[n for pair in self._present_names for n in pair]]
-        missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
-        if missing:
-            raise PackageError(
-                f"{name} does not match its package description: no I/O named "
-                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-            )
-        self._use_position_ids = spec.position_ids is not None and spec.position_ids in inputs
-        if spec.logits_to_keep and spec.logits_to_keep not in inputs:
-            overridable = {i.name for i in self.session.get_overridable_initializers()}
-            if spec.logits_to_keep not in overridable:
-                raise PackageError(f"{name} has no input {spec.logits_to_keep}, which the package names logits_to_keep")
-        bound = needed_in + ([spec.position_ids] if self._use_position_ids else [])
-        if len(set(bound)) < len(bound) or len(set(needed_out)) < len(needed_out):
-            raise PackageError(f"the package description gives two of {name}'s inputs or outputs the same name")
-        unbound = sorted(set(inputs) - set(bound))
-        if unbound:
-            raise PackageError(f"{name} has inputs the package description does not name: {', '.join(unbound[:3])}")
-        # fixed axes must agree with the JSON: caches (B, n_head, T, head_dim), logits (B, T, vocab)
-        agrees = lambda dim, expected: not isinstance(dim, int) or dim == expected  # a symbolic axis always does
-        for n in needed_in[2:] + needed_out[1:]:
-            shape = inputs[n].shape if n in inputs else outputs[n].shape
-            if len(shape) != 4 or not (agrees(shape[1], spec.n_head) and agrees(shape[3], spec.head_dim)):
-                raise PackageError(
-                    f"{n} in {name} has shape {shape}; the package says (batch, {spec.n_head}, length, {spec.head_dim})"
-                )
-        shape = outputs[spec.logits].shape
-        if len(shape) != 3 or not agrees(shape[2], spec.vocab_size):
-            raise PackageError(
-                f"{spec.logits} in {name} has shape {shape}; the package says (batch, length, {spec.vocab_size})"
-            )
-        self._logits_dtype = _KV_DTYPES.get(outputs[spec.logits].type)
-        if self._logits_dtype is None:
-            raise PackageError(f"unsupported logits type {outputs[spec.logits].type}")
-        self._kv_dtype = _KV_DTYPES.get(inputs[self._past_names[0][0]].type)
-        if self._kv_dtype is None:
-            raise PackageError(f"unsupported KV-cache type {inputs[self._past_names[0][0]].type}")
-        if self.tokenizer is not None and self.tokenizer.vocab_size > spec.vocab_size:
-            raise PackageError(
-                f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only {spec.vocab_size}"
-            )
-
     @property
     def context_length(self) -> int:
-        return self.spec.context_length
+        return self.spec.arch.context_length
 
     @property
     def vocab_size(self) -> int:
-        return self.spec.vocab_size
+        return self.spec.arch.vocab_size
 
     def info(self) -> dict:
         s = self.spec
-        files = s.manifest.get("files")  # unchecked when loaded with verify=False: any JSON at all
-        sizes = [f.get("bytes") for f in files.values() if isinstance(f, dict)] if isinstance(files, dict) else []
+        manifest = s.manifest
+        # file sizes are unchecked when loaded with verify=False: any JSON at all
+        sizes = [f.get("bytes") for f in manifest.files.values() if isinstance(f, dict)] if manifest else []
         sizes = [n for n in sizes if isinstance(n, int) and not isinstance(n, bool)]
         return {
             "package": str(s.folder),
             "kind": s.kind,
-            "architecture": "gpt2",
-            "layers": s.n_layer,
-            "heads": s.n_head,
-            "head_dim": s.head_dim,
-            "vocab_size": s.vocab_size,
-            "context_length": s.context_length,
+            "architecture": s.arch.type,
+            "layers": s.arch.n_layer,
+            "heads": s.arch.n_head,
+            "kv_heads": s.arch.n_kv_head,
+            "head_dim": s.arch.head_dim,
+            "vocab_size": s.arch.vocab_size,
+            "context_length": s.arch.context_length,
             "precision": s.precision,
-            "kv_cache": s.kv_cache,  # "shared_buffer": the fused graph; "concat": standard ops
-            "recipe": s.manifest.get("recipe"),
-            "eos_token_ids": s.eos_token_ids,
-            "bos_token_id": s.bos_token_id,
+            "kv_cache": s.io.kv_cache,  # "shared_buffer": the fused graph; "concat": standard ops
+            "recipe": manifest.recipe if manifest else None,
+            "eos_token_ids": s.tokens.eos_token_ids,
+            "bos_token_id": s.tokens.bos_token_id,
             "tokenizer": s.tokenizer_path.name if s.tokenizer_path else None,
+            "chat_template": s.chat_template_path is not None,
             "provider": self.session.get_providers()[0],
             "size_bytes": sum(sizes) if sizes else s.model_path.stat().st_size,
-            "parity": s.manifest.get("parity"),
-            "evaluation": s.manifest.get("evaluation"),
+            "parity": manifest.parity if manifest else None,
+            "evaluation": manifest.evaluation if manifest else None,
         }
+
+    def forward(self, input_ids: np.ndarray, past: list | None = None) -> tuple[np.ndarray, list]:
+        """One plain run, for evaluation and calibration: input_ids (B, T) after `past` (the present
+        list of the previous call, or None for an empty cache). Returns logits (B, T, V) for every
+        position (the graph's default) and the present keys/values."""
+        names = [self.spec.io.logits, *self.spec.io.present_names(self.spec.arch.n_layer)]
+        try:
+            outputs = self.session.run(names, plain_feed(self, input_ids, past))
+        except Exception as e:  # onnxruntime's pybind types
+            raise PackageError(f"ONNX Runtime failed running {self.spec.model_path.name}: {ort_reason(e)}") from None
+        return outputs[0], outputs[1:]
 
     # ---- input handling ------------------------------------------------------------------------
 
@@ -248,19 +140,19 @@ class Model:
             for i in ids:
                 if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
                     raise InvalidInputError(f"token ids must be integers, got {i!r}")
-                if not 0 <= i < self.spec.vocab_size:
-                    raise InvalidInputError(f"token id {i} is outside the vocabulary [0, {self.spec.vocab_size})")
+                if not 0 <= i < self.spec.arch.vocab_size:
+                    raise InvalidInputError(f"token id {i} is outside the vocabulary [0, {self.spec.arch.vocab_size})")
             ids = [int(i) for i in ids]
         else:
             raise InvalidInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
-            if self.spec.bos_token_id is None:
+            if self.spec.tokens.bos_token_id is None:
                 raise InvalidInputError("the prompt is empty and the package has no BOS token to start from")
-            ids = [self.spec.bos_token_id]
+            ids = [self.spec.tokens.bos_token_id]
         return ids
 
     def _fit_context(self, ids: list[int], max_new_tokens: int, truncate_prompt: bool) -> list[int]:
-        limit = self.spec.context_length
+        limit = self.spec.arch.context_length
         if len(ids) + max_new_tokens <= limit:
             return ids
         if not truncate_prompt:
@@ -275,12 +167,13 @@ class Model:
 
     # ---- the decode loop -----------------------------------------------------------------------
 
-    def _run(self, binding) -> None:
+    def run(self, binding) -> None:
+        """Run the session on an IO binding (the KV-cache drivers' one way in)."""
         try:
             self.session.run_with_iobinding(binding)
         except Exception as e:  # onnxruntime's pybind types; inputs were validated, so the package is at fault
             raise PackageError(
-                f"ONNX Runtime failed running {self.spec.model_path.name}: {_ort_reason(e)} (does the package's "
+                f"ONNX Runtime failed running {self.spec.model_path.name}: {ort_reason(e)} (does the package's "
                 "JSON match its model, e.g. context length or vocabulary size?)"
             ) from None
 
@@ -295,18 +188,15 @@ class Model:
         cancel: threading.Event | None,
         ignore_eos: bool = False,
     ) -> Iterator[tuple[int, int]]:
-        """Batched decoding, prompts padded as the package's cache wants (_ConcatCache, _SharedCache):
+        """Batched decoding, prompts padded as the package's cache wants (runtime/kvcache.py):
         yields (row, token id) for every new token of an unfinished row. state.finish[row] records why
         a row ended; the consumer may end a row itself (a stop string) by setting it."""
         batch = len(prompts)
-        if self.spec.kv_cache == "shared_buffer":
-            cache = _SharedCache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
-        else:
-            cache = _ConcatCache(self, prompts)
+        cache = make_cache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
         rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(batch)]
         penalize = params.repetition_penalty != 1.0
         seen = [np.array(p, dtype=np.int64) for p in prompts]
-        eos = set() if ignore_eos else set(self.spec.eos_token_ids)
+        eos = set() if ignore_eos else set(self.spec.tokens.eos_token_ids)
         finish = state.finish
         next_ids = np.empty((batch, 1), dtype=np.int64)
         for step in range(max_new_tokens):
@@ -318,7 +208,7 @@ class Model:
             live = [row for row in range(batch) if not finish[row]]
             if not np.isfinite(logits[live] if batch > 1 else logits).all():
                 raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
-            next_ids.fill(self.spec.pad_token_id)  # rows that have ended feed padding
+            next_ids.fill(self.spec.tokens.pad_token_id)  # rows that have ended feed padding
             for row in live:
                 token = sample(logits[row], params, rngs[row], seen[row] if penalize else None)
                 if step == 0 and not state.first_token_time:
@@ -427,7 +317,7 @@ class Model:
                 generated[row],
                 state.finish[row],
                 ids,
-                _timings(started, state.first_token_time, ended, len(ids), len(generated[row])),
+                make_timings(started, state.first_token_time, ended, len(ids), len(generated[row])),
             )
             for row, ids in enumerate(encoded)
         ]
@@ -491,151 +381,14 @@ class Model:
                 list(assembler.ids),
                 state.finish[0],
                 ids,
-                _timings(started, state.first_token_time, time.perf_counter(), len(ids), len(assembler.ids)),
+                make_timings(started, state.first_token_time, time.perf_counter(), len(ids), len(assembler.ids)),
             )
 
         stream = Stream(pieces())
         return stream
 
 
-class _ConcatCache:
-    """The standard graph's cache: past keys/values go in, past + new come out as new OrtValues, bound
-    as the next step's past (never copied through numpy; with CUDA they stay on the device). Left
-    padding, so every row's newest token is the last position."""
-
-    def __init__(self, model: Model, prompts: list[list[int]]):
-        spec = model.spec
-        self.model, self.spec = model, spec
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        self.input_ids = np.full((batch, width), spec.pad_token_id, dtype=np.int64)
-        self.attention_mask = np.zeros((batch, width), dtype=np.int64)
-        for row, ids in enumerate(prompts):
-            self.input_ids[row, width - len(ids) :] = ids
-            self.attention_mask[row, width - len(ids) :] = 1
-        empty = np.zeros((batch, spec.n_head, 0, spec.head_dim), dtype=model._kv_dtype)
-        self.past = [ort.OrtValue.ortvalue_from_numpy(empty, model.device) for _ in range(2 * spec.n_layer)]
-        self.binding = model.session.io_binding()
-
-    def prompt(self) -> np.ndarray:
-        return self._step(self.input_ids)
-
-    def next(self, next_ids: np.ndarray) -> np.ndarray:
-        self.attention_mask = np.concatenate([self.attention_mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
-        return self._step(next_ids)
-
-    def _step(self, input_ids: np.ndarray) -> np.ndarray:
-        spec, binding, device = self.spec, self.binding, self.model.device
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        binding.bind_cpu_input(spec.input_ids, input_ids)
-        binding.bind_cpu_input(spec.attention_mask, self.attention_mask)
-        if self.model._use_position_ids:
-            # positions count real tokens only, so a left-padded row starts at 0 like an unpadded one
-            positions = np.cumsum(self.attention_mask, axis=1)[:, -input_ids.shape[1] :] - 1
-            binding.bind_cpu_input(spec.position_ids, np.maximum(positions, 0).astype(np.int64))
-        for (key_name, value_name), i in zip(self.model._past_names, range(0, len(self.past), 2), strict=True):
-            binding.bind_ortvalue_input(key_name, self.past[i])
-            binding.bind_ortvalue_input(value_name, self.past[i + 1])
-        binding.bind_output(spec.logits, "cpu")
-        for key_name, value_name in self.model._present_names:
-            binding.bind_output(key_name, device)
-            binding.bind_output(value_name, device)
-        self.model._run(binding)
-        outputs = binding.get_outputs()
-        self.past = outputs[1:]
-        return outputs[0].numpy()[:, -1, :]
-
-
-class _SharedCache:
-    """The fused graph's cache: one (B, n_head, capacity, head_dim) buffer per cache tensor, bound once
-    as both past and present; the graph writes each row's new keys/values at that row's length, in
-    place, so a step copies no cache. Right padding: row b's tokens are positions 0 .. length_b - 1,
-    and attention_mask row b is length_b ones (then zeros: in decode steps the mask is as wide as the
-    buffer). Decode steps bind nothing: their token, position, mask and logits arrays are bound once
-    and rewritten in place."""
-
-    def __init__(self, model: Model, prompts: list[list[int]], *, capacity: int):
-        spec = model.spec
-        self.model, self.spec = model, spec
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # tokens in the cache after a step
-        self.rows = np.arange(batch)
-        self.input_ids = np.full((batch, width), spec.pad_token_id, dtype=np.int64)
-        for row, ids in enumerate(prompts):
-            self.input_ids[row, : len(ids)] = ids
-        binding = self.binding = model.session.io_binding()
-        binding.bind_output(spec.logits, "cpu")  # bound first: the prompt's logits are get_outputs()[0]
-        shape = (batch, spec.n_head, capacity, spec.head_dim)
-        self.buffers = []
-        past = [name for pair in model._past_names for name in pair]
-        present = [name for pair in model._present_names for name in pair]
-        for past_name, present_name in zip(past, present, strict=True):
-            self.buffers.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, model._kv_dtype), model.device))
-            binding.bind_ortvalue_input(past_name, self.buffers[-1])
-            binding.bind_ortvalue_output(present_name, self.buffers[-1])
-        self.keep = {}
-        if spec.logits_to_keep:  # an overridable initializer: bound as an OrtValue
-            self.keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)}
-        self.mask = (np.arange(capacity)[None, :] < self.lengths[:, None]).astype(np.int64)  # (B, capacity)
-        # decode steps: mask, token, position and logits arrays bound once (as OrtValues sharing their
-        # memory) and rewritten in place
-        self.step_ids = np.zeros((batch, 1), dtype=np.int64)
-        self.step_positions = np.zeros((batch, 1), dtype=np.int64)
-        self.logits = np.empty((batch, 1, spec.vocab_size), dtype=model._logits_dtype)
-        self._decode_bound = False
-
-    def prompt(self) -> np.ndarray:
-        batch, width = self.input_ids.shape
-        mask = np.ascontiguousarray(self.mask[:, :width])
-        uniform = bool(np.all(self.lengths == width))  # then only the last position needs logits
-        binding, spec = self.binding, self.spec
-        binding.bind_cpu_input(spec.input_ids, self.input_ids)
-        binding.bind_cpu_input(spec.attention_mask, mask)
-        if self.model._use_position_ids:
-            binding.bind_cpu_input(spec.position_ids, np.arange(width)[None, :] * mask)
-        if self.keep:
-            binding.bind_ortvalue_input(spec.logits_to_keep, self.keep[1 if uniform else 0])
-        self.model._run(binding)
-        logits = binding.get_outputs()[0].numpy()  # (B, width or 1, V)
-        if uniform:
-            return logits[:, -1, :]
-        return logits[np.arange(batch), self.lengths - 1]  # each row's last real position
-
-    def next(self, next_ids: np.ndarray) -> np.ndarray:
-        binding, spec = self.binding, self.spec
-        if not self._decode_bound:
-            # the mask keeps the buffer's width: every decode step then has the same input shapes,
-            # so ONNX Runtime reuses its memory plan instead of making one per step
-            binding.bind_ortvalue_input(spec.attention_mask, ort.OrtValue.ortvalue_from_numpy(self.mask))
-            binding.bind_ortvalue_input(spec.input_ids, ort.OrtValue.ortvalue_from_numpy(self.step_ids))
-            if self.model._use_position_ids:
-                binding.bind_ortvalue_input(spec.position_ids, ort.OrtValue.ortvalue_from_numpy(self.step_positions))
-            if self.keep:
-                binding.bind_ortvalue_input(spec.logits_to_keep, self.keep[1])
-            binding.bind_ortvalue_output(spec.logits, ort.OrtValue.ortvalue_from_numpy(self.logits))
-            self._decode_bound = True
-        self.step_ids[:] = next_ids
-        self.step_positions[:, 0] = self.lengths  # the new token's position is the row's current length
-        self.mask[self.rows, self.lengths] = 1
-        self.lengths += 1
-        self.model._run(binding)
-        return self.logits[:, -1, :]
-
-
 @dataclass
 class _DecodeState:
     finish: list[str]  # per row: "" while running, then "eos", "stop", "length" or "cancelled"
     first_token_time: float = 0.0
-
-
-def _timings(started: float, first: float, ended: float, prompt_tokens: int, new_tokens: int) -> Timings:
-    ttft = (first - started) if first else 0.0
-    decode_time = ended - first if first else 0.0
-    rate = (new_tokens - 1) / decode_time if new_tokens > 1 and decode_time > 0 else 0.0
-    return Timings(
-        prompt_tokens=prompt_tokens,
-        new_tokens=new_tokens,
-        time_to_first_token_s=ttft,
-        decode_tokens_per_s=rate,
-        total_s=ended - started,
-    )

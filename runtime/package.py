@@ -19,15 +19,23 @@ import hashlib
 import json
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from .contract import (
+    GENAI_CONFIG_FILE,
+    MANIFEST_FILE,
+    Architecture,
+    IONames,
+    Manifest,
+    Tokens,
+    integer,
+    io_name,
+    optional_id,
+    token_list,
+)
 from .errors import PackageError, PackageNotFoundError
 
-MANIFEST_FILE = "edgelm.json"
-MANIFEST_FORMAT = "edgelm-package"
-MANIFEST_VERSION = 1
-GENAI_CONFIG_FILE = "genai_config.json"
 HF_CONFIG_FILE = "config.json"
 
 
@@ -38,30 +46,13 @@ class PackageSpec:
     folder: Path
     kind: str  # "edgelm", "genai" or "optimum"
     model_path: Path
-    vocab_size: int
-    context_length: int
-    n_layer: int
-    n_head: int
-    head_dim: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    pad_token_id: int
     tokenizer_path: Path | None
+    arch: Architecture
+    io: IONames
+    tokens: Tokens
     precision: str = "fp32"
-    input_ids: str = "input_ids"
-    attention_mask: str = "attention_mask"
-    position_ids: str | None = "position_ids"
-    logits: str = "logits"
-    past_key: str = "past_key_values.%d.key"
-    past_value: str = "past_key_values.%d.value"
-    present_key: str = "present.%d.key"
-    present_value: str = "present.%d.value"
-    # How the graph keeps its cache: "concat" (past in, past + new out; left padding) or
-    # "shared_buffer" (one buffer per cache tensor bound as both past and present, updated in place at
-    # each row's length from attention_mask; right padding).
-    kv_cache: str = "concat"
-    logits_to_keep: str | None = None  # optional input: how many last positions get logits (0 = all)
-    manifest: dict = field(default_factory=dict)
+    manifest: Manifest | None = None  # edgelm packages only
+    chat_template_path: Path | None = None
 
 
 def file_sha256(path: str | Path) -> str:
@@ -101,95 +92,26 @@ def inside(folder: Path, name: object, what: str) -> Path:
     return path
 
 
-def _int(data: dict, key: str, where: str, *, minimum: int = 0) -> int:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PackageError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _optional_id(value: object) -> int | None:
-    """A token id that a package may leave out (null); range-checked in read_package."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _io_name(
-    table: dict, key: str, default: str, where: str, *, per_layer: bool = False, optional: bool = False
-) -> str | None:
-    """An ONNX I/O name from package JSON (None where optional and null). Per-layer names hold exactly
-    one %d (the layer index) and no other %, so formatting them can neither fail nor blow up."""
-    value = table.get(key, default)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or not value:
-        raise PackageError(f"{where}: {key} must be a non-empty string, got {value!r}")
-    if per_layer and (value.count("%") != 1 or "%d" not in value):
-        raise PackageError(f"{where}: {key} must hold one %d for the layer index, got {value!r}")
-    return value
-
-
-def _token_list(value: object, where: str) -> list[int]:
-    ids = value if isinstance(value, list) else [value]
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise PackageError(f"{where}: eos token id(s) must be non-negative integers, got {value!r}")
-    return ids
-
-
 def _tokenizer(folder: Path) -> Path | None:
     path = folder / "tokenizer.json"
     return inside(folder, "tokenizer.json", "tokenizer") if path.is_file() else None
 
 
-def _from_manifest(folder: Path, manifest: dict) -> PackageSpec:
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise PackageError(f"{MANIFEST_FILE}: format is {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-    version = manifest.get("format_version")
-    if version != MANIFEST_VERSION:
-        raise PackageError(
-            f"{MANIFEST_FILE}: format_version {version!r} is not supported (this runtime reads "
-            f"{MANIFEST_VERSION}); upgrade edgelm or re-export the package"
-        )
-    arch, io, tok = manifest.get("architecture"), manifest.get("io"), manifest.get("tokenizer")
-    if not all(isinstance(x, dict) for x in (arch, io, tok)):
-        raise PackageError(f"{MANIFEST_FILE}: architecture, io and tokenizer must be objects")
-    if arch.get("type") != "gpt2":
-        raise PackageError(f"{MANIFEST_FILE}: unknown architecture {arch.get('type')!r} (this runtime runs 'gpt2')")
-    where = MANIFEST_FILE
-    tokenizer_file = tok.get("file")
-    pad = tok.get("pad_token_id")
-    eos = _token_list(tok.get("eos_token_ids"), where)
-    bos, pad = _optional_id(tok.get("bos_token_id")), _optional_id(pad)
+def _from_manifest(folder: Path, data: dict) -> PackageSpec:
+    manifest = Manifest.parse(data)
+    tok = manifest.tokenizer
     return PackageSpec(
         folder=folder,
         kind="edgelm",
-        model_path=inside(folder, manifest.get("model_file"), "model_file"),
-        vocab_size=_int(arch, "vocab_size", where, minimum=1),
-        context_length=_int(arch, "context_length", where, minimum=1),
-        n_layer=_int(arch, "n_layer", where, minimum=1),
-        n_head=_int(arch, "n_head", where, minimum=1),
-        head_dim=_int(arch, "head_dim", where, minimum=1),
-        eos_token_ids=eos,
-        bos_token_id=bos,
-        pad_token_id=pad if pad is not None else eos[0],
-        tokenizer_path=inside(folder, tokenizer_file, "tokenizer file") if tokenizer_file else None,
-        precision=str(manifest.get("precision", "fp32")),
-        past_key=_io_name(io, "past_key", "past_key_values.%d.key", where, per_layer=True),
-        past_value=_io_name(io, "past_value", "past_key_values.%d.value", where, per_layer=True),
-        present_key=_io_name(io, "present_key", "present.%d.key", where, per_layer=True),
-        present_value=_io_name(io, "present_value", "present.%d.value", where, per_layer=True),
-        kv_cache=_kv_cache(io.get("kv_cache", "concat"), where),
-        logits_to_keep=_io_name(io, "logits_to_keep", None, where, optional=True),
+        model_path=inside(folder, manifest.model_file, "model_file"),
+        tokenizer_path=inside(folder, tok.file, "tokenizer file") if tok.file else None,
+        chat_template_path=inside(folder, tok.chat_template, "chat template") if tok.chat_template else None,
+        arch=manifest.architecture,
+        io=manifest.io,
+        tokens=tok,
+        precision=manifest.precision,
         manifest=manifest,
     )
-
-
-KV_CACHE_KINDS = ("concat", "shared_buffer")
-
-
-def _kv_cache(value: object, where: str) -> str:
-    if value not in KV_CACHE_KINDS:
-        raise PackageError(f"{where}: kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {value!r}")
-    return value
 
 
 def _from_genai(folder: Path, config: dict) -> PackageSpec:
@@ -201,59 +123,85 @@ def _from_genai(folder: Path, config: dict) -> PackageSpec:
     inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
     if not isinstance(inputs, dict) or not isinstance(outputs, dict):
         raise PackageError(f"{where}: model.decoder.inputs and .outputs must be objects")
-    n_head = _int(decoder, "num_attention_heads", where, minimum=1)
-    head_dim = decoder.get("head_size") or _int(decoder, "hidden_size", where, minimum=1) // n_head
-    eos = _token_list(model.get("eos_token_id"), where)
-    pad = _optional_id(model.get("pad_token_id"))
-    bos = _optional_id(model.get("bos_token_id"))
+    n_head = integer(decoder, "num_attention_heads", where, minimum=1)
+    n_kv_head = (
+        integer(decoder, "num_key_value_heads", where, minimum=1) if "num_key_value_heads" in decoder else n_head
+    )
+    if n_head % n_kv_head:
+        raise PackageError(f"{where}: num_attention_heads ({n_head}) must be a multiple of num_key_value_heads")
+    head_dim = decoder.get("head_size") or integer(decoder, "hidden_size", where, minimum=1) // n_head
+    eos = token_list(model.get("eos_token_id"), where)
+    pad = optional_id(model.get("pad_token_id"))
     search = config.get("search")
     shared = isinstance(search, dict) and search.get("past_present_share_buffer") is True
+    arch = Architecture(
+        type=str(model.get("type", "")),
+        vocab_size=integer(model, "vocab_size", where, minimum=1),
+        context_length=integer(model, "context_length", where, minimum=1),
+        n_layer=integer(decoder, "num_hidden_layers", where, minimum=1),
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        head_dim=integer({"head_size": head_dim}, "head_size", where, minimum=1),
+    )
+    io = IONames(
+        input_ids=io_name(inputs, "input_ids", "input_ids", where),
+        attention_mask=io_name(inputs, "attention_mask", "attention_mask", where),
+        position_ids=io_name(inputs, "position_ids", "position_ids", where, optional=True),
+        logits=io_name(outputs, "logits", "logits", where),
+        past_key=io_name(inputs, "past_key_names", IONames.past_key, where, per_layer=True),
+        past_value=io_name(inputs, "past_value_names", IONames.past_value, where, per_layer=True),
+        present_key=io_name(outputs, "present_key_names", IONames.present_key, where, per_layer=True),
+        present_value=io_name(outputs, "present_value_names", IONames.present_value, where, per_layer=True),
+        kv_cache="shared_buffer" if shared else "concat",
+    )
+    tokens = Tokens(
+        file="tokenizer.json",
+        bos_token_id=optional_id(model.get("bos_token_id")),
+        eos_token_ids=eos,
+        pad_token_id=pad if pad is not None else eos[0],
+    )
     return PackageSpec(
         folder=folder,
         kind="genai",
-        kv_cache="shared_buffer" if shared else "concat",
         model_path=inside(folder, decoder.get("filename"), "decoder filename"),
-        vocab_size=_int(model, "vocab_size", where, minimum=1),
-        context_length=_int(model, "context_length", where, minimum=1),
-        n_layer=_int(decoder, "num_hidden_layers", where, minimum=1),
-        n_head=n_head,
-        head_dim=_int({"head_size": head_dim}, "head_size", where, minimum=1),
-        eos_token_ids=eos,
-        bos_token_id=bos,
-        pad_token_id=pad if pad is not None else eos[0],
         tokenizer_path=_tokenizer(folder),
-        input_ids=_io_name(inputs, "input_ids", "input_ids", where),
-        attention_mask=_io_name(inputs, "attention_mask", "attention_mask", where),
-        position_ids=_io_name(inputs, "position_ids", "position_ids", where, optional=True),
-        logits=_io_name(outputs, "logits", "logits", where),
-        past_key=_io_name(inputs, "past_key_names", "past_key_values.%d.key", where, per_layer=True),
-        past_value=_io_name(inputs, "past_value_names", "past_key_values.%d.value", where, per_layer=True),
-        present_key=_io_name(outputs, "present_key_names", "present.%d.key", where, per_layer=True),
-        present_value=_io_name(outputs, "present_value_names", "present.%d.value", where, per_layer=True),
+        arch=arch,
+        io=io,
+        tokens=tokens,
     )
 
 
 def _from_hf_config(folder: Path, config: dict) -> PackageSpec:
+    """An Optimum export of GPT-2: model.onnx beside Hugging Face's config.json."""
     where = HF_CONFIG_FILE
     if config.get("model_type") != "gpt2":
         raise PackageError(f"{where}: unknown model_type {config.get('model_type')!r} (this runtime runs 'gpt2')")
-    n_embd, n_head = _int(config, "n_embd", where, minimum=1), _int(config, "n_head", where, minimum=1)
-    eos = _token_list(config.get("eos_token_id", 50256), where)
-    pad = _optional_id(config.get("pad_token_id"))
-    bos = _optional_id(config.get("bos_token_id"))
+    n_embd, n_head = integer(config, "n_embd", where, minimum=1), integer(config, "n_head", where, minimum=1)
+    eos = token_list(config.get("eos_token_id", 50256), where)
+    pad = optional_id(config.get("pad_token_id"))
+    arch = Architecture(
+        type="gpt2",
+        vocab_size=integer(config, "vocab_size", where, minimum=1),
+        context_length=integer(config, "n_positions", where, minimum=1),
+        n_layer=integer(config, "n_layer", where, minimum=1),
+        n_head=n_head,
+        n_kv_head=n_head,
+        head_dim=n_embd // n_head,
+    )
+    tokens = Tokens(
+        file="tokenizer.json",
+        bos_token_id=optional_id(config.get("bos_token_id")),
+        eos_token_ids=eos,
+        pad_token_id=pad if pad is not None else eos[0],
+    )
     return PackageSpec(
         folder=folder,
         kind="optimum",
         model_path=inside(folder, "model.onnx", "model file"),
-        vocab_size=_int(config, "vocab_size", where, minimum=1),
-        context_length=_int(config, "n_positions", where, minimum=1),
-        n_layer=_int(config, "n_layer", where, minimum=1),
-        n_head=n_head,
-        head_dim=n_embd // n_head,
-        eos_token_ids=eos,
-        bos_token_id=bos,
-        pad_token_id=pad if pad is not None else eos[0],
         tokenizer_path=_tokenizer(folder),
+        arch=arch,
+        io=IONames(),
+        tokens=tokens,
     )
 
 
@@ -375,9 +323,9 @@ def external_data_locations(model_path: Path) -> list[str]:
     return locations
 
 
-def _check_listed(folder: Path, manifest: dict, paths: list[Path]) -> None:
+def _check_listed(folder: Path, manifest: Manifest, paths: list[Path]) -> None:
     """With verification, every file the runtime reads must be one whose sha256 was just checked."""
-    listed = {inside(folder, name, "listed file") for name in manifest["files"]}
+    listed = {inside(folder, name, "listed file") for name in manifest.files}
     for path in paths:
         if path not in listed:
             raise PackageError(
@@ -415,15 +363,17 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
         )
     if not spec.model_path.is_file():
         raise PackageNotFoundError(f"model file {spec.model_path.name} is missing from {folder}")
-    for token in [*spec.eos_token_ids, spec.pad_token_id, spec.bos_token_id]:
-        if token is not None and not 0 <= token < spec.vocab_size:
-            raise PackageError(f"special token id {token} is outside the vocabulary (size {spec.vocab_size})")
+    tokens, vocab_size = spec.tokens, spec.arch.vocab_size
+    for token in [*tokens.eos_token_ids, tokens.pad_token_id, tokens.bos_token_id]:
+        if token is not None and not 0 <= token < vocab_size:
+            raise PackageError(f"special token id {token} is outside the vocabulary (size {vocab_size})")
     external = [
         inside(spec.model_path.parent, location, f"external data location in {spec.model_path.name}")
         for location in external_data_locations(spec.model_path)
     ]
     if verify and spec.kind == "edgelm":
-        read = [spec.model_path, *external, *([spec.tokenizer_path] if spec.tokenizer_path else [])]
+        optional = [p for p in (spec.tokenizer_path, spec.chat_template_path) if p is not None]
+        read = [spec.model_path, *external, *optional]
         _check_listed(folder, spec.manifest, read)
     return spec
 

@@ -1,0 +1,86 @@
+"""A decoder-only transformer as the ONNX graph builder sees it: the differences between model
+families stated as data, and the weights in MatMul layout.
+
+GPT-2 and Llama are the same network with different parts:
+
+    part              GPT-2 (export/model.py)          Llama / Qwen2 / Mistral (export/llama.py)
+    normalization     LayerNorm (weight + bias)        RMSNorm (weight only)
+    positions         learned table added to tokens    rotary, applied to Q and K inside attention
+    attention heads   n_kv_head == n_head              n_kv_head < n_head (grouped-query)
+    Q/K/V biases      yes                              Qwen2 only
+    output bias       yes                              no
+    MLP               GELU(x W_fc) W_proj              (SiLU(x W_gate) * x W_up) W_down
+    LM head           tied                             tied or untied
+
+Each family turns its reference model into a `Decoder` (export/families.py); export/graph.py builds the
+graph from a Decoder alone, so adding a family never touches the graph's steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NORMS = ("layer", "rms")
+ACTIVATIONS = ("gelu_new", "gelu", "silu")
+
+
+@dataclass
+class Linear:
+    weight: np.ndarray  # (in, out): MatMul's layout, the transpose of nn.Linear's
+    bias: np.ndarray | None = None  # (out,)
+
+
+@dataclass
+class Norm:
+    weight: np.ndarray  # (C,)
+    bias: np.ndarray | None = None  # (C,); None for RMSNorm
+
+
+@dataclass
+class Layer:
+    attention_norm: Norm
+    qkv: Linear  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim
+    attention_out: Linear
+    mlp_norm: Norm
+    up: Linear  # gated MLP: gate and up packed, out = 2 * inner (gate first); else out = inner
+    down: Linear
+
+
+@dataclass
+class Decoder:
+    family: str  # "gpt2", "llama", "qwen2", "mistral": the manifest's architecture.type
+    genai_type: str  # onnxruntime-genai's model type for genai_config.json
+    vocab_size: int
+    context_length: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    inner_dim: int
+    norm: str  # "layer" or "rms"
+    norm_eps: float
+    activation: str  # "gelu_new" (tanh GELU), "gelu" (exact) or "silu"
+    gated_mlp: bool  # act(x W_gate) * (x W_up)
+    embedding: np.ndarray  # (V, C)
+    layers: list[Layer]
+    final_norm: Norm
+    lm_head: np.ndarray | None  # (C, V); None: tied, the embedding's transpose
+    position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
+    rotary_cos: np.ndarray | None = None  # (P, head_dim / 2): rotary positions inside attention (Llama)
+    rotary_sin: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        assert self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}"
+        assert self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}"
+        assert self.n_head % self.n_kv_head == 0, f"n_head {self.n_head} is not a multiple of n_kv_head"
+        assert (self.position_table is None) != (self.rotary_cos is None), "positions: a table or rotary, not both"
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head is None

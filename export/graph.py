@@ -1,0 +1,192 @@
+"""Build the decoder's ONNX graph from a Decoder (export/decoder.py), with ONNX Runtime's fused
+operators: the fast graph edgelm exports by default.
+
+Attention is one com.microsoft GroupQueryAttention node per layer, fed the packed Q/K/V product
+(rotary positions applied inside it where the family has them), and its cache is one preallocated
+buffer per layer that serves as both past_key_values.{i}.* and present.{i}.*: a decode step writes one
+position into it, in place (onnxruntime-genai's builder makes the same choice, past_present_share_buffer).
+
+    inputs   input_ids (B, T) int64, attention_mask (B, total) int64, position_ids (B, T) int64 (position
+             tables only; rotary positions come from each row's length), past keys / values
+             (B, n_kv_head, capacity, head_dim), num_logits_to_keep () int64, optional: 0 (the default) =
+             every position, k = the last k
+    outputs  logits (B, T or k, vocab), present keys / values (B, n_kv_head, max(capacity, total), head_dim)
+
+Padding is on the right: row b's tokens fill positions 0 .. len_b - 1 of the buffer and attention_mask
+row b is len_b ones followed by zeros; GroupQueryAttention reads each row's length (seqlens_k =
+len_b - 1) and the longest total (the mask's width) from it. Fed as separate arrays, the graph also
+runs with a growing cache, as the standard graph does.
+
+Linear layers are MatMul (+ Add for a bias) with constant weights, so quantize/ finds and quantizes
+them; a tied embedding is one (C, V) matrix read by both the LM head and a Gather along axis 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..runtime.contract import IONames
+from .decoder import Decoder, Linear, Norm
+
+MS_DOMAIN = "com.microsoft"
+LOGITS_TO_KEEP = "num_logits_to_keep"
+
+
+class _GraphBuilder:
+    """Collects nodes and initializers; names every node after its output."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []
+
+    def float_output(self, name: str, shape: list) -> str:
+        """Declare a contrib op's output: ONNX shape inference cannot type com.microsoft nodes, and the
+        quantizers need the type of every tensor a MatMul reads."""
+        self.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+        return name
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        array = np.asarray(array)
+        array = array.astype(np.float32, order="C") if array.dtype.kind == "f" else array.copy(order="C")
+        self.initializers.append(numpy_helper.from_array(array, name))  # copy(order="C"): a 0-d array stays 0-d
+        return name
+
+    def small_constant(self, name: str, array: np.ndarray) -> str:
+        """A Constant node, not an initializer: saving the weights as external data then never moves
+        the values that shape inference needs (a ReduceSum's axes, a Slice's bounds)."""
+        self.nodes.append(helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(array)))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], output: str, *, domain: str = "", **attributes) -> str:
+        self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, domain=domain, **attributes))
+        return output
+
+    def linear(self, x: str, prefix: str, layer: Linear) -> str:
+        product = self.op("MatMul", [x, self.constant(f"{prefix}.weight", layer.weight)], f"{prefix}/MatMul")
+        if layer.bias is None:
+            return product
+        return self.op("Add", [product, self.constant(f"{prefix}.bias", layer.bias)], f"{prefix}/Add")
+
+    def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder) -> str:
+        if decoder.norm == "rms":  # x / sqrt(mean(x^2) + eps) * weight: ONNX Runtime's contrib op
+            inputs = [x, self.constant(f"{prefix}.weight", norm.weight)]
+            return self.op(
+                "SimplifiedLayerNormalization", inputs, f"{prefix}/RMSNorm", axis=-1, epsilon=decoder.norm_eps
+            )
+        inputs = [x, self.constant(f"{prefix}.weight", norm.weight), self.constant(f"{prefix}.bias", norm.bias)]
+        return self.op("LayerNormalization", inputs, f"{prefix}/LayerNorm", axis=-1, epsilon=decoder.norm_eps)
+
+    def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
+        h = self.linear(x, f"{prefix}.up", up)
+        shape = ["batch_size", "sequence_length", decoder.inner_dim]
+        if decoder.activation == "silu":
+            if decoder.gated_mlp:  # one MatMul for gate and up, split after it
+                sizes = self.small_constant(f"{prefix}/split_sizes", np.array([decoder.inner_dim] * 2, dtype=np.int64))
+                self.nodes.append(
+                    helper.make_node(
+                        "Split", [h, sizes], [f"{prefix}/gate", f"{prefix}/up"], name=f"{prefix}/Split", axis=-1
+                    )
+                )
+                gate, h = f"{prefix}/gate", f"{prefix}/up"
+            else:
+                gate = h
+            silu = self.op("Mul", [gate, self.op("Sigmoid", [gate], f"{prefix}/Sigmoid")], f"{prefix}/SiLU")
+            h = silu if not decoder.gated_mlp else self.op("Mul", [silu, h], f"{prefix}/gated")
+            return h
+        assert not decoder.gated_mlp, "a gated MLP with GELU is not built yet"
+        gelu = "Gelu" if decoder.activation == "gelu" else "FastGelu"  # exact erf form, or GPT-2's tanh form
+        return self.float_output(self.op(gelu, [h], f"{prefix}/{gelu}", domain=MS_DOMAIN), shape)
+
+
+def build_fused_graph(decoder: Decoder, io: IONames, *, opset: int = 17) -> onnx.ModelProto:
+    """The decoder as an ONNX graph with fused attention and a shared KV buffer."""
+    d = decoder
+    g = _GraphBuilder()
+    one = g.small_constant("const_one", np.array(1, dtype=np.int64))
+    axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
+
+    # Token embedding. Tied: one (C, V) matrix; the embedding gathers its columns.
+    if d.tied:
+        table = g.constant("lm_head.weight_T", d.embedding.T)  # (C, V)
+        columns = g.op("Gather", [table, io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
+        x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)
+        head = table
+    else:
+        x = g.op("Gather", [g.constant("embed.weight", d.embedding), io.input_ids], "embed/Gather", axis=0)
+        head = g.constant("lm_head.weight_T", d.lm_head)
+    if d.position_table is not None:
+        positions = g.op("Gather", [g.constant("positions.weight", d.position_table), io.position_ids], "pos/Gather")
+        x = g.op("Add", [x, positions], "embeddings/Add")  # (B, T, C)
+    rotary = []
+    if d.rotary_cos is not None:
+        rotary = [g.constant("rotary.cos", d.rotary_cos), g.constant("rotary.sin", d.rotary_sin)]
+
+    # Each row's length and the longest total, from the attention mask, for every attention node.
+    lengths = g.op("ReduceSum", [io.attention_mask, axis_1], "mask/ReduceSum", keepdims=0)  # (B,)
+    last_index = g.op("Sub", [lengths, one], "mask/Sub")
+    seqlens_k = g.op("Cast", [last_index], "seqlens_k", to=TensorProto.INT32)
+    mask_shape = g.op("Shape", [io.attention_mask], "mask/Shape")
+    total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
+    total_length = g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)
+
+    for i, layer in enumerate(d.layers):
+        p = f"layers.{i}"
+        h = g.norm(x, f"{p}.attention_norm", layer.attention_norm, d)
+        qkv = g.linear(h, f"{p}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
+        past_key, past_value = io.past(i)
+        present_key, present_value = io.present(i)
+        g.nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                [qkv, "", "", past_key, past_value, seqlens_k, total_length, *rotary],
+                [f"{p}/attention", present_key, present_value],
+                name=f"{p}/GroupQueryAttention",
+                domain=MS_DOMAIN,
+                num_heads=d.n_head,
+                kv_num_heads=d.n_kv_head,
+                scale=1.0 / float(np.sqrt(d.head_dim)),
+                **({"do_rotary": 1, "rotary_interleaved": 0} if rotary else {}),
+            )
+        )
+        attention = g.float_output(f"{p}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        x = g.op("Add", [x, g.linear(attention, f"{p}.attention_out", layer.attention_out)], f"{p}/attention_residual")
+        h = g.mlp(g.norm(x, f"{p}.mlp_norm", layer.mlp_norm, d), f"{p}.mlp", layer.up, d)
+        x = g.op("Add", [x, g.linear(h, f"{p}.mlp.down", layer.down)], f"{p}/mlp_residual")
+
+    # Keep the last k positions before the final norm and LM head: Slice(x, -k:) is every position
+    # for k = 0 (the default, for evaluation) and the last one for k = 1 (generation).
+    g.constant(LOGITS_TO_KEEP, np.array(0, dtype=np.int64))
+    negated = g.op("Neg", [LOGITS_TO_KEEP], "keep/Neg")
+    start = g.op("Unsqueeze", [negated, g.small_constant("const_axis_0", np.array([0]))], "keep/start")
+    end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
+    x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
+    x = g.norm(x, "final_norm", d.final_norm, d)
+    g.op("MatMul", [x, head], io.logits)
+
+    kv_shape = ["batch_size", d.n_kv_head, "past_sequence_length", d.head_dim]
+    present_shape = ["batch_size", d.n_kv_head, "present_sequence_length", d.head_dim]  # max(buffer, total)
+    inputs = [
+        helper.make_tensor_value_info(io.input_ids, TensorProto.INT64, ["batch_size", "sequence_length"]),
+        helper.make_tensor_value_info(io.attention_mask, TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+    ]
+    if d.position_table is not None:
+        inputs.append(
+            helper.make_tensor_value_info(io.position_ids, TensorProto.INT64, ["batch_size", "sequence_length"])
+        )
+    outputs = [
+        helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, ["batch_size", "logits_length", d.vocab_size])
+    ]
+    for i in range(d.n_layer):
+        for past_name, present_name in zip(io.past(i), io.present(i), strict=True):
+            inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, kv_shape))
+            outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, present_shape))
+    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, []))  # overridable default
+
+    graph = helper.make_graph(
+        g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
+    )
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)

@@ -1,0 +1,138 @@
+"""Export's proof: ONNX Runtime against the PyTorch reference model on the same inputs, a padded
+batch's prompt and then decode steps, each side with its own cache. Export fails when the largest
+logit difference passes the tolerance (llm.c checks its C forward against PyTorch the same way).
+
+The reference models of every family share one call, model(input_ids, attention_mask, position_ids,
+past) -> (logits, present), and one config vocabulary (n_layer, n_kv_head, head_dim, n_positions,
+vocab_size), which is all these checks use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from ..runtime.contract import IONames
+from .graph import LOGITS_TO_KEEP
+
+
+def _session(onnx_path: str | Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # not the notice that num_logits_to_keep, an input, is not folded
+    options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
+    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+def check_parity(
+    model: torch.nn.Module,
+    onnx_path: str | Path,
+    *,
+    last_token_logits: bool = False,
+    decode_steps: int = 5,
+    seed: int = 0,
+) -> float:
+    """Max |logit difference| between PyTorch and ONNX Runtime (CPU) over a batch-2, left-padded
+    prompt and `decode_steps` one-token steps that feed each side its own cache. last_token_logits
+    says how the graph was exported: its logits' second axis is symbolic, so it cannot be read off
+    the session."""
+    config, io = model.config, IONames()
+    session = _session(onnx_path)
+    generator = torch.Generator().manual_seed(seed)
+    prompt_length = min(7, config.n_positions - decode_steps)
+    input_ids = torch.randint(0, config.vocab_size, (2, prompt_length), generator=generator)
+    attention_mask = torch.ones(2, prompt_length, dtype=torch.long)
+    attention_mask[1, :2] = 0  # second row left-padded by two
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def ort_feed(ids, mask, positions, past):
+        feed = {io.input_ids: ids.numpy(), io.attention_mask: mask.numpy(), io.position_ids: positions.numpy()}
+        return feed | dict(zip(io.past_names(config.n_layer), past, strict=True))
+
+    empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
+    ort_past = [empty] * (2 * config.n_layer)
+    torch_past = None
+    worst = 0.0
+    with torch.no_grad():
+        for _step in range(decode_steps + 1):
+            torch_logits, torch_present = model(
+                input_ids, attention_mask, position_ids, torch_past, last_token_logits=last_token_logits
+            )
+            outputs = session.run(None, ort_feed(input_ids, attention_mask, position_ids, ort_past))
+            # compare real (unpadded) positions only: padded query rows are never read
+            real = attention_mask[:, -input_ids.shape[1] :].bool().numpy()
+            if last_token_logits:
+                real = real[:, -1:]
+            assert outputs[0].shape == tuple(torch_logits.shape), (
+                f"ONNX logits {outputs[0].shape} vs PyTorch {tuple(torch_logits.shape)}: compared without broadcasting"
+            )
+            diff = np.abs(outputs[0] - torch_logits.numpy())[real]
+            worst = max(worst, float(diff.max()))
+            torch_past, ort_past = torch_present, outputs[1:]
+            next_ids = torch_logits[:, -1, :].argmax(-1, keepdim=True)
+            input_ids = next_ids
+            attention_mask = torch.cat([attention_mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+    return worst
+
+
+def check_parity_shared(model: torch.nn.Module, onnx_path, *, decode_steps: int = 5, seed: int = 0) -> float:
+    """Max |logit difference| between PyTorch and ONNX Runtime for the fused graph, run the way the
+    runtime runs it: a batch of 2 right-padded prompts of different lengths with all-position logits,
+    then one-token steps with num_logits_to_keep = 1, the cache one buffer per layer bound as both
+    past and present. PyTorch gets the same rows with its own (growing, masked) cache."""
+    config, io = model.config, IONames()
+    session = _session(onnx_path)
+    uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [min(7, config.n_positions - decode_steps), min(5, config.n_positions - decode_steps)]
+    width = max(lengths)
+    capacity = width + decode_steps
+    input_ids = torch.randint(0, config.vocab_size, (2, width), generator=generator)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    position_ids = torch.arange(width).unsqueeze(0).expand(2, width) * mask  # padding at position 0
+
+    binding = session.io_binding()
+    binding.bind_output(io.logits)  # first, so it is get_outputs()[0]; allocated by each run
+    past, present = io.past_names(config.n_layer), io.present_names(config.n_layer)
+    for past_name, present_name in zip(past, present, strict=True):
+        zeros = np.zeros((2, config.n_kv_head, capacity, config.head_dim), dtype=np.float32)
+        buffer = ort.OrtValue.ortvalue_from_numpy(zeros)
+        binding.bind_ortvalue_input(past_name, buffer)
+        binding.bind_ortvalue_output(present_name, buffer)
+
+    def ort_logits(ids, ort_mask, positions, keep):
+        binding.bind_cpu_input(io.input_ids, ids.numpy())
+        binding.bind_cpu_input(io.attention_mask, ort_mask)
+        if uses_positions:
+            binding.bind_cpu_input(io.position_ids, positions.numpy())
+        # an overridable initializer: IO binding takes it as an OrtValue, not through bind_cpu_input
+        binding.bind_ortvalue_input(LOGITS_TO_KEEP, ort.OrtValue.ortvalue_from_numpy(np.array(keep, dtype=np.int64)))
+        binding.bind_output(io.logits)  # unallocated again: its length changes between calls
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+    worst = 0.0
+    with torch.no_grad():
+        torch_logits, torch_past = model(input_ids, mask, position_ids)
+        logits = ort_logits(input_ids, mask.numpy(), position_ids, 0)
+        real = mask.bool().numpy()
+        worst = max(worst, float(np.abs(logits - torch_logits.numpy())[real].max()))
+        totals = list(lengths)
+        next_ids = torch.stack([torch_logits[row, totals[row] - 1].argmax() for row in range(2)]).unsqueeze(1)
+        torch_mask = mask
+        for _ in range(decode_steps):
+            positions = torch.tensor(totals).unsqueeze(1)  # (2, 1)
+            torch_mask = torch.cat([torch_mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            torch_logits, torch_past = model(next_ids, torch_mask, positions, torch_past)
+            totals = [t + 1 for t in totals]
+            ort_mask = (np.arange(max(totals))[None, :] < np.array(totals)[:, None]).astype(np.int64)
+            logits = ort_logits(next_ids, ort_mask, positions, 1)
+            assert logits.shape == tuple(torch_logits.shape), f"ONNX logits {logits.shape} vs {torch_logits.shape}"
+            worst = max(worst, float(np.abs(logits - torch_logits.numpy()).max()))
+            next_ids = torch_logits[:, -1, :].argmax(-1, keepdim=True)
+    return worst

@@ -1,0 +1,126 @@
+"""The standard graph: the reference model traced to ONNX (TorchScript exporter), standard ops only.
+
+Attention is a dozen standard ops per layer and each step concatenates the whole past onto the new
+keys/values; slower than the fused graph (export/graph.py), but it runs on any ONNX runtime. One
+graph serves the prompt (past length 0) and every decode step:
+
+    inputs   input_ids (B, T), attention_mask (B, past + T), position_ids (B, T), past keys / values
+             (B, n_kv_head, past, head_dim)
+    outputs  logits (B, T, vocab) [(B, 1, vocab) with last_token_logits], present keys / values
+             (B, n_kv_head, past + T, head_dim)
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from ..runtime.contract import IONames
+
+MODEL_FILE = "model.onnx"
+
+
+def io_names(n_layer: int, io: IONames | None = None) -> tuple[list[str], list[str]]:
+    io = io or IONames()
+    inputs = [io.input_ids, io.attention_mask, io.position_ids, *io.past_names(n_layer)]
+    return inputs, [io.logits, *io.present_names(n_layer)]
+
+
+class _FlatDecoder(torch.nn.Module):
+    """The model with flat tensor inputs and outputs, in the order of io_names()."""
+
+    def __init__(self, model: torch.nn.Module, last_token_logits: bool):
+        super().__init__()
+        self.model = model
+        self.last_token_logits = last_token_logits
+
+    def forward(self, input_ids, attention_mask, position_ids, *past_flat):
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
+        logits, present = self.model(
+            input_ids, attention_mask, position_ids, past, last_token_logits=self.last_token_logits
+        )
+        return (logits, *[t for pair in present for t in pair])
+
+
+def _share_tied_embedding(model: onnx.ModelProto) -> None:
+    """Store a tied embedding once. The exporter folds the LM head's Transpose(wte) into a second
+    initializer W^T (n_embd, vocab); we keep only W^T and let the embedding gather columns of it:
+    Gather(W^T, ids, axis=1) -> (n_embd, B, T), then Transpose -> (B, T, n_embd)."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    matmuls = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    for gather in gathers:
+        table = numpy_helper.to_array(inits[gather.input[0]])
+        if table.ndim != 2:
+            continue
+        for matmul in matmuls:
+            head = inits[matmul.input[1]]
+            if tuple(head.dims) != table.shape[::-1] or not np.array_equal(numpy_helper.to_array(head), table.T):
+                continue
+            gathered = gather.output[0] + "_columns"
+            columns = helper.make_node(
+                "Gather", [matmul.input[1], gather.input[1]], [gathered], axis=1, name=gather.name + "_columns"
+            )
+            transpose = helper.make_node(
+                "Transpose", [gathered], [gather.output[0]], perm=[1, 2, 0], name=gather.name + "_rows"
+            )
+            index = list(graph.node).index(gather)
+            graph.node.remove(gather)
+            graph.node.insert(index, transpose)
+            graph.node.insert(index, columns)
+            graph.initializer.remove(inits[gather.input[0]])
+            return
+
+
+def trace_graph(model: torch.nn.Module, *, opset: int, last_token_logits: bool = False) -> onnx.ModelProto:
+    """The reference model traced to ONNX; a tied embedding is stored once (see _share_tied_embedding)."""
+    config = model.config
+    model = model.eval()
+    input_names, output_names = io_names(config.n_layer)
+    # Trace with distinct sizes (batch 2, 3 new tokens, 5 past) so no axis is mistaken for another.
+    batch, seq, past = 2, 3, 5
+    dummy = [
+        torch.randint(0, config.vocab_size, (batch, seq)),
+        torch.ones(batch, past + seq, dtype=torch.long),
+        torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous(),
+    ]
+    for _ in range(config.n_layer):
+        dummy += [torch.zeros(batch, config.n_kv_head, past, config.head_dim) for _ in range(2)]
+    ids, mask, positions = input_names[:3]
+    dynamic_axes = {
+        ids: {0: "batch_size", 1: "sequence_length"},
+        mask: {0: "batch_size", 1: "total_sequence_length"},
+        positions: {0: "batch_size", 1: "sequence_length"},
+        output_names[0]: {0: "batch_size", 1: "sequence_length"} if not last_token_logits else {0: "batch_size"},
+    }
+    for name in input_names[3:]:
+        dynamic_axes[name] = {0: "batch_size", 2: "past_sequence_length"}
+    for name in output_names[1:]:
+        dynamic_axes[name] = {0: "batch_size", 2: "total_sequence_length"}
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
+        traced_path = Path(tmp) / MODEL_FILE
+        torch.onnx.export(
+            _FlatDecoder(model, last_token_logits),
+            tuple(dummy),
+            str(traced_path),
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+        onnx_model = onnx.load(str(traced_path))  # loads external data too, if the exporter wrote any
+
+    if config.tie_word_embeddings:
+        _share_tied_embedding(onnx_model)
+    return onnx_model

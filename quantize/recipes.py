@@ -1,0 +1,280 @@
+"""Quantization recipes, one function each from an fp32 ONNX model file to a quantized one, built on
+onnxruntime.quantization, and the table quantize_package chooses from (gpt-fast keeps one handler per
+mode the same way). Why each recipe is as it is, with the measurements: docs/results.md.
+
+- dynamic: int8 weights of every linear layer (MatMul with a constant weight) and of the tied embedding,
+  per channel, 7-bit range (reduce_range: without VNNI, onnxruntime's u8 x s8 kernels add pairs of
+  products in int16, which saturates with full 8-bit weights); activations quantized at run time.
+- static: QDQ, int8 weights per channel, uint8 activations calibrated on text run the way the model
+  runs (prompt passes and decode steps with their caches), the blocks' linear layers only; the LM head,
+  whose input suffers most from one calibrated range, gets the dynamic recipe.
+- int4: MatMulNBits, block-wise symmetric 4-bit weights (round to nearest) for the blocks; the LM head
+  and the tied embedding 8-bit blocks; activations quantized to int8 per block at run time.
+- fp16: every float tensor in half precision, for GPU providers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from edgelm.onnxfile import save_model
+
+from .tied_embedding import drop_unused_initializers, gather_from_nbits, share_int8_embedding, tied_gathers
+
+# onnxruntime.quantization logs every node at INFO and advises pre-processing on the root logger
+logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+# the sessions the quantizers open would warn that num_logits_to_keep, an input with a default, is
+# not constant-folded: true by design, and noise to a user
+ort.set_default_logger_severity(3)
+
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+INT4_LM_HEADS = ("int8", "int4")  # precision of the LM head (and tied embedding) in int4 mode
+
+
+class _QuietRootLogger:
+    """onnxruntime.quantization warns on the root logger that the model was not pre-processed; our
+    graphs are shape-inferred by the exporter, and pre-processing's optimizations would fuse away the
+    MatMuls we quantize. Silence that one call's root warnings."""
+
+    def __enter__(self):
+        self.level = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        logging.getLogger().setLevel(self.level)
+
+
+class _FlatHistograms:
+    """onnxruntime's histogram calibrators (entropy, percentile) stack each tensor's values from all
+    calibration runs into one array, which fails when runs differ in shape, as a prompt pass and a
+    decode step do. A histogram only needs the values: flatten each run's array first."""
+
+    def __enter__(self):
+        from onnxruntime.quantization import calibrate
+
+        self.collector = calibrate.HistogramCollector
+        self.original = original = self.collector.collect
+
+        def collect(collector, name_to_arr):
+            flat = {
+                name: np.concatenate([np.ravel(a) for a in arrays]) if isinstance(arrays, list) else arrays
+                for name, arrays in name_to_arr.items()
+            }
+            return original(collector, flat)
+
+        self.collector.collect = collect
+
+    def __exit__(self, *exc):
+        self.collector.collect = self.original
+
+
+def _linear_matmuls(model: onnx.ModelProto) -> list[str]:
+    """Names of MatMul nodes whose weight (input B) is an initializer: the model's linear layers."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers]
+
+
+def _dynamic_int8(model: onnx.ModelProto | Path, dst: Path, *, nodes: list[str], per_channel: bool) -> None:
+    """int8 weights, activations quantized at run time, for the named MatMuls (the dynamic recipe;
+    static int8 uses it for the LM head)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        model if isinstance(model, onnx.ModelProto) else str(model),
+        str(dst),
+        per_channel=per_channel,
+        reduce_range=True,  # 7-bit weights: see the module docstring
+        weight_type=QuantType.QInt8,
+        op_types_to_quantize=["MatMul"],
+        nodes_to_quantize=nodes,
+        extra_options={"MatMulConstBOnly": True},
+    )
+
+
+def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> dict:
+    model = onnx.load(str(src))
+    tied = {g.input[0] for g in tied_gathers(model)}
+    with _QuietRootLogger():
+        _dynamic_int8(model, dst, nodes=_linear_matmuls(model), per_channel=per_channel)
+    quantized = onnx.load(str(dst))
+    share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
+    save_model(quantized, dst)
+    return {
+        "mode": "dynamic",
+        "weights": "int8 symmetric, 7-bit range (reduce_range)",
+        "per_channel": per_channel,
+        "activations": "uint8, quantized at run time",
+        "ops": "linear MatMuls + tied embedding",
+    }
+
+
+def _lm_head(model: onnx.ModelProto) -> str | None:
+    """The MatMul that produces the logits (a graph output)."""
+    outputs = {o.name for o in model.graph.output}
+    return next((n.name for n in model.graph.node if n.op_type == "MatMul" and n.output[0] in outputs), None)
+
+
+def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percentile", per_channel: bool = True) -> dict:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    methods = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }
+    model = onnx.load(str(src))
+    tied = {g.input[0] for g in tied_gathers(model)}
+    # The LM head's input is where one 8-bit range for all tokens costs most: on the bundled model,
+    # static QDQ of every linear layer agrees with fp32 on 95.2% of next tokens, and 97.4% with the
+    # head left out. So the head gets int8 weights with its activations quantized at run time, per
+    # call (the dynamic recipe), and the blocks' linear layers are static QDQ.
+    head = _lm_head(model)
+    blocks = [n for n in _linear_matmuls(model) if n != head]
+    # the histogram calibrators print their progress to stdout; our progress bar already says it
+    with _QuietRootLogger(), _FlatHistograms(), contextlib.redirect_stdout(io.StringIO()):
+        quantize_static(
+            str(src),
+            str(dst),
+            reader,
+            quant_format=QuantFormat.QDQ,
+            op_types_to_quantize=["MatMul"],
+            nodes_to_quantize=blocks,
+            per_channel=per_channel,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=methods[method],
+            calibration_providers=["CPUExecutionProvider"],
+            extra_options={
+                "MatMulConstBOnly": True,
+                "WeightSymmetric": True,
+                "ActivationSymmetric": False,
+                "CalibTensorRangeSymmetric": False,
+                "CalibPercentile": 99.999,
+                "CalibStridedMinMax": None,
+                # a linear layer's output goes on in float (bias, GELU, attention, residual): quantizing
+                # it would only add a Q/DQ round trip, costing accuracy and a requantizing kernel
+                "OpTypesToExcludeOutputQuantization": ["MatMul"],
+            },
+        )
+        if head is not None:
+            _dynamic_int8(dst, dst, nodes=[head], per_channel=per_channel)
+    quantized = onnx.load(str(dst))
+    share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
+    save_model(quantized, dst)
+    return {
+        "mode": "static",
+        "format": "QDQ",
+        "weights": "int8 symmetric",
+        "per_channel": per_channel,
+        "activations": "uint8 asymmetric, calibrated",
+        "calibration_method": method,
+        "calibration_samples": reader.samples,
+        "calibration_feeds": len(reader),
+        "ops": "linear MatMuls of the blocks (static QDQ); LM head + tied embedding int8 with activations "
+        "quantized at run time; attention, LayerNorm, GELU, softmax stay float",
+    }
+
+
+def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = "int8") -> dict:
+    """4-bit blocks for the linear layers; lm_head="int8" keeps the LM head (and the tied embedding that
+    reads it) at 8 bits, since its rounding errors are the ones that change the most likely token."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
+    if lm_head not in INT4_LM_HEADS:
+        raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(INT4_LM_HEADS)}")
+    model = onnx.load(str(src))
+    inits = {i.name: i for i in model.graph.initializer}
+    for gather in tied_gathers(model):
+        n_embd = inits[gather.input[0]].dims[0]
+        if n_embd % block_size:
+            raise ValueError(f"block size {block_size} does not divide the embedding width {n_embd}; use a smaller one")
+    head = _lm_head(model)
+    assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
+    # accuracy_level 4: the kernel quantizes activations to int8 per block and runs integer dot products;
+    # level 0/1 (float activations) measured no more accurate on the bundled model, and slower
+    nbits = dict(block_size=block_size, is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
+    # MatMuls without a constant weight (attention products of the standard graph) are left as they are
+    excluded = [head] if lm_head == "int8" else []
+    quantizer = MatMulNBitsQuantizer(model, bits=4, nodes_to_exclude=excluded, **nbits)
+    quantizer.process()
+    quantized = quantizer.model.model
+    if excluded:
+        quantizer = MatMulNBitsQuantizer(quantized, bits=8, **nbits)
+        quantizer.process()  # the head is the one MatMul left with a constant weight
+        quantized = quantizer.model.model
+    # the tied embedding: gather from the LM head's quantized weights instead of keeping an fp32 copy
+    packed = {n.input[1]: n for n in quantized.graph.node if n.op_type == "MatMulNBits"}
+    for gather in tied_gathers(quantized):
+        table = gather.input[0]
+        reader = packed.get(f"{table}_Q8") or packed.get(f"{table}_Q4")
+        assert reader is not None and len(reader.input) == 3, f"no symmetric MatMulNBits reads the tied {table}"
+        bits = next(a.i for a in reader.attribute if a.name == "bits")
+        gather_from_nbits(quantized, gather, reader.input[1], reader.input[2], bits=bits, block_size=block_size)
+    drop_unused_initializers(quantized)
+    save_model(quantized, dst)
+    return {
+        "mode": "int4",
+        "op": "MatMulNBits",
+        "algorithm": "round to nearest",
+        "block_size": block_size,
+        "symmetric": True,
+        "accuracy_level": 4,
+        "lm_head": lm_head,
+        "ops": f"linear MatMuls of the blocks int4; LM head {lm_head}, read by the tied embedding too",
+    }
+
+
+def convert_fp16(src: Path, dst: Path) -> dict:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = onnx.load(str(src))
+    converted = convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
+    save_model(converted, dst)
+    return {"mode": "fp16", "note": "for GPU execution providers; KV cache and logits in float16"}
+
+
+@dataclass
+class Options:
+    """Every recipe's settings; each reads the ones it uses."""
+
+    per_channel: bool = True  # int8: one scale per output channel
+    block_size: int = 32  # int4: weights per scale
+    int4_lm_head: str = "int8"  # int4: precision of the LM head and the tied embedding
+    calibration: object = None  # static: an onnxruntime CalibrationDataReader (quantize/calibration.py)
+    calibration_method: str = "percentile"  # static: minmax, entropy or percentile
+
+
+@dataclass(frozen=True)
+class Recipe:
+    precision: str  # the new package's precision
+    run: Callable[[Path, Path, Options], dict]  # fp32 model file -> quantized model file; returns the recipe facts
+    calibrated: bool = False  # needs calibration text
+    kv_dtype: str = "float32"  # the cache's type in the new graph
+    evaluated: bool = True  # an accuracy report on the CPU makes sense (fp16 is for GPUs)
+
+
+RECIPES: dict[str, Recipe] = {
+    "dynamic": Recipe("int8-dynamic", lambda src, dst, o: quantize_dynamic_int8(src, dst, per_channel=o.per_channel)),
+    "static": Recipe(
+        "int8-static",
+        lambda src, dst, o: quantize_static_int8(
+            src, dst, reader=o.calibration, method=o.calibration_method, per_channel=o.per_channel
+        ),
+        calibrated=True,
+    ),
+    "int4": Recipe(
+        "int4", lambda src, dst, o: quantize_int4(src, dst, block_size=o.block_size, lm_head=o.int4_lm_head)
+    ),
+    "fp16": Recipe("fp16", lambda src, dst, o: convert_fp16(src, dst), kv_dtype="float16", evaluated=False),
+}

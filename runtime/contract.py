@@ -1,0 +1,290 @@
+"""The model package contract: what export writes, quantize rewrites and the runtime reads.
+
+A package is a folder: the ONNX model, `edgelm.json` (the manifest below, with the sha256 of every
+file), `genai_config.json` (the same facts in onnxruntime-genai's words, so genai runs the folder as
+it is), the tokenizer and, for instruct models, the chat template. This module is the one place that
+defines those JSON files and the graph's I/O names; everything else goes through it.
+
+The runtime knows no model family: heads, KV heads, head size, context, special tokens, I/O names and
+how the graph keeps its cache are all stated here. `architecture.type` only says where a package came from.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields
+
+from .errors import PackageError
+
+MANIFEST_FILE = "edgelm.json"
+MANIFEST_FORMAT = "edgelm-package"
+MANIFEST_VERSION = 2  # 2 added architecture.n_kv_head and tokenizer.chat_template; 1 still reads
+READABLE_VERSIONS = (1, 2)
+GENAI_CONFIG_FILE = "genai_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+KV_CACHE_KINDS = ("concat", "shared_buffer")
+KV_DTYPES = ("float32", "float16")
+
+
+@dataclass
+class IONames:
+    """The graph's input and output names; per-layer names hold one %d, the layer index (Optimum and
+    onnxruntime-genai use these same names, so packages interoperate)."""
+
+    input_ids: str = "input_ids"  # (B, T) int64
+    attention_mask: str = "attention_mask"  # (B, total) int64, 1 = real token
+    position_ids: str | None = "position_ids"  # (B, T) int64; None where the graph derives positions itself
+    logits: str = "logits"  # (B, T or k, vocab)
+    past_key: str = "past_key_values.%d.key"  # (B, n_kv_head, past or capacity, head_dim)
+    past_value: str = "past_key_values.%d.value"
+    present_key: str = "present.%d.key"
+    present_value: str = "present.%d.value"
+    logits_to_keep: str | None = None  # optional scalar input: how many last positions get logits (0 = all)
+    # "concat": past in, past + new out (left padding); "shared_buffer": one buffer per cache tensor bound
+    # as both past and present, written in place at each row's length (right padding)
+    kv_cache: str = "concat"
+    kv_dtype: str = "float32"
+
+    def past(self, layer: int) -> tuple[str, str]:
+        return self.past_key % layer, self.past_value % layer
+
+    def present(self, layer: int) -> tuple[str, str]:
+        return self.present_key % layer, self.present_value % layer
+
+    def past_names(self, n_layer: int) -> list[str]:
+        return [name for layer in range(n_layer) for name in self.past(layer)]
+
+    def present_names(self, n_layer: int) -> list[str]:
+        return [name for layer in range(n_layer) for name in self.present(layer)]
+
+    @property
+    def padding(self) -> str:
+        return "right" if self.kv_cache == "shared_buffer" else "left"
+
+
+@dataclass
+class Architecture:
+    """What the runtime needs of the network's shape; `details` holds family facts for people (width,
+    positions, rope_theta, parameter count), which the runtime never reads."""
+
+    type: str  # where the package came from: "gpt2", "llama", "qwen2", "mistral"
+    vocab_size: int
+    context_length: int  # the most tokens (prompt + generated) the model attends over
+    n_layer: int
+    n_head: int  # query heads
+    n_kv_head: int  # key/value heads (< n_head: grouped-query attention); the cache holds these
+    head_dim: int
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class Tokens:
+    file: str | None  # tokenizer.json, or None for a package driven by token ids
+    bos_token_id: int | None
+    eos_token_ids: list[int]  # any of them ends generation (an instruct model's end-of-turn token included)
+    pad_token_id: int
+    chat_template: str | None = None  # file name of the Jinja chat template, if the model has one
+
+
+@dataclass
+class Manifest:
+    """edgelm.json. Export builds one, quantize derives one (`derive`), the runtime parses one (`parse`)."""
+
+    architecture: Architecture
+    io: IONames
+    tokenizer: Tokens
+    model_file: str = "model.onnx"
+    precision: str = "fp32"  # "fp32", "int8-dynamic", "int8-static", "int4", "fp16", ...
+    recipe: dict = field(default_factory=lambda: {"mode": "fp32"})
+    export: dict = field(default_factory=dict)  # opset, graph kind, tool versions
+    source: dict = field(default_factory=dict)  # what was exported: checkpoint name and hash
+    parity: dict | None = None  # export's ONNX Runtime vs PyTorch check
+    evaluation: dict | None = None  # quantize's accuracy report against the fp32 package
+    files: dict = field(default_factory=dict)  # name -> {"sha256", "bytes"} for every other file
+    created_by: str = ""
+
+    def to_json(self) -> dict:
+        return {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, **asdict(self)}
+
+    def derive(self, **changes) -> Manifest:
+        """A deep copy with some fields replaced: quantize's manifest from the fp32 one."""
+        clone = copy.deepcopy(self)
+        for name, value in changes.items():
+            setattr(clone, name, value)
+        return clone
+
+    @classmethod
+    def parse(cls, data: dict, where: str = MANIFEST_FILE) -> Manifest:
+        """Validate edgelm.json; every error is a PackageError saying which field is wrong."""
+        if data.get("format") != MANIFEST_FORMAT:
+            raise PackageError(f"{where}: format is {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        version = data.get("format_version")
+        if version not in READABLE_VERSIONS:
+            raise PackageError(
+                f"{where}: format_version {version!r} is not supported (this runtime reads "
+                f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade edgelm or re-export the package"
+            )
+        arch, io, tok = data.get("architecture"), data.get("io"), data.get("tokenizer")
+        if not all(isinstance(x, dict) for x in (arch, io, tok)):
+            raise PackageError(f"{where}: architecture, io and tokenizer must be objects")
+        n_head = integer(arch, "n_head", where, minimum=1)
+        n_kv_head = integer(arch, "n_kv_head", where, minimum=1) if "n_kv_head" in arch else n_head
+        if n_head % n_kv_head:
+            raise PackageError(f"{where}: n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})")
+        architecture = Architecture(
+            type=str(arch.get("type", "")),
+            vocab_size=integer(arch, "vocab_size", where, minimum=1),
+            context_length=integer(arch, "context_length", where, minimum=1),
+            n_layer=integer(arch, "n_layer", where, minimum=1),
+            n_head=n_head,
+            n_kv_head=n_kv_head,
+            head_dim=integer(arch, "head_dim", where, minimum=1),
+            details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
+        )
+        eos = token_list(tok.get("eos_token_ids"), where)
+        pad = optional_id(tok.get("pad_token_id"))
+        tokens = Tokens(
+            file=optional_name(tok, "file", where),
+            bos_token_id=optional_id(tok.get("bos_token_id")),
+            eos_token_ids=eos,
+            pad_token_id=pad if pad is not None else eos[0],
+            chat_template=optional_name(tok, "chat_template", where),
+        )
+        names = {f.name: f.default for f in fields(IONames)}
+        per_layer = ("past_key", "past_value", "present_key", "present_value")
+        optional = ("position_ids", "logits_to_keep")
+        io_names = IONames(
+            **{
+                name: io_name(io, name, default, where, per_layer=name in per_layer, optional=name in optional)
+                for name, default in names.items()
+                if name not in ("kv_cache", "kv_dtype")
+            },
+            kv_cache=choice(io, "kv_cache", KV_CACHE_KINDS, where, default="concat"),
+            kv_dtype=choice(io, "kv_dtype", KV_DTYPES, where, default="float32"),
+        )
+        model_file = data.get("model_file")
+        if not isinstance(model_file, str) or not model_file:
+            raise PackageError(f"{where}: model_file must be a file name, got {model_file!r}")
+        objects = {key: data.get(key) for key in ("recipe", "export", "source", "parity", "evaluation", "files")}
+        for key, value in objects.items():
+            if value is not None and not isinstance(value, dict):
+                raise PackageError(f"{where}: {key} must be an object, got {type(value).__name__}")
+        return cls(
+            architecture=architecture,
+            io=io_names,
+            tokenizer=tokens,
+            model_file=model_file,
+            precision=str(data.get("precision", "fp32")),
+            recipe=objects["recipe"] or {},
+            export=objects["export"] or {},
+            source=objects["source"] or {},
+            parity=objects["parity"],
+            evaluation=objects["evaluation"],
+            files=objects["files"] or {},
+            created_by=str(data.get("created_by", "")),
+        )
+
+
+def genai_config(manifest: Manifest) -> dict:
+    """genai_config.json for a package, as onnxruntime-genai reads it. GPT-2 is written as genai's
+    decoder-only "phi" type: genai's own "gpt2" type expects a legacy combined past_%d cache, while the
+    generic decoder path with separate key/value names runs our graph as it is."""
+    arch, io, tok = manifest.architecture, manifest.io, manifest.tokenizer
+    genai_type = {"gpt2": "phi"}.get(arch.type, arch.type)
+    inputs = {"input_ids": io.input_ids, "attention_mask": io.attention_mask}
+    if io.position_ids is not None:
+        inputs["position_ids"] = io.position_ids
+    inputs |= {"past_key_names": io.past_key, "past_value_names": io.past_value}
+    eos = tok.eos_token_ids
+    return {
+        "model": {
+            "type": genai_type,
+            "bos_token_id": tok.bos_token_id if tok.bos_token_id is not None else eos[0],
+            "eos_token_id": eos if len(eos) > 1 else eos[0],
+            "pad_token_id": tok.pad_token_id,
+            "context_length": arch.context_length,
+            "vocab_size": arch.vocab_size,
+            "decoder": {
+                "filename": manifest.model_file,
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "head_size": arch.head_dim,
+                "hidden_size": arch.details.get("n_embd", arch.n_head * arch.head_dim),
+                "num_attention_heads": arch.n_head,
+                "num_key_value_heads": arch.n_kv_head,
+                "num_hidden_layers": arch.n_layer,
+                "inputs": inputs,
+                "outputs": {
+                    "logits": io.logits,
+                    "present_key_names": io.present_key,
+                    "present_value_names": io.present_value,
+                },
+            },
+        },
+        "search": {
+            "do_sample": False,
+            "max_length": arch.context_length,
+            "min_length": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": io.kv_cache == "shared_buffer",
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "diversity_penalty": 0.0,
+        },
+    }
+
+
+# ---- field validators, shared with the readers of genai and Optimum folders (runtime/package.py) ----
+
+
+def integer(data: dict, key: str, where: str, *, minimum: int = 0) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PackageError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def optional_id(value: object) -> int | None:
+    """A token id that a package may leave out (null); range-checked against the vocabulary later."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def optional_name(data: dict, key: str, where: str) -> str | None:
+    value = data.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise PackageError(f"{where}: {key} must be a file name or null, got {value!r}")
+    return value
+
+
+def token_list(value: object, where: str) -> list[int]:
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise PackageError(f"{where}: eos token id(s) must be non-negative integers, got {value!r}")
+    return ids
+
+
+def choice(data: dict, key: str, allowed: tuple[str, ...], where: str, *, default: str) -> str:
+    value = data.get(key, default)
+    if value not in allowed:
+        raise PackageError(f"{where}: {key} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def io_name(
+    table: dict, key: str, default: str | None, where: str, *, per_layer: bool = False, optional: bool = False
+) -> str | None:
+    """An ONNX I/O name from package JSON (None where optional and null). Per-layer names hold exactly
+    one %d (the layer index) and no other %, so formatting them can neither fail nor blow up."""
+    value = table.get(key, default)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise PackageError(f"{where}: {key} must be a non-empty string, got {value!r}")
+    if per_layer and (value.count("%") != 1 or "%d" not in value):
+        raise PackageError(f"{where}: {key} must hold one %d for the layer index, got {value!r}")
+    return value

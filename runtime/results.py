@@ -1,0 +1,60 @@
+"""What generation returns: the result of a call, its timings, and the stream of text pieces."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token_s: float = 0.0  # from the call to the first sampled token (prompt pass included)
+    decode_tokens_per_s: float = 0.0  # tokens after the first, per second
+    total_s: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the generated text (a stop string is not included)
+    token_ids: list[int]  # the generated ids (EOS not included)
+    finish_reason: str  # "eos", "stop", "length" or "cancelled"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "timings": self.timings.__dict__,
+        }
+
+
+class Stream:
+    """An iterator of final text pieces; after it is exhausted, .result holds the GenerationResult."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+
+def make_timings(started: float, first: float, ended: float, prompt_tokens: int, new_tokens: int) -> Timings:
+    ttft = (first - started) if first else 0.0
+    decode_time = ended - first if first else 0.0
+    rate = (new_tokens - 1) / decode_time if new_tokens > 1 and decode_time > 0 else 0.0
+    return Timings(
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        time_to_first_token_s=ttft,
+        decode_tokens_per_s=rate,
+        total_s=ended - started,
+    )

@@ -1,0 +1,115 @@
+"""The ONNX Runtime session of a package: providers, session options, and the graph's I/O checked
+against the package's JSON, so that a mismatch is a PackageError at load time and not an ONNX
+Runtime failure in the middle of generation."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import PackageError, ProviderError
+from .package import PackageSpec
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # cache and logits types
+
+
+def ort_reason(error: Exception) -> str:
+    """The useful part of an ONNX Runtime exception: its first line without the status-code prefix,
+    the C++ source location and function signature, which mean nothing to a user."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"^(Load model from .*? failed:|Error in execution: )", "", text)
+    text = re.sub(r"\S+\.(cc|cpp|h):\d+ (\S+\(.*?\)( const)? )?", "", text)
+    return text.split("Status Message: ")[-1].strip()
+
+
+def resolve_providers(provider: str) -> list[str]:
+    available = ort.get_available_providers()
+    if provider == "auto":
+        return [PROVIDERS["cuda"], PROVIDERS["cpu"]] if PROVIDERS["cuda"] in available else [PROVIDERS["cpu"]]
+    if not isinstance(provider, str) or provider not in PROVIDERS:
+        raise ProviderError(f"unknown provider {provider!r}; choose one of 'cpu', 'cuda', 'auto'")
+    name = PROVIDERS[provider]
+    if name not in available:
+        raise ProviderError(
+            f"provider {provider!r} ({name}) is not available in this onnxruntime build; available: "
+            f"{', '.join(available)}. For CUDA install onnxruntime-gpu instead of onnxruntime."
+        )
+    return [name] if provider == "cpu" else [name, PROVIDERS["cpu"]]
+
+
+def open_session(model_path: Path, providers: list[str], threads: int | None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # errors only: warnings about unused initializers are noise to users
+    if threads is not None:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    try:
+        return ort.InferenceSession(str(model_path), options, providers=providers)
+    except Exception as e:  # onnxruntime raises its own pybind exception types
+        raise PackageError(f"ONNX Runtime cannot load {model_path.name}: {ort_reason(e)}") from None
+
+
+@dataclass
+class GraphFacts:
+    """What the graph itself says, beyond the JSON: read once at load."""
+
+    uses_position_ids: bool
+    kv_dtype: type  # np.float32 or np.float16
+    logits_dtype: type
+
+
+def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
+    """The graph's inputs and outputs against the package description."""
+    arch, io = spec.arch, spec.io
+    name = spec.model_path.name
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
+    if 2 * arch.n_layer > len(inputs):  # before building 2 * n_layer names: n_layer may be huge
+        raise PackageError(f"the package says {arch.n_layer} layers, but {name} has only {len(inputs)} inputs")
+    past, present = io.past_names(arch.n_layer), io.present_names(arch.n_layer)
+    needed_in = [io.input_ids, io.attention_mask, *past]
+    needed_out = [io.logits, *present]
+    missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
+    if missing:
+        raise PackageError(
+            f"{name} does not match its package description: no I/O named "
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+        )
+    uses_position_ids = io.position_ids is not None and io.position_ids in inputs
+    if io.logits_to_keep and io.logits_to_keep not in inputs:
+        overridable = {i.name for i in session.get_overridable_initializers()}
+        if io.logits_to_keep not in overridable:
+            raise PackageError(f"{name} has no input {io.logits_to_keep}, which the package names logits_to_keep")
+    bound = needed_in + ([io.position_ids] if uses_position_ids else [])
+    if len(set(bound)) < len(bound) or len(set(needed_out)) < len(needed_out):
+        raise PackageError(f"the package description gives two of {name}'s inputs or outputs the same name")
+    unbound = sorted(set(inputs) - set(bound))
+    if unbound:
+        raise PackageError(f"{name} has inputs the package description does not name: {', '.join(unbound[:3])}")
+    # fixed axes must agree with the JSON: caches (B, n_kv_head, T, head_dim), logits (B, T, vocab)
+    agrees = lambda dim, expected: not isinstance(dim, int) or dim == expected  # a symbolic axis always does
+    for n in past + present:
+        shape = inputs[n].shape if n in inputs else outputs[n].shape
+        if len(shape) != 4 or not (agrees(shape[1], arch.n_kv_head) and agrees(shape[3], arch.head_dim)):
+            raise PackageError(
+                f"{n} in {name} has shape {shape}; the package says (batch, {arch.n_kv_head}, length, {arch.head_dim})"
+            )
+    shape = outputs[io.logits].shape
+    if len(shape) != 3 or not agrees(shape[2], arch.vocab_size):
+        raise PackageError(
+            f"{io.logits} in {name} has shape {shape}; the package says (batch, length, {arch.vocab_size})"
+        )
+    logits_dtype = _ORT_TYPES.get(outputs[io.logits].type)
+    if logits_dtype is None:
+        raise PackageError(f"unsupported logits type {outputs[io.logits].type}")
+    kv_dtype = _ORT_TYPES.get(inputs[past[0]].type)
+    if kv_dtype is None:
+        raise PackageError(f"unsupported KV-cache type {inputs[past[0]].type}")
+    return GraphFacts(uses_position_ids=uses_position_ids, kv_dtype=kv_dtype, logits_dtype=logits_dtype)
