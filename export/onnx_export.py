@@ -152,6 +152,7 @@ def build_manifest(
             "opset": opset,
             "attention": attention,
             "last_token_logits": last_token_logits,
+            "tied_embedding_bytes_saved": 4 * config.vocab_size * config.n_embd if config.tie_word_embeddings else 0,
             "torch": torch.__version__,
             "onnx": onnx.__version__,
         },

@@ -227,7 +227,7 @@ def test_last_token_logits_export(checkpoint, reference, tmp_path):
     manifest = export_package(
         checkpoint, tmp_path / "pkg", attention="standard", last_token_logits=True, progress=quiet
     )
-    assert manifest["io"]["last_token_logits"] is True
+    assert manifest["export"]["last_token_logits"] is True
     onnx_path = tmp_path / "pkg" / "model.onnx"
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     input_ids, attention_mask = prompt_batch(reference, batch=2)
@@ -248,7 +248,7 @@ def test_last_token_logits_export(checkpoint, reference, tmp_path):
 def test_untied_export(checkpoint, reference, exported, tmp_path):
     manifest = export_package(checkpoint, tmp_path / "pkg", untie=True, progress=quiet)
     onnx_path = tmp_path / "pkg" / "model.onnx"
-    assert manifest["architecture"]["tie_word_embeddings"] is False
+    assert manifest["architecture"]["details"]["tie_word_embeddings"] is False
     assert manifest["export"]["tied_embedding_bytes_saved"] == 0
     assert len(vocab_initializers(onnx_path, reference.config)) == 2  # embedding and LM head, separately
     embedding_bytes = VOCAB * reference.config.n_embd * 4
@@ -269,7 +269,7 @@ def test_sinusoidal_positions_export(tmp_path, activation):
     model = GPT(config).eval()
     save_checkpoint(model, tmp_path / "ckpt")
     manifest = export_package(tmp_path / "ckpt", tmp_path / "pkg", progress=quiet)
-    assert manifest["architecture"]["positional"] == "sinusoidal"
+    assert manifest["architecture"]["details"]["positional"] == "sinusoidal"
     # compared with the model in memory: this also checks that the checkpoint kept its positional kind
     assert max_fused_difference(model, tmp_path / "pkg" / "model.onnx", [7, 3]) < ONNX_TOLERANCE
     export_package(tmp_path / "ckpt", tmp_path / "standard", attention="standard", progress=quiet)
@@ -295,34 +295,40 @@ def test_manifest(package, hf_checkpoint):
     manifest = json.loads((package / "edgelm.json").read_text())
     config = load_checkpoint(hf_checkpoint).config
     assert manifest["format"] == "edgelm-package"
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     arch = manifest["architecture"]
     assert arch["type"] == "gpt2"
-    assert (arch["vocab_size"], arch["n_layer"], arch["n_head"], arch["n_embd"]) == (
+    assert (arch["vocab_size"], arch["n_layer"], arch["n_head"], arch["n_kv_head"], arch["details"]["n_embd"]) == (
         config.vocab_size,
         config.n_layer,
+        config.n_head,
         config.n_head,
         config.n_embd,
     )
     assert arch["head_dim"] == config.n_embd // config.n_head
     assert arch["context_length"] == config.n_positions
-    assert arch["tie_word_embeddings"] is True
+    assert arch["details"]["tie_word_embeddings"] is True
     assert manifest["model_file"] == "model.onnx"
-    n_layer = config.n_layer
-    assert manifest["io"]["inputs"] == ["input_ids", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")
-    ] + ["num_logits_to_keep"]
-    assert manifest["io"]["kv_cache"] == "shared_buffer"
-    assert manifest["io"]["logits_to_keep"] == "num_logits_to_keep"
-    assert manifest["io"]["outputs"] == ["logits"] + [
-        f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")
-    ]
-    assert manifest["io"]["last_token_logits"] is False
+    assert manifest["io"] == {
+        "input_ids": "input_ids",
+        "attention_mask": "attention_mask",
+        "position_ids": "position_ids",
+        "logits": "logits",
+        "past_key": "past_key_values.%d.key",
+        "past_value": "past_key_values.%d.value",
+        "present_key": "present.%d.key",
+        "present_value": "present.%d.value",
+        "logits_to_keep": "num_logits_to_keep",
+        "kv_cache": "shared_buffer",
+        "kv_dtype": "float32",
+    }
+    assert manifest["export"]["last_token_logits"] is False
     assert manifest["tokenizer"] == {
         "file": "tokenizer.json",
         "bos_token_id": 0,
         "eos_token_ids": [0],
         "pad_token_id": 0,
+        "chat_template": None,
     }
     assert manifest["precision"] == "fp32"
     assert manifest["export"]["opset"] == 17

@@ -89,9 +89,9 @@ def test_top1_agreement_bar(mode, reports):
 def test_quantized_package_generates_and_records_its_recipe(mode, quantized):
     model = load(quantized[mode], provider="cpu")
     manifest = model.spec.manifest
-    assert manifest["precision"] != "fp32"
-    assert manifest["recipe"]["mode"] == mode
-    assert set(manifest["files"]) == set(list_files(quantized[mode]))
+    assert manifest.precision != "fp32"
+    assert manifest.recipe["mode"] == mode
+    assert set(manifest.files) == set(list_files(quantized[mode]))
     result = model.generate("ROMEO:\n", 24)
     assert len(result.token_ids) > 0
     assert result.text.strip()
@@ -126,7 +126,7 @@ def test_int4_recipe_keeps_the_lm_head_and_embedding_at_8_bits(quantized):
     float_tensors = [i for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
     tables = [i.name for i in float_tensors if math.prod(i.dims) >= 2048 * 256]
     assert not tables, tables
-    recipe = load(quantized["int4"], provider="cpu").spec.manifest["recipe"]
+    recipe = load(quantized["int4"], provider="cpu").spec.manifest.recipe
     assert recipe["lm_head"] == "int8" and recipe["block_size"] == 32
 
 

@@ -30,7 +30,7 @@ from edgelm.runtime import (
     PackageNotFoundError,
     load,
 )
-from edgelm.runtime import generator as generator_module
+from edgelm.runtime import session as session_module
 from edgelm.runtime.package import external_data_locations, list_files
 
 ORT_INTERNALS = ("[ONNXRuntimeError]", "onnxruntime::", "onnxruntime_src")
@@ -73,13 +73,13 @@ def tree_hashes(folder: Path) -> dict[str, str]:
 def sessions(monkeypatch) -> list[str]:
     """Records every model path handed to onnxruntime.InferenceSession (the session still opens)."""
     opened: list[str] = []
-    real = generator_module.ort.InferenceSession
+    real = session_module.ort.InferenceSession
 
     def spy(path, *args, **kwargs):
         opened.append(str(path))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(generator_module.ort, "InferenceSession", spy)
+    monkeypatch.setattr(session_module.ort, "InferenceSession", spy)
     return opened
 
 
@@ -571,7 +571,7 @@ def test_a_batch_filling_the_context(model):
 # ---- 7. atomic writes: an interrupted export leaves nothing and touches nothing -------------------
 
 
-@pytest.mark.parametrize("step", ["export_fused_onnx", "check_parity_shared", "write_json"])
+@pytest.mark.parametrize("step", ["save_model", "check_parity_shared", "write_json"])
 def test_export_interrupted_half_way_leaves_nothing(hf_checkpoint, tmp_path, monkeypatch, step):
     from edgelm.export import onnx_export
 
@@ -579,7 +579,7 @@ def test_export_interrupted_half_way_leaves_nothing(hf_checkpoint, tmp_path, mon
     real = getattr(onnx_export, step)
 
     def interrupt(*args, **kwargs):
-        if step == "export_fused_onnx":
+        if step == "save_model":
             real(*args, **kwargs)  # model.onnx written, then Ctrl-C
         raise KeyboardInterrupt
 
