@@ -1,0 +1,272 @@
+"""Hugging Face Llama-family folders (model_type llama, mistral, qwen2), read without transformers.
+
+A folder holds `config.json`, the weights (`model.safetensors`; or shards `model-0000N-of-0000M.safetensors`
+listed in `model.safetensors.index.json`; or `pytorch_model.bin`, loaded with `torch.load(weights_only=True)`),
+and optionally `generation_config.json`, `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`.
+Weights keep Hugging Face's names, which llama.py's Llama uses too; bf16/fp16 tensors are upcast to fp32 one at
+a time. The config keys are those transformers writes, in both the 4.x form (`rope_theta`, `rope_scaling`)
+and the 5.x form (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError
+from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+PICKLE_FILE = "pytorch_model.bin"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; recomputed from the config
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return data
+
+
+def _to_float32(name: str, tensor: torch.Tensor, source: Path) -> torch.Tensor:
+    if not tensor.is_floating_point():
+        raise CheckpointError(
+            f"tensor {name!r} in {source} has dtype {tensor.dtype}; only float weights are supported "
+            "(quantized checkpoints are not)"
+        )
+    return tensor.float()
+
+
+def _read_safetensors(path: Path, state: dict[str, torch.Tensor]) -> list[str]:
+    """Add the tensors of one safetensors file to `state`, upcast to fp32; return their names."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            for name in names:
+                if name in state:
+                    raise CheckpointError(f"tensor {name!r} appears in more than one weights file ({path.name})")
+                state[name] = _to_float32(name, f.get_tensor(name), path)
+    except (SafetensorError, OSError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
+    return names
+
+
+def _read_sharded(folder: Path) -> dict[str, torch.Tensor]:
+    index_path = folder / SAFETENSORS_INDEX_FILE
+    weight_map = _read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has no weight_map")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        # A shard is a file beside the index, never a path that leaves the folder.
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+            raise CheckpointError(f"{index_path} names an invalid shard file {shard!r}")
+        if not (folder / shard).is_file():
+            raise CheckpointError(f"{index_path} lists the shard {shard!r}, which is missing from {folder}")
+    state: dict[str, torch.Tensor] = {}
+    found: dict[str, str] = {}
+    for shard in shards:
+        for name in _read_safetensors(folder / shard, state):
+            found[name] = shard
+    for name, shard in weight_map.items():
+        if found.get(name) != shard:
+            raise CheckpointError(f"tensor {name!r} is listed in {index_path.name} but not found in {shard!r}")
+    return state
+
+
+def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a Hugging Face folder as fp32 tensors, by their Hugging Face names."""
+    folder = Path(folder)
+    if (folder / SAFETENSORS_INDEX_FILE).is_file():
+        return _read_sharded(folder)
+    if (folder / SAFETENSORS_FILE).is_file():
+        state: dict[str, torch.Tensor] = {}
+        _read_safetensors(folder / SAFETENSORS_FILE, state)
+        return state
+    if (folder / PICKLE_FILE).is_file():
+        path = folder / PICKLE_FILE
+        try:
+            # weights_only: tensors and plain containers only; a pickle naming any other callable is refused.
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else "refused"
+            raise CheckpointError(f"{path} is not a plain weights file (refused to unpickle: {first_line})") from None
+        except (RuntimeError, EOFError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path} does not hold a state dict of tensors")
+        return {name: _to_float32(name, tensor, path) for name, tensor in state.items()}
+    raise FileNotFoundError(f"{folder} has no {SAFETENSORS_FILE}, {SAFETENSORS_INDEX_FILE} or {PICKLE_FILE}")
+
+
+def _rope_from_hf(hf: dict, max_positions: int) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config form; rope_scaling keeps rope_type and that type's keys
+    (LlamaConfig refuses an unknown type or a missing key)."""
+    params = hf.get("rope_parameters") or {}  # transformers 5: theta and scaling in one dict
+    scaling = hf.get("rope_scaling") or params  # transformers 4: scaling apart, theta at the top
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        # transformers falls back to max_position_embeddings when the original context is not given
+        scaling = {"original_max_position_embeddings": max_positions, **scaling}
+    keys = ROPE_SCALING_KEYS.get(rope_type, ())
+    return theta, {"rope_type": rope_type, **{k: scaling[k] for k in keys if k in scaling}}
+
+
+def _token_ids(value: object, key: str) -> list[int]:
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{key} must be an integer or a list of integers, got {value!r}")
+    return list(dict.fromkeys(ids))  # in order, without repeats
+
+
+def _first_id(value: object, key: str) -> int | None:
+    ids = _token_ids(value, key)
+    return ids[0] if ids else None
+
+
+def llama_config_from_hf(hf: dict) -> LlamaConfig:
+    """Map a Hugging Face config.json (llama, mistral, qwen2) onto LlamaConfig; refuse what Llama does not implement."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}: Llama-family models use 'silu'")
+    if model_type == "llama" and hf.get("attention_bias"):
+        raise CheckpointError(
+            "config.json sets attention_bias=true (an o_proj bias too), which edgelm does not implement"
+        )
+    if hf.get("mlp_bias"):
+        raise CheckpointError("config.json sets mlp_bias=true, which edgelm does not implement")
+    try:
+        n_positions = int(hf["max_position_embeddings"])
+        theta, scaling = _rope_from_hf(hf, n_positions)
+        # A sliding window only changes attention once the context exceeds it; capping the context length at the
+        # window means it never applies, so plain causal attention is exact (Mistral; Qwen2 when enabled).
+        window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
+        if window is not None and int(window) < n_positions:
+            n_positions = int(window)
+        n_head = int(hf["num_attention_heads"])
+        return LlamaConfig(
+            vocab_size=int(hf["vocab_size"]),
+            n_positions=n_positions,
+            n_embd=int(hf["hidden_size"]),
+            n_layer=int(hf["num_hidden_layers"]),
+            n_head=n_head,
+            n_kv_head=int(hf.get("num_key_value_heads") or n_head),
+            head_dim=int(hf["head_dim"]) if hf.get("head_dim") is not None else None,
+            n_inner=int(hf["intermediate_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=model_type == "qwen2",  # Qwen2 always has Q/K/V biases; the config has no key for it
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
+            bos_token_id=_first_id(hf.get("bos_token_id"), "bos_token_id"),
+            eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
+            model_type=model_type,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json is invalid: {e}") from None
+
+
+def build_llama(config: LlamaConfig, state: dict[str, torch.Tensor]) -> Llama:
+    """A Llama holding `state` (Hugging Face names, fp32), every shape checked; the tensors become the
+    parameters (no second copy). Missing or unexpected tensors raise CheckpointError."""
+    with torch.device("meta"):
+        model = Llama(config)  # shapes only: no memory, no random init
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    loaded: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        name = key if key.startswith(("model.", "lm_head.")) else "model." + key
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in expected:
+            raise CheckpointError(
+                f"unexpected tensor {key!r} in the checkpoint (not part of a {config.model_type} model)"
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"tensor {key!r} has shape {tuple(tensor.shape)} but the config expects {expected[name]}"
+            )
+        loaded[name] = tensor
+    if config.tie_word_embeddings:
+        loaded.pop("lm_head.weight", None)  # tied: the head is the embedding (some folders store a copy)
+    missing = sorted(set(expected) - set(loaded) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first {missing[0]!r}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config)  # the buffer is not in the state dict; it was built on meta
+    return model.eval()
+
+
+def read_extras(folder: str | Path) -> dict:
+    """Token ids and chat template: {"bos_token_id", "eos_token_ids", "pad_token_id", "chat_template"}.
+    generation_config.json's ids win over config.json's (they are what transformers' generate uses)."""
+    folder = Path(folder)
+    merged: dict = {}
+    for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
+        if (folder / name).is_file():
+            data = _read_json(folder / name)
+            merged.update(
+                {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if data.get(k) is not None}
+            )
+
+    # chat_template.jinja takes priority over tokenizer_config.json, as in transformers.
+    chat_template = None
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        chat_template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    elif (folder / TOKENIZER_CONFIG_FILE).is_file():
+        template = _read_json(folder / TOKENIZER_CONFIG_FILE).get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = next(
+                (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+            )
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{folder / TOKENIZER_CONFIG_FILE}'s chat_template is not a string")
+        chat_template = template
+    return {
+        "bos_token_id": _first_id(merged.get("bos_token_id"), "bos_token_id"),
+        "eos_token_ids": _token_ids(merged.get("eos_token_id"), "eos_token_id"),
+        "pad_token_id": _first_id(merged.get("pad_token_id"), "pad_token_id"),
+        "chat_template": chat_template,
+    }
+
+
+def load_llama(folder: str | Path) -> Llama:
+    """Load a Hugging Face llama / mistral / qwen2 folder into the reference model (eval mode, fp32).
+    The config's BOS/EOS ids are those of read_extras (generation_config.json first)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}")
+    config = llama_config_from_hf(_read_json(folder / CONFIG_FILE))
+    extras = read_extras(folder)
+    config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
+    return build_llama(config, read_safetensors_folder(folder))

@@ -1,0 +1,317 @@
+"""The reference Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2).
+
+The same interface as model.py's GPT, so export and parity checks treat both families alike:
+
+    logits, present = model(input_ids, attention_mask, position_ids, past_key_values)
+
+What differs from GPT-2, in one place:
+- RMSNorm (scale only: no mean subtraction, no bias) instead of LayerNorm;
+- rotary position embeddings applied to queries and keys (Su et al. 2021) instead of learned positions
+  added to the input; HF's "rotate half" layout (dims i and i + head_dim/2 form a pair), optionally
+  rescaled for long contexts (`linear` position interpolation, Chen et al. 2023; Meta's `llama3` rule);
+- grouped-query attention (Ainslie et al. 2023): n_kv_head <= n_head key/value heads, each shared by
+  n_head / n_kv_head query heads; the cache holds n_kv_head heads, (B, n_kv_head, past + T, head_dim);
+- a SiLU-gated feed-forward, down(silu(gate(x)) * up(x)) (Shazeer 2020), with no biases;
+- no biases in the projections, except Q/K/V biases in Qwen2.
+
+Parameter names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, ...), all `nn.Linear` in
+(out, in) layout, so a Hugging Face state dict loads with no renaming or transposing (hf_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Past = list[tuple[torch.Tensor, torch.Tensor]]
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 49152  # tokens in the vocabulary
+    n_positions: int = 8192  # context length (max_position_embeddings, capped at Mistral's sliding window)
+    n_embd: int = 576  # model width d (hidden_size)
+    n_layer: int = 30  # transformer blocks
+    n_head: int = 9  # query heads
+    n_kv_head: int = 3  # key/value heads (grouped-query attention); n_head must be a multiple
+    head_dim: int | None = None  # per-head width; None means n_embd // n_head
+    n_inner: int = 1536  # gated feed-forward width (intermediate_size)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base: frequency i is rope_theta ** (-2i / head_dim)
+    rope_scaling: dict | None = None  # None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}
+    attention_bias: bool = False  # biases on Q/K/V (Qwen2); o_proj never has one
+    tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)  # generation stops at any of these
+    model_type: str = "llama"  # "llama", "mistral" or "qwen2": the genai_config.json type
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.n_embd // self.n_head  # the documented default, not an override
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            if rope_type not in ROPE_SCALING_KEYS:
+                raise ValueError(
+                    f"unsupported rope_scaling type {rope_type!r}; supported: {sorted(ROPE_SCALING_KEYS)} or none"
+                )
+            missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named presets (the Hugging Face configs); parameter counts are for the model as built here.
+PRESETS: dict[str, dict] = {
+    "smollm2-135m": dict(rope_theta=100000.0),  # 134.5M, the field defaults
+    "qwen2.5-0.5b": dict(  # 494.0M
+        vocab_size=151936,
+        n_positions=32768,
+        n_embd=896,
+        n_layer=24,
+        n_head=14,
+        n_kv_head=2,
+        n_inner=4864,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        attention_bias=True,
+        model_type="qwen2",
+    ),  # fmt: skip
+    "llama-3.2-1b": dict(  # 1235.8M
+        vocab_size=128256,
+        n_positions=131072,
+        n_embd=2048,
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        n_inner=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),  # fmt: skip
+    "tiny": dict(vocab_size=256, n_positions=128, n_embd=48, n_layer=2, n_head=6, n_kv_head=2, n_inner=96),  # 0.05M
+}
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Rotary frequencies (head_dim/2,): theta ** (-2i / head_dim), with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        # Position interpolation: position t is treated as t / factor, i.e. every frequency divided by factor.
+        return inv_freq / factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are stretched by `factor`,
+    # those shorter than original / high_freq_factor are kept, and the band between is blended linearly
+    # in original / wavelength.
+    original = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)  # 0 at the long end of the band, 1 at the short end
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    in_band = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_cos_sin(config: LlamaConfig, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, each (n_positions, head_dim/2): the caches ONNX Runtime's
+    GroupQueryAttention (do_rotary=1, rotary_interleaved=0) takes."""
+    angles = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(config)  # (P, hs/2)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + hs/2]) by the angle of their frequency. x (B, nh, T, hs); cos, sin (B, 1, T, hs)."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated_half * sin
+
+
+def attention_bias(attention_mask: torch.Tensor, past_length: int, T: int) -> torch.Tensor:
+    """Additive bias (B, 1, T, past + T): 0 where query i (absolute position past + i) may see key j, that is
+    j <= past + i and key j is not padding; a large finite negative number elsewhere (so a fully padded row
+    gives a uniform softmax, not NaN)."""
+    device = attention_mask.device
+    query_pos = torch.arange(T, device=device).unsqueeze(1) + past_length  # (T, 1)
+    key_pos = torch.arange(past_length + T, device=device).unsqueeze(0)  # (1, past + T)
+    allowed = (key_pos <= query_pos).unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, T, past + T)
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+    return bias.masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the cache holds rotated keys
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)  # (B, nkv, past + T, hs)
+            v = torch.cat([past[1], v], dim=2)
+        # Query head h reads key/value head h // (n_head / n_kv_head).
+        group = self.n_head // self.n_kv_head
+        k_heads = k.repeat_interleave(group, dim=1)  # (B, nh, past + T, hs)
+        v_heads = v.repeat_interleave(group, dim=1)
+        scores = (q @ k_heads.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, past + T)
+        y = F.softmax(scores + bias, dim=-1) @ v_heads  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        return self.o_proj(y), (k, v)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, x, bias, cos, sin, past):
+        attn_out, present = self.self_attn(self.input_layernorm(x), bias, cos, sin, past)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, present
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
+                layers=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                norm=RMSNorm(config.n_embd, config.rms_norm_eps),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (hs/2,)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Past | None = None,
+        *,
+        last_token_logits: bool = False,
+    ) -> tuple[torch.Tensor, Past]:
+        """input_ids (B, T); attention_mask (B, past + T), 1 = real token, 0 = padding;
+        position_ids (B, T); past_key_values: n_layer pairs of (B, n_kv_head, past, head_dim).
+        Returns logits (B, T, vocab) (or (B, 1, vocab) with last_token_logits) and the present pairs."""
+        B, T = input_ids.shape
+        past_length = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        total = past_length + T
+        if attention_mask is None:
+            attention_mask = torch.ones(B, total, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(past_length, total, device=input_ids.device).unsqueeze(0).expand(B, T)
+        bias = attention_bias(attention_mask, past_length, T)
+
+        angles = position_ids.unsqueeze(-1).float() * self.inv_freq  # (B, T, hs/2)
+        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, hs): both halves of a pair
+        cos, sin = angles.cos(), angles.sin()
+
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        present: Past = []
+        for i, block in enumerate(self.model.layers):
+            x, layer_present = block(x, bias, cos, sin, None if past_key_values is None else past_key_values[i])
+            present.append(layer_present)
+        x = self.model.norm(x)
+        if last_token_logits:
+            x = x[:, -1:, :]
+        return self.lm_head(x), present
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with the KV cache; the reference the runtime's tokens are checked against."""
+        logits, past = self(input_ids)
+        tokens = []
+        next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
+        for step in range(max_new_tokens):
+            tokens.append(next_token)
+            if step == max_new_tokens - 1:
+                break
+            logits, past = self(next_token, past_key_values=past)
+            next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        return torch.cat(tokens, dim=1) if tokens else input_ids[:, :0]
