@@ -18,6 +18,8 @@ import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
 from .decoder import Decoder, Layer, Linear, Norm
+from .hf_checkpoint import load_llama, read_extras
+from .llama import MODEL_TYPES, Llama, rope_cos_sin
 from .model import GPT
 
 
@@ -91,10 +93,82 @@ def gpt2_tokens(checkpoint: Path, model: GPT) -> dict:
         pad_name = names.get("pad_token")
         if isinstance(pad_name, str) and pad_name in vocab:
             pad = vocab[pad_name]
-    for name, value in (("eos_token_id", eos), ("bos_token_id", bos), ("pad_token_id", pad)):
-        if not 0 <= value < config.vocab_size:
-            raise CheckpointError(f"{name} {value} is outside the vocabulary (size {config.vocab_size})")
-    return {"bos_token_id": bos, "eos_token_ids": [eos], "pad_token_id": pad}
+    return _checked_tokens(config.vocab_size, bos, [eos], pad)
+
+
+def llama_decoder(model: Llama) -> Decoder:
+    c, m = model.config, model.model
+    layers = []
+    for block in m.layers:
+        a, mlp = block.self_attn, block.mlp
+        qkv = Linear(_array(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])).T)
+        if c.attention_bias:
+            qkv.bias = _array(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+        layers.append(
+            Layer(
+                attention_norm=_norm(block.input_layernorm),
+                qkv=qkv,
+                attention_out=_linear(a.o_proj),
+                mlp_norm=_norm(block.post_attention_layernorm),
+                up=Linear(_array(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])).T),  # gate first
+                down=_linear(mlp.down_proj),
+            )
+        )
+    cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
+    return Decoder(
+        family=c.model_type,
+        genai_type=c.model_type,
+        vocab_size=c.vocab_size,
+        context_length=c.n_positions,
+        n_embd=c.n_embd,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim,
+        inner_dim=c.n_inner,
+        norm="rms",
+        norm_eps=c.rms_norm_eps,
+        activation="silu",
+        gated_mlp=True,
+        embedding=_array(m.embed_tokens.weight),
+        layers=layers,
+        final_norm=_norm(m.norm),
+        lm_head=None if c.tie_word_embeddings else _array(model.lm_head.weight).T,
+        rotary_cos=_array(cos),
+        rotary_sin=_array(sin),
+    )
+
+
+def llama_details(model: Llama) -> dict:
+    c = model.config
+    return {
+        "n_embd": c.n_embd,
+        "n_inner": c.n_inner,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "rms_norm_eps": c.rms_norm_eps,
+        "attention_bias": c.attention_bias,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "parameters": model.num_parameters(),
+    }
+
+
+def llama_tokens(folder: Path, model: Llama) -> dict:
+    extras = read_extras(folder)
+    return _checked_tokens(
+        model.config.vocab_size, extras["bos_token_id"], extras["eos_token_ids"], extras["pad_token_id"]
+    )
+
+
+def _checked_tokens(vocab_size: int, bos: int | None, eos: list[int], pad: int | None) -> dict:
+    """Special token ids as the manifest keeps them; padding falls back to the first EOS."""
+    if not eos:
+        raise CheckpointError("the checkpoint names no EOS token (config.json / generation_config.json eos_token_id)")
+    pad = eos[0] if pad is None else pad
+    for name, value in (("eos_token_id", eos), ("bos_token_id", [bos]), ("pad_token_id", [pad])):
+        for token in value:
+            if token is not None and not 0 <= token < vocab_size:
+                raise CheckpointError(f"{name} {token} is outside the vocabulary (size {vocab_size})")
+    return {"bos_token_id": bos, "eos_token_ids": eos, "pad_token_id": pad}
 
 
 @dataclass(frozen=True)
@@ -108,6 +182,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("gpt2", load_checkpoint, gpt2_decoder, gpt2_details, gpt2_tokens),
+    **{name: Family(name, load_llama, llama_decoder, llama_details, llama_tokens) for name in MODEL_TYPES},
 }
 
 

@@ -36,6 +36,7 @@ from ..runtime.package import StagedPackage, list_files, write_json
 from .checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_hash
 from .families import Family, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
+from .hf_checkpoint import read_extras
 from .parity import check_parity, check_parity_shared
 from .traced import trace_graph
 
@@ -63,21 +64,6 @@ class Source:
     chat_template: str | None = None
 
 
-def _chat_template(folder: Path) -> str | None:
-    """A Hugging Face folder's chat template: chat_template.jinja, or tokenizer_config.json's entry (a
-    string, or a list of named templates of which "default" is the one)."""
-    if (folder / CHAT_TEMPLATE_FILE).is_file():
-        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    path = folder / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) and template.strip() else None
-
-
 def open_folder(folder: Path) -> Source:
     """A Hugging Face-layout checkpoint folder: config.json names the family."""
     if not folder.is_dir():
@@ -100,7 +86,7 @@ def open_folder(folder: Path) -> Source:
         name=folder.resolve().name,
         sha256=checkpoint_hash(folder),
         files={name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()},
-        chat_template=_chat_template(folder),
+        chat_template=read_extras(folder)["chat_template"],
     )
 
 
