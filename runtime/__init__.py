@@ -5,6 +5,7 @@ alone (its imports are all relative).
 """
 
 from .errors import (
+    ChatTemplateError,
     ContextLengthError,
     EdgelmError,
     InvalidInputError,
@@ -17,6 +18,7 @@ from .generator import GenerationResult, Model, Stream, Timings, load
 from .sampling import SamplingParams
 
 __all__ = [
+    "ChatTemplateError",
     "ContextLengthError",
     "EdgelmError",
     "GenerationResult",
