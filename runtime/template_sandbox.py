@@ -81,14 +81,18 @@ def _checked(value: Any) -> Any:
     return value
 
 
+def _check_size(value: Any) -> None:
+    _checked(value)
+    if isinstance(value, (list, tuple, dict)):  # join, tojson, ... of a list of large strings
+        _check_length(_text_size(value))
+
+
 def _check_arguments(args: tuple, kwargs: dict) -> None:
     for value in (*args, *kwargs.values()):
         # Widths and counts (center, ljust, indent, tojson's indent, ...) would allocate before any result check.
         if type(value) is int and abs(value) > MAX_OUTPUT_CHARS:
             raise _LimitError(f"an argument of {value:,} (the limit is {MAX_OUTPUT_CHARS:,})")
-        if isinstance(value, (list, tuple, dict)):  # join, tojson, ... of a list of large strings
-            _check_length(_text_size(value))
-        _checked(value)
+        _check_size(value)
 
 
 def _text_size(value: Any) -> int:
@@ -125,11 +129,12 @@ def _counted_loop(iterable: Any, literal_chars: int) -> Any:
 
 
 def _bounded_filter(func: Any) -> Any:
-    skip = 2 if hasattr(func, "jinja_pass_arg") else 1  # the context, then the value being filtered
+    value_at = 1 if hasattr(func, "jinja_pass_arg") else 0  # after the context jinja passes first, if it does
 
     @functools.wraps(func)  # keeps jinja_pass_arg, so jinja still passes the context
     def bounded(*args: Any, **kwargs: Any) -> Any:
-        _check_arguments(args[skip - 1 :], kwargs)
+        _check_size(args[value_at])  # the value filtered may be a large number: {{ n|int }}
+        _check_arguments(args[value_at + 1 :], kwargs)
         return _checked(func(*args, **kwargs))
 
     return bounded
@@ -290,5 +295,5 @@ def _describe(exc: BaseException) -> str:
     elif isinstance(exc, RecursionError):
         what = "recursion too deep"
     else:
-        what = f"{type(exc).__name__}: {exc}"
+        what = f"{type(exc).__name__}: {exc}".rstrip(": ")
     return f"chat template failed{where}: {' '.join(what.split())[:500]}"

@@ -304,6 +304,9 @@ HOSTILE = [
     ("{{ messages.append(1) }}", SANDBOX),
     ("{{ messages[0].update({'role': 'system'}) }}", SANDBOX),
     ("{% set ns = namespace() %}{% set ns.__class__ = 1 %}", SANDBOX),
+    ("{{ '{0.__class__.__mro__}'.format(1) }}", SANDBOX),
+    ("{{ ('{0.__class__}'|attr('format'))(1) }}", SANDBOX),
+    ("{{ ''|attr('__class__') }}", SANDBOX),
     ("{{ dict.mro() }}", "mro"),
     ("{{ lipsum(10**6) }}", "undefined"),
     ("{% for i in range(10**9) %}x{% endfor %}", STOPPED),
@@ -352,6 +355,13 @@ def test_hostile_templates_fail_quickly(chatml: ChatTemplate, source: str, messa
 def test_templates_that_do_not_compile(source: str, message: str) -> None:
     with pytest.raises(ChatTemplateError, match=message):
         ChatTemplate(source)
+
+
+def test_large_numbers_are_fine_where_they_are_values() -> None:
+    assert (
+        ChatTemplate("{{ (10 ** 12)|int }} {{ 2 ** 64 }} {{ 'ab' * 3 }}").render([])
+        == "1000000000000 18446744073709551616 ababab"
+    )
 
 
 def test_tojson_matches_hugging_face() -> None:
