@@ -5,6 +5,7 @@ alone (its imports are all relative).
 """
 
 from .errors import (
+    ChatTemplateError,
     ContextLengthError,
     EdgelmError,
     InvalidInputError,
@@ -18,6 +19,7 @@ from .results import GenerationResult, Stream, Timings
 from .sampling import SamplingParams
 
 __all__ = [
+    "ChatTemplateError",
     "ContextLengthError",
     "EdgelmError",
     "GenerationResult",

@@ -30,3 +30,7 @@ class ContextLengthError(InvalidInputError):
 
 class ProviderError(EdgelmError, ValueError):
     """An execution provider that is unknown or not installed."""
+
+
+class ChatTemplateError(EdgelmError, ValueError):
+    """A chat template that does not compile or fails to render, or messages it cannot take."""

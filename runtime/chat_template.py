@@ -1,0 +1,118 @@
+"""Chat templates: turn a list of messages into the prompt text an instruct model was trained on.
+
+Renders the Jinja chat template a checkpoint carries (Hugging Face's format: `chat_template` in
+tokenizer_config.json, chat_template.jinja, or GGUF's `tokenizer.chat_template`) as transformers'
+`apply_chat_template` does, with the special tokens (`bos_token`, `eos_token`, ...) and `tools` /
+`documents` (None unless given) as variables, in the bounded sandbox of template_sandbox.py.
+
+A conversation that keeps its KV cache feeds only a new turn's tokens when the whole history, rendered
+again, starts with what it already fed; `is_prefix_stable` and `generation_suffix` are the text-level
+checks for that (some templates rewrite earlier turns, e.g. drop their <think> reasoning).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ChatTemplateError
+from .template_sandbox import MAX_DATA_DEPTH, compile_template, render_bounded
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
+    """A copy of value made of JSON types only, so a template sees no object with methods of its own."""
+    if depth > MAX_DATA_DEPTH:
+        raise ChatTemplateError(f"{where}: nested more than {MAX_DATA_DEPTH} levels deep")
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for kind in (str, bool, int, float):  # subclasses such as enums become their base value
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item, where, depth + 1) for item in value)
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise ChatTemplateError(f"{where}: a key {key!r} that is not a string")
+        return {str(key): _plain(item, f"{where}, key {key!r}", depth + 1) for key, item in value.items()}
+    raise ChatTemplateError(
+        f"{where}: a {type(value).__name__} value; only str, int, float, bool, None, lists and dicts are allowed"
+    )
+
+
+def validate_messages(messages: Any) -> list[dict]:
+    """Check messages and return a plain copy; ChatTemplateError says which message is wrong and why."""
+    if not isinstance(messages, list):
+        raise ChatTemplateError(f"messages must be a list of dicts, got a {type(messages).__name__}")
+    for index, message in enumerate(messages):
+        where = f"message {index}"
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"{where} is a {type(message).__name__}, not a dict with 'role' and 'content'")
+        if "role" not in message:
+            raise ChatTemplateError(f"{where} has no 'role' (one of {', '.join(ROLES)})")
+        role = message["role"]
+        if not isinstance(role, str) or role not in ROLES:
+            raise ChatTemplateError(f"{where} has role {role!r}; a role is one of {', '.join(ROLES)}")
+        calls_tools = role == "assistant" and bool(message.get("tool_calls"))
+        if "content" not in message and not calls_tools:
+            raise ChatTemplateError(f"{where} ({role}) has no 'content'")
+        content = message.get("content")
+        if content is None and not calls_tools:
+            raise ChatTemplateError(f"{where} ({role}) has content None; only an assistant message with tool_calls may")
+        if content is not None and not isinstance(content, str):
+            raise ChatTemplateError(f"{where} ({role}) has content of type {type(content).__name__}, not a string")
+    return [_plain(message, f"message {index}") for index, message in enumerate(messages)]
+
+
+class ChatTemplate:
+    """A chat template compiled once; render() may be called from several threads at once."""
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        special: dict[str, str] | None = None,
+    ) -> None:
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # What the template sees besides messages, as transformers passes the tokenizer's special tokens.
+        tokens = {name: token for name, token in (("bos_token", bos_token), ("eos_token", eos_token)) if token}
+        self._special = _plain({**(special or {}), **tokens}, "special tokens")
+        self._template = compile_template(source)
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The prompt text for messages; variables (tools, enable_thinking, date_string, ...) reach the template."""
+        context = {
+            "tools": None,
+            "documents": None,
+            **self._special,
+            **_plain(variables, "variables"),
+            "messages": validate_messages(messages),
+            "add_generation_prompt": bool(add_generation_prompt),
+        }
+        return render_bounded(self._template, context)
+
+
+def generation_suffix(template: ChatTemplate, messages: list[dict], **variables: Any) -> str:
+    """The text add_generation_prompt appends after messages (e.g. '<|im_start|>assistant\\n')."""
+    with_prompt = template.render(messages, add_generation_prompt=True, **variables)
+    without = template.render(messages, add_generation_prompt=False, **variables)
+    if not with_prompt.startswith(without):
+        raise ChatTemplateError("the template's generation prompt is not a suffix of the rendered messages")
+    return with_prompt[len(without) :]
+
+
+def is_prefix_stable(template: ChatTemplate, history: list[dict], new_history: list[dict], **variables: Any) -> bool:
+    """Whether new_history renders as history's rendering plus more text, i.e. earlier turns are not rewritten.
+
+    history renders without, new_history with the generation prompt. Text level only: a conversation must
+    still compare token ids with what its KV cache holds, since a template may render a turn differently
+    from how the model generated it.
+    """
+    before = template.render(history, add_generation_prompt=False, **variables)
+    after = template.render(new_history, add_generation_prompt=True, **variables)
+    return after.startswith(before)
