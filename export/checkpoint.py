@@ -137,9 +137,11 @@ def load_checkpoint(folder: str | Path) -> GPT:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object")
-    config = config_from_hf(hf_config)
-    state = _read_state_dict(folder)
+    return build_gpt(config_from_hf(hf_config), _read_state_dict(folder))
 
+
+def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
+    """The reference model from a Hugging Face GPT-2 state dict (Conv1D weights, (in, out))."""
     model = GPT(config)
     expected = model.state_dict()
     loaded: dict[str, torch.Tensor] = {}

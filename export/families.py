@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint
 from .decoder import Decoder, Layer, Linear, Norm
-from .hf_checkpoint import load_llama, read_extras
+from .hf_checkpoint import build_llama, llama_config_from_hf, load_llama, read_extras
 from .llama import MODEL_TYPES, Llama, rope_cos_sin
 from .model import GPT
 
@@ -93,7 +93,7 @@ def gpt2_tokens(checkpoint: Path, model: GPT) -> dict:
         pad_name = names.get("pad_token")
         if isinstance(pad_name, str) and pad_name in vocab:
             pad = vocab[pad_name]
-    return _checked_tokens(config.vocab_size, bos, [eos], pad)
+    return checked_tokens(config.vocab_size, bos, [eos], pad)
 
 
 def llama_decoder(model: Llama) -> Decoder:
@@ -154,12 +154,12 @@ def llama_details(model: Llama) -> dict:
 
 def llama_tokens(folder: Path, model: Llama) -> dict:
     extras = read_extras(folder)
-    return _checked_tokens(
+    return checked_tokens(
         model.config.vocab_size, extras["bos_token_id"], extras["eos_token_ids"], extras["pad_token_id"]
     )
 
 
-def _checked_tokens(vocab_size: int, bos: int | None, eos: list[int], pad: int | None) -> dict:
+def checked_tokens(vocab_size: int, bos: int | None, eos: list[int], pad: int | None) -> dict:
     """Special token ids as the manifest keeps them; padding falls back to the first EOS."""
     if not eos:
         raise CheckpointError("the checkpoint names no EOS token (config.json / generation_config.json eos_token_id)")
@@ -178,11 +178,29 @@ class Family:
     decoder: Callable[[torch.nn.Module], Decoder]  # reference model -> what the fused graph is built from
     details: Callable[[torch.nn.Module], dict]  # facts for people, kept in the manifest
     tokens: Callable[[Path, torch.nn.Module], dict]  # folder -> bos_token_id, eos_token_ids, pad_token_id
+    build: Callable[[dict, dict], torch.nn.Module]  # (Hugging Face config.json, state dict) -> model (GGUF files)
 
 
 FAMILIES: dict[str, Family] = {
-    "gpt2": Family("gpt2", load_checkpoint, gpt2_decoder, gpt2_details, gpt2_tokens),
-    **{name: Family(name, load_llama, llama_decoder, llama_details, llama_tokens) for name in MODEL_TYPES},
+    "gpt2": Family(
+        "gpt2",
+        load_checkpoint,
+        gpt2_decoder,
+        gpt2_details,
+        gpt2_tokens,
+        lambda hf, state: build_gpt(config_from_hf(hf), state),
+    ),
+    **{
+        name: Family(
+            name,
+            load_llama,
+            llama_decoder,
+            llama_details,
+            llama_tokens,
+            lambda hf, state: build_llama(llama_config_from_hf(hf), state),
+        )
+        for name in MODEL_TYPES
+    },
 }
 
 

@@ -32,9 +32,9 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
-from ..runtime.package import StagedPackage, list_files, write_json
+from ..runtime.package import StagedPackage, file_sha256, list_files, write_json
 from .checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_hash
-from .families import Family, family_for
+from .families import Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
 from .hf_checkpoint import read_extras
 from .parity import check_parity, check_parity_shared
@@ -90,8 +90,38 @@ def open_folder(folder: Path) -> Source:
     )
 
 
+def open_gguf(path: Path) -> Source:
+    """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
+    tokenizer metadata, its chat template kept (export/gguf.py)."""
+    from .gguf import read_gguf
+
+    gguf = read_gguf(path)
+    family = family_for(gguf.hf_config.get("model_type"))
+    state = {name: torch.from_numpy(gguf.tensor(name)) for name in gguf.tensor_names}
+    model = family.build(gguf.hf_config, state)
+    del state
+    tokens = checked_tokens(model.config.vocab_size, gguf.bos_token_id, gguf.eos_token_ids, gguf.pad_token_id)
+    return Source(
+        model=model,
+        family=family,
+        tokens=tokens,
+        name=path.name,
+        sha256=file_sha256(path),
+        texts={"tokenizer.json": gguf.tokenizer_json},
+        chat_template=gguf.chat_template,
+    )
+
+
 def open_source(path: str | Path) -> Source:
+    """A checkpoint folder or a .gguf file."""
     path = Path(path)
+    if path.suffix.lower() == ".gguf" and not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{path} is a file but not a GGUF file; a checkpoint is a folder or a .gguf file")
+        return open_gguf(path)
     return open_folder(path)
 
 

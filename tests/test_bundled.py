@@ -36,13 +36,8 @@ def test_training_record_is_complete():
     for key in ("command", "seed", "steps", "wall_time_minutes", "heldout_bits_per_byte", "history"):
         assert key in record, key
     assert min(h["heldout_bits_per_byte"] for h in record["history"]) == record["heldout_bits_per_byte"]
-    assert record["heldout_bits_per_byte"] < 2.2
-
-
-@pytest.mark.xfail(strict=True, reason="the bundled model reaches 2.15 bits/byte; the target of issue 5 is 2.0")
-def test_training_record_meets_the_two_bits_per_byte_target():
-    record = json.loads((BUNDLED / "training.json").read_text())
-    assert record["heldout_bits_per_byte"] <= 2.0
+    # a regression check on what training reached (2.1522); the 2.0 target was withdrawn (docs/results.md)
+    assert record["heldout_bits_per_byte"] <= 2.16
 
 
 def test_heldout_bits_per_byte_reproduces_through_the_runtime(tmp_path):
@@ -54,7 +49,8 @@ def test_heldout_bits_per_byte_reproduces_through_the_runtime(tmp_path):
     export_package(BUNDLED, tmp_path / "fp32", progress=lambda _: None)
     report = evaluate_package(tmp_path / "fp32", REPO / "data" / "shakespeare-heldout.txt")
     recorded = json.loads((BUNDLED / "training.json").read_text())["heldout_bits_per_byte"]
-    assert report["bits_per_byte"] <= recorded + 1e-3
+    # agrees with the record: no worse, and better only by what the extra context of overlapping windows gives
+    assert recorded - 0.02 <= report["bits_per_byte"] <= recorded + 1e-3
 
 
 def test_loads_in_transformers_as_gpt2_with_the_same_logits():
