@@ -425,10 +425,10 @@ def test_failed_parity_leaves_nothing(checkpoint, tmp_path):
 def test_failed_load_leaves_nothing(checkpoint, tmp_path):
     bad = Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
     config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
     parent = tmp_path / "out"
     parent.mkdir()
-    with pytest.raises(CheckpointError, match="llama"):
+    with pytest.raises(CheckpointError, match="falcon"):
         export_package(bad, parent / "pkg", progress=quiet)
     assert list(parent.iterdir()) == []
 
@@ -448,15 +448,15 @@ def test_cli_export(checkpoint, tmp_path):
     assert read_package(tmp_path / "pkg").n_layer == TINY["n_layer"]
 
 
-@pytest.mark.parametrize("problem", ["missing-checkpoint", "not-gpt2", "out-dir-exists"])
+@pytest.mark.parametrize("problem", ["missing-checkpoint", "unknown-family", "out-dir-exists"])
 def test_cli_export_bad_input(checkpoint, tmp_path, problem):
     source, out = checkpoint, tmp_path / "pkg"
     if problem == "missing-checkpoint":
         source = tmp_path / "nowhere"
-    elif problem == "not-gpt2":
+    elif problem == "unknown-family":
         source = Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
         config = json.loads((source / "config.json").read_text())
-        (source / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+        (source / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
     else:
         out.mkdir()
     result = edgelm("export", source, out, cwd=tmp_path)
