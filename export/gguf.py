@@ -113,8 +113,9 @@ class GGUFModel:
     def matmul_nbits(self, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
         """(bits, B, scales, zero_points) for an ONNX Runtime com.microsoft MatMulNBits node (block_size 32) that
         computes x @ W with W the (in, out) matrix of linear weight `name`, from its Q4_0/Q4_1/Q8_0 blocks without
-        requantizing; None for other types. B: uint8 (N, K/32, 32*bits/8); scales, zero_points: float32 (N*K/32,).
-        N = out features, K = in features; w = (q - zero_point) * scale.
+        requantizing; None for other types. B: uint8 (N, K/32, 32*bits/8); scales: float32 (N*K/32,); zero_points
+        (N*K/32,): float32 for 4 bits, uint8 (all 128) for 8 bits. N = out features, K = in features;
+        w = (q - zero_point) * scale.
         """
         entry, stored = self._lookup(name)
         kind = stored.tensor_type
@@ -126,7 +127,7 @@ class GGUFModel:
         if kind == Q.Q8_0:  # w = d * q, q int8 -> stored q + 128 with zero point 128
             bits = 8
             packed = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-            zero_points = np.full_like(scales, 128.0)
+            zero_points = np.full(scales.shape, 128, np.uint8)  # ORT CPU takes no float zero points with 8 bits
         else:
             bits = 4
             nibbles = blocks[..., 2:18] if kind == Q.Q4_0 else blocks[..., 4:20]  # (N, K/32, 16)
