@@ -271,6 +271,11 @@ def _read_metadata(reader: GGUFReader) -> dict:
     return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
 
 
+def _one_line(path: Path, error: Exception) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__  # a hostile name may hold newlines
+    return f"{path.name}: {text[:300]}"
+
+
 def read_gguf(path: str | Path) -> GGUFModel:
     """Open a GGUF file of architecture llama, qwen2 or gpt2; GGUFError (one line) when it cannot be used."""
     path = Path(path)
@@ -281,11 +286,11 @@ def read_gguf(path: str | Path) -> GGUFModel:
         reader = GGUFReader(path)
         meta = _read_metadata(reader)
     except (HeaderError, ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as error:
-        raise GGUFError(f"{path.name}: {error}") from None
+        raise GGUFError(_one_line(path, error)) from None
     try:
         return _build(path, reader, meta)
     except GGUFError as error:
-        raise GGUFError(f"{path.name}: {error}") from None
+        raise GGUFError(_one_line(path, error)) from None
 
 
 def _build(path: Path, reader: GGUFReader, meta: dict) -> GGUFModel:
@@ -314,8 +319,8 @@ def _build(path: Path, reader: GGUFReader, meta: dict) -> GGUFModel:
         raise GGUFError(f"unexpected tensor {sorted(extra)[0]} for architecture {arch}")
     try:
         tokenizer_json = build_tokenizer_json(meta)
-    except (ValueError, TypeError, KeyError, IndexError) as error:
-        raise GGUFError(f"tokenizer: {error}") from None
+    except Exception as error:  # `tokenizers` raises its own plain Exception on a bad vocabulary
+        raise GGUFError(f"tokenizer: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
     bos, pad = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.padding_token_id")
     eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     eos_ids = list(dict.fromkeys(int(i) for i in eos_ids))

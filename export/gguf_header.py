@@ -46,6 +46,12 @@ class _Cursor:
         return bytes(self.data[start : start + length])
 
 
+def _printable(raw: bytes) -> str:
+    """A key or tensor name as it may appear in a one-line message: at most 80 characters, no control characters."""
+    text = raw[:80].decode("utf-8", "replace")
+    return text if text.isprintable() and len(raw) <= 80 else repr(text)
+
+
 def _skip_value(cursor: _Cursor, value_type: int, key: str, depth: int = 0) -> None:
     if value_type in SCALAR_SIZES:
         cursor.take(SCALAR_SIZES[value_type], f"value of {key}")
@@ -85,7 +91,7 @@ def check_header(path: Path) -> None:
             raise HeaderError(f"{kv_count} metadata entries and {tensor_count} tensors cannot fit in {size} bytes")
         alignment = 32
         for _ in range(kv_count):
-            key = cursor.string("metadata key").decode("utf-8", "replace")
+            key = _printable(cursor.string("metadata key"))
             value_type = cursor.unpack("<I", f"type of {key}")
             if key == "general.alignment":
                 if value_type != 4:
@@ -96,7 +102,7 @@ def check_header(path: Path) -> None:
             _skip_value(cursor, value_type, key)
         tensors = []
         for _ in range(tensor_count):
-            name = cursor.string("tensor name").decode("utf-8", "replace")
+            name = _printable(cursor.string("tensor name"))
             n_dims = cursor.unpack("<I", f"dimension count of {name}")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise HeaderError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")

@@ -84,11 +84,11 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ValueError("a llama-style (SentencePiece) tokenizer needs one tokenizer.ggml.scores entry per token")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # checked: one per token
     vocab = {token: index for index, token in enumerate(tokens)}
     # Only ordinary tokens (type 1) are merge results; pieces may be any token in the vocabulary.
     ranked = []
-    for token, score, kind in zip(tokens, scores, types):
+    for token, score, kind in zip(tokens, scores, types, strict=True):
         if kind != 1 or len(token) < 2:
             continue
         for cut in range(1, len(token)):
@@ -143,9 +143,15 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
         tokenizer = _sentencepiece(meta, tokens)
     else:
         raise ValueError(f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; 'gpt2' and 'llama' are")
-    types = meta.get("tokenizer.ggml.token_type") or []
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    control = [
+        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED
+    ]
     tokenizer.add_special_tokens(control)
     tokenizer.add_tokens(user)
     post = _post_processor(meta, tokens, byte_level=kind == "gpt2")

