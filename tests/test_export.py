@@ -445,7 +445,7 @@ def test_cli_export(checkpoint, tmp_path):
     result = edgelm("export", checkpoint, tmp_path / "pkg", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "max |logit difference|" in result.stdout
-    assert read_package(tmp_path / "pkg").n_layer == TINY["n_layer"]
+    assert read_package(tmp_path / "pkg").arch.n_layer == TINY["n_layer"]
 
 
 @pytest.mark.parametrize("problem", ["missing-checkpoint", "unknown-family", "out-dir-exists"])

@@ -131,7 +131,7 @@ def test_any_text_prompt(model, text, max_new_tokens, truncate, use_stream):
     OUTCOMES["text", "result"] += 1
     assert not has_surrogate(text)
     check_result(model, result, max_new_tokens)
-    ids = model.tokenizer.encode(text) or [model.spec.bos_token_id]
+    ids = model.tokenizer.encode(text) or [model.spec.tokens.bos_token_id]
     assert result.prompt_token_ids == ids[max(0, len(ids) + max_new_tokens - model.context_length) :]
     assert result.text == model.tokenizer.decode(result.token_ids)
 
@@ -207,7 +207,7 @@ def test_any_token_id_prompt(model, prompt, max_new_tokens, truncate, batch):
     OUTCOMES["token_ids", "result"] += 1
     assert ids is not None, f"{prompt!r} should have been refused"
     check_result(model, result, max_new_tokens)
-    ids = ids or [model.spec.bos_token_id]
+    ids = ids or [model.spec.tokens.bos_token_id]
     assert result.prompt_token_ids == ids[max(0, len(ids) + max_new_tokens - model.context_length) :]
 
 

@@ -218,11 +218,12 @@ def test_already_quantized_and_unreadable_packages(quantized, tmp_path):
 
 def test_interrupted_quantization_leaves_no_package(fp32_package, tmp_path, monkeypatch):
     from edgelm.quantize import quantize as quantize_module
+    from edgelm.quantize import recipes
 
     def fail(*args, **kwargs):
         raise RuntimeError("simulated crash in the middle of quantization")
 
-    monkeypatch.setattr(quantize_module, "quantize_int4", fail)
+    monkeypatch.setattr(recipes, "quantize_int4", fail)
     with pytest.raises(RuntimeError):
         quantize_module.quantize_package(fp32_package, tmp_path / "int4", mode="int4", progress=lambda _: None)
     assert list(tmp_path.iterdir()) == []

@@ -400,7 +400,7 @@ def test_info_with_an_unverified_corrupt_file_list(package, tmp_path):
 MANIFEST_EDITS = {
     # a billion layers: without a bound the runtime would build two billion I/O names
     "n_layer huge": (lambda m: m["architecture"].update(n_layer=10**9), "layers"),
-    "n_head wrong": (lambda m: m["architecture"].update(n_head=2, head_dim=16), "past_key_values.0.key"),
+    "n_head wrong": (lambda m: m["architecture"].update(n_head=2, n_kv_head=2, head_dim=16), "past_key_values.0.key"),
     "vocab_size wrong": (lambda m: m["architecture"].update(vocab_size=1000), "logits"),
     "per-layer name without %d": (lambda m: m["io"].update(past_key="past.key"), "past_key"),
     "per-layer name with %s%s": (lambda m: m["io"].update(past_key="past.%s.%s"), "past_key"),

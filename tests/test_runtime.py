@@ -391,7 +391,7 @@ def test_optimum_style_folder_gives_the_same_tokens(long_checkpoint, long_packag
     shutil.copy(long_checkpoint / "tokenizer.json", folder)
     model = load(folder, provider="cpu", threads=1)
     assert model.spec.kind == "optimum"
-    assert (model.context_length, model.vocab_size, model.spec.eos_token_ids) == (128, 320, [0])
+    assert (model.context_length, model.vocab_size, model.spec.tokens.eos_token_ids) == (128, 320, [0])
     expected = long_model.generate(PROMPT, 32)
     result = model.generate(PROMPT, 32)
     assert (result.token_ids, result.text) == (expected.token_ids, expected.text)
@@ -516,7 +516,7 @@ def test_empty_prompt_without_bos(package, tmp_path):
     folder = copy_package(package, tmp_path)
     edit_manifest(folder, lambda m: m["tokenizer"].update(bos_token_id=None))
     model = load(folder, provider="cpu", threads=1)
-    assert model.spec.bos_token_id is None
+    assert model.spec.tokens.bos_token_id is None
     for empty in ("", []):
         with pytest.raises(InvalidInputError, match="empty"):
             model.generate(empty, 4)
