@@ -30,7 +30,8 @@ from onnx import helper, numpy_helper
 
 from edgelm import __version__
 
-from ..runtime.package import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, StagedPackage, list_files, write_json
+from ..runtime.outputs import StagedOutput
+from ..runtime.package import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, list_files, write_json
 from .checkpoint import TOKENIZER_FILES, checkpoint_hash, load_checkpoint
 from .fused import LOGITS_TO_KEEP, build_fused_graph, check_parity_shared
 from .model import GPT
@@ -336,10 +337,7 @@ def export_package(
     if attention == "fused" and last_token_logits:
         raise ValueError("last_token_logits is for the standard graph; the fused graph takes num_logits_to_keep")
     fused = attention == "fused"
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists (use --overwrite / overwrite=True to replace it)")
-    if out_dir.resolve() == checkpoint.resolve():
-        raise ValueError("the output folder must differ from the checkpoint folder")
+    staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     progress(f"[1/4] loading checkpoint {checkpoint}")
     model = load_checkpoint(checkpoint)
     config = model.config
@@ -351,7 +349,7 @@ def export_package(
         f"      {model.num_parameters() / 1e6:.1f}M parameters, {config.n_layer} layers, context {config.n_positions}"
     )
 
-    with StagedPackage(out_dir, overwrite=overwrite) as staging:
+    with staged as staging:
         progress(
             f"[2/4] exporting ONNX ({attention} attention, opset {opset}"
             f"{', last-token logits' if last_token_logits else ''})"

@@ -44,7 +44,8 @@ from onnx import helper, numpy_helper
 from edgelm import __version__
 
 from ..runtime import PackageError, load
-from ..runtime.package import MANIFEST_FILE, StagedPackage, list_files, read_package, write_json
+from ..runtime.outputs import StagedOutput
+from ..runtime.package import MANIFEST_FILE, list_files, read_package, write_json
 from .calibration import DecoderCalibrationReader
 from .evaluate import evaluate_package
 
@@ -464,13 +465,12 @@ def quantize_package(
     if calibration_method not in CALIBRATION_METHODS:
         raise ValueError(f"unknown calibration method {calibration_method!r}; valid: {', '.join(CALIBRATION_METHODS)}")
     package, out_dir = Path(package), Path(out_dir)
+    staged = StagedOutput(out_dir, inputs=[package, calibration_text, eval_text], overwrite=overwrite)
     spec = read_package(package)  # verifies every file's sha256
     if spec.kind != "edgelm":
         raise PackageError(f"{package} is not an edgelm package (no {MANIFEST_FILE}); export it with edgelm first")
     if spec.precision != "fp32":
         raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
-    if out_dir.resolve() == package.resolve():
-        raise ValueError("the output folder must differ from the input package")
     if spec.manifest.get("export", {}).get("external_data"):
         raise PackageError("quantizing packages with external data (> 2 GB) is not supported yet")
     source = load(package, provider="cpu")
@@ -478,11 +478,9 @@ def quantize_package(
     if mode == "static":
         ids = _calibration_ids(calibration_text, source.tokenizer)
         reader = DecoderCalibrationReader(source, ids, samples=calibration_samples)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists (use --overwrite / overwrite=True to replace it)")
 
     progress(f"quantizing {package} -> {out_dir} ({mode})")
-    with StagedPackage(out_dir, overwrite=overwrite) as staging:
+    with staged as staging:
         model_file = spec.model_path.name
         target = staging / model_file
         if mode == "dynamic":

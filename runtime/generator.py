@@ -29,7 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
-from .package import PackageSpec, read_package
+from .package import PackageSpec, check_generation_memory, read_package
 from .sampling import SamplingParams, sample
 from .text import TextAssembler, Tokenizer
 
@@ -211,6 +211,7 @@ class Model:
         return {
             "package": str(s.folder),
             "kind": s.kind,
+            "verified": s.verified,  # False when loaded with verify=False: no sha256 was checked
             "architecture": "gpt2",
             "layers": s.n_layer,
             "heads": s.n_head,
@@ -299,6 +300,7 @@ class Model:
         yields (row, token id) for every new token of an unfinished row. state.finish[row] records why
         a row ended; the consumer may end a row itself (a stop string) by setting it."""
         batch = len(prompts)
+        check_generation_memory(self.spec, list(map(len, prompts)), new_tokens=max_new_tokens, kv_dtype=self._kv_dtype)
         if self.spec.kv_cache == "shared_buffer":
             cache = _SharedCache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
         else:
