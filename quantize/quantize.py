@@ -19,6 +19,9 @@ Recipes, chosen for accuracy on decoder LMs:
   rounding errors are the ones that change the most likely token, gets 8-bit blocks (MatMulNBits
   bits=8): on the bundled model, top-1 agreement with fp32 goes from 89% to 93% for about 10% more
   bytes (docs/results.md).
+- int8-weight-only: the int4 recipe with 8-bit blocks everywhere (MatMulNBits bits=8, block 32). Its
+  kernel quantizes activations per row and block, so, unlike dynamic int8 (one activation scale over
+  the whole batch), a row's output does not depend on the other rows of a batch.
 - fp16: every float tensor in half precision, for GPU providers.
 
 The tied embedding: export stores one (n_embd, vocab) matrix read by both the LM head (MatMul) and
@@ -55,7 +58,7 @@ logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 # not constant-folded: true by design, and noise to a user
 ort.set_default_logger_severity(3)
 
-MODES = ("dynamic", "static", "int4", "fp16")
+MODES = ("dynamic", "static", "int4", "int8-weight-only", "fp16")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 INT4_LM_HEADS = ("int8", "int4")  # precision of the LM head (and tied embedding) in int4 mode
 MIN_CALIBRATION_TOKENS = 256
@@ -367,9 +370,11 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
     }
 
 
-def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = "int8") -> dict:
+def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = "int8", bits: int = 4) -> dict:
     """4-bit blocks for the linear layers; lm_head="int8" keeps the LM head (and the tied embedding that
-    reads it) at 8 bits, since its rounding errors are the ones that change the most likely token."""
+    reads it) at 8 bits, since its rounding errors are the ones that change the most likely token.
+    bits=8 is the int8-weight-only recipe: every linear layer in 8-bit blocks, activations quantized
+    per row and block by the kernel, so a row's result does not depend on the other rows of a batch."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     if block_size < 16 or block_size & (block_size - 1):
@@ -388,8 +393,8 @@ def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = 
     # level 0/1 (float activations) measured no more accurate on the bundled model, and slower
     nbits = dict(block_size=block_size, is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
     # MatMuls without a constant weight (attention products of the standard graph) are left as they are
-    excluded = [head] if lm_head == "int8" else []
-    quantizer = MatMulNBitsQuantizer(model, bits=4, nodes_to_exclude=excluded, **nbits)
+    excluded = [head] if lm_head == "int8" and bits == 4 else []
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, nodes_to_exclude=excluded, **nbits)
     quantizer.process()
     quantized = quantizer.model.model
     if excluded:
@@ -407,14 +412,15 @@ def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = 
     _drop_unused_initializers(quantized)
     _save(quantized, dst)
     return {
-        "mode": "int4",
+        "mode": "int4" if bits == 4 else "int8-weight-only",
+        "bits": bits,
         "op": "MatMulNBits",
         "algorithm": "round to nearest",
         "block_size": block_size,
         "symmetric": True,
         "accuracy_level": 4,
         "lm_head": lm_head,
-        "ops": f"linear MatMuls of the blocks int4; LM head {lm_head}, read by the tied embedding too",
+        "ops": f"linear MatMuls of the blocks int{bits}; LM head {lm_head}, read by the tied embedding too",
     }
 
 
@@ -495,15 +501,16 @@ def quantize_package(
                 method=calibration_method,
                 per_channel=True if per_channel is None else per_channel,
             )
-        elif mode == "int4":
-            recipe = quantize_int4(spec.model_path, target, block_size=block_size, lm_head=int4_lm_head)
+        elif mode in ("int4", "int8-weight-only"):
+            bits, head = (4, int4_lm_head) if mode == "int4" else (8, "int8")
+            recipe = quantize_int4(spec.model_path, target, block_size=block_size, lm_head=head, bits=bits)
         else:
             recipe = convert_fp16(spec.model_path, target)
         for name in spec.manifest["files"]:
             if name != model_file and not (staging / name).exists():
                 shutil.copyfile(package / name, staging / name)
         manifest = json.loads(json.dumps(spec.manifest))
-        precision = {"dynamic": "int8-dynamic", "static": "int8-static", "int4": "int4", "fp16": "fp16"}[mode]
+        precision = {"dynamic": "int8-dynamic", "static": "int8-static", "fp16": "fp16"}.get(mode, mode)
         manifest["precision"] = precision
         manifest["recipe"] = {
             **recipe,

@@ -5,8 +5,8 @@
 
 Before any work, the output path is refused when it is an input, contains one or lies inside one,
 is the current directory or a parent of it, is a file, a symlink (dangling or not), or a folder that
-is not an edgelm package (recognised by its manifest; an empty folder is fine). An existing package
-is replaced only with overwrite, and only when it holds nothing but the files its manifest lists.
+is not an edgelm package (recognised by its manifest). An existing package (or empty folder) is
+replaced only with overwrite, and a package only when it holds nothing but the files its manifest lists.
 The new package is written into a hidden folder beside the output and swapped into place at the end
 (renameat2's RENAME_EXCHANGE where the OS has it, else two renames); the old one is removed after.
 A failure, Ctrl-C or SIGTERM at any point leaves either the old package or the new one, complete,
@@ -75,20 +75,22 @@ def check_output(out_dir: str | Path, *, inputs: Iterable[str | Path | None] = (
             raise ValueError(f"the output {out} contains the input {given}; give a folder outside it")
         if source in target.parents:
             raise ValueError(f"the output {out} lies inside the input {given}; give a folder outside it")
-    if out.is_dir() and any(out.iterdir()):
+    if not out.is_dir():
+        return out
+    if any(out.iterdir()):
         is_package, extra = _is_package(out)
         if not is_package:
             raise ValueError(
                 f"the output {out} is a folder that is not an edgelm package (no valid {MANIFEST_FILE}); "
-                "edgelm replaces only its own packages: remove it yourself or give a new folder's path"
+                "edgelm replaces only its own packages and empty folders: remove it yourself or give another path"
             )
         if extra:
             raise ValueError(
                 f"the package {out} also holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which its "
                 f"{MANIFEST_FILE} does not list; move them out, or give a new folder's path"
             )
-        if not overwrite:
-            raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
+    if not overwrite:  # an empty folder too: the user may have made it for something else
+        raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
     return out
 
 

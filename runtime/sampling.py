@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from .errors import InvalidInputError, InvalidParameterError
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,22 @@ def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: floa
     logits = logits.copy()
     ids = np.unique(seen)
     scores = logits[ids]
-    logits[ids] = np.where(scores > 0, scores / penalty, scores * penalty)
+    with np.errstate(over="ignore", under="ignore"):  # a penalty of 1e-45 or 1e300: clipped below
+        penalized = np.where(scores > 0, scores / penalty, scores * penalty)
+    top = np.finfo(logits.dtype).max  # never +-inf: inf - inf in softmax would make NaN
+    logits[ids] = np.clip(penalized, -top, top)
+    return logits
+
+
+def finite_logits(logits: np.ndarray) -> np.ndarray:
+    """Logits the samplers can work with: +inf becomes the largest finite value (that token is the
+    most likely one), -inf stays (probability 0); NaN, or no token with a finite chance, is refused."""
+    if np.isnan(logits).any():
+        raise InvalidInputError("the logits hold NaN: no token can be chosen")
+    if not np.isfinite(logits).all():
+        if np.isneginf(logits).all():
+            raise InvalidInputError("every logit is -inf: no token can be chosen")
+        logits = np.minimum(logits, np.finfo(logits.dtype).max)
     return logits
 
 
@@ -112,7 +127,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     """One token id from one row of logits (V,). Computed in float32: exp and cumsum over a 50k
     vocabulary cost several times more in float64, and a draw needs no more precision (temperatures
     too small for float32 to divide by take float64)."""
-    logits = logits.astype(np.float32 if params.temperature >= 1e-30 else np.float64, copy=False)
+    logits = finite_logits(logits.astype(np.float32 if params.temperature >= 1e-30 else np.float64, copy=False))
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
