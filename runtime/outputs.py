@@ -123,9 +123,12 @@ class StagedOutput:
         self.out_dir = check_output(out_dir, inputs=self.inputs, overwrite=overwrite)
         self.path: Path | None = None
         self._handlers: dict = {}
+        self._made: list[Path] = []
 
     def __enter__(self) -> Path:
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        parent = self.out_dir.parent.absolute()
+        self._made = [p for p in [parent, *parent.parents] if not os.path.lexists(p)]  # removed again on failure
+        parent.mkdir(parents=True, exist_ok=True)
         self.path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{self.out_dir.name}-", dir=self.out_dir.parent))
         if threading.current_thread() is threading.main_thread():
             for number in _SIGNALS:
@@ -142,6 +145,12 @@ class StagedOutput:
         finally:
             if self.path is not None and self.path.exists():
                 shutil.rmtree(self.path, ignore_errors=True)
+            if exc_type is not None:
+                for folder in self._made:  # deepest first; only if still empty
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        break
             for number, handler in self._handlers.items():
                 signal.signal(number, handler)
 
