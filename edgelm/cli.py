@@ -2,24 +2,80 @@
 
 generate, info and bench need only the runtime (onnxruntime, numpy, tokenizers); export, quantize
 and eval import their rooms lazily, so a runtime-only install runs `edgelm generate` without torch.
-Bad input prints one line on stderr and exits 1; argparse usage errors exit 2.
+
+Exit status (README, "Errors"): 0 success; 1 any error, bad options included, as one line on stderr;
+130 interrupted (Ctrl-C); 141 standard output closed by its reader (`| head`); 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+from pathlib import Path
 
 from edgelm import __version__
 
 EXAMPLES = """examples:
   edgelm export models/shakespeare out/fp32
-  edgelm quantize out/fp32 out/int8 --mode dynamic
+  edgelm quantize out/fp32 out/int8 --mode dynamic --eval-text data/shakespeare-heldout.txt
   edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1
-  edgelm eval out/int8 --text data/heldout.txt --reference out/fp32
+  edgelm eval out/int8 --text data/shakespeare-heldout.txt --reference out/fp32
   edgelm bench out/int8 --prompt-tokens 32 --new-tokens 128
+
+exit status: 0 success, 1 error (one line on stderr), 130 Ctrl-C, 141 stdout closed, 143 SIGTERM
 """
+QUANTIZE_MODES = ("dynamic", "static", "int4", "int8-weight-only", "fp16")  # quantize/quantize.py MODES
+CALIBRATION_METHODS = ("percentile", "entropy", "minmax")
+OPSETS = (14, 21)  # opsets export is tested with (the fused graph's com.microsoft ops need >= 14)
+MAX_THREADS = 1024
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line on stderr and exit status 1, like every other error."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(low: int, high: int | None = None, *, power_of_two: bool = False):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high) or (power_of_two and value & (value - 1)):
+            bound = f"from {low} to {high}" if high is not None else f">= {low}"
+            kind = "a power of two " if power_of_two else "an integer "
+            raise argparse.ArgumentTypeError(f"must be {kind}{bound}, got {text}")
+        return value
+
+    return parse
+
+
+def _finite_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+def _text_file(text: str) -> str:
+    """A regular file (a pipe or device would block or never end), checked before any work."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a regular file")
+    return text
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -46,16 +102,30 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="load without checking the files against edgelm.json's sha256; needed for a folder with no "
+        "edgelm.json (an onnxruntime-genai or Optimum folder), which otherwise does not load",
+    )
+
+
 def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--provider", choices=["cpu", "cuda", "auto"], default="auto", help="execution provider (default auto)"
     )
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's choice)")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the package files")
+    p.add_argument(
+        "--threads",
+        type=_int_in(1, MAX_THREADS),
+        default=None,
+        help=f"intra-op threads, 1 to {MAX_THREADS} (default: ONNX Runtime's choice)",
+    )
+    _add_verify(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="edgelm",
         description="GPT-style models from a PyTorch checkpoint to a small, fast ONNX package, and a runtime for it.",
         epilog=EXAMPLES,
@@ -68,12 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="checkpoint folder -> ONNX model package (needs edgelm[export])",
         description="Export a GPT-2-layout checkpoint folder (config.json + model.safetensors or "
-        "pytorch_model.bin, + tokenizer files) to a model package with KV-cache I/O, then check "
-        "ONNX Runtime against PyTorch.",
+        "pytorch_model.bin, + tokenizer files) to a new package folder with KV-cache I/O, then check ONNX "
+        "Runtime against PyTorch. The package is written beside out_dir and moved into place at the end; "
+        "out_dir must not exist, or be an edgelm package (or empty folder) and --overwrite given.",
     )
     p.add_argument("checkpoint", help="checkpoint folder (Hugging Face GPT-2 layout)")
-    p.add_argument("out_dir", help="package folder to write")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("out_dir", help="package folder to write (must not be, contain or lie inside the checkpoint)")
+    p.add_argument(
+        "--opset", type=_int_in(*OPSETS), default=17, help=f"ONNX opset, {OPSETS[0]} to {OPSETS[1]} (default 17)"
+    )
     p.add_argument(
         "--attention",
         choices=("fused", "standard"),
@@ -88,29 +161,63 @@ def build_parser() -> argparse.ArgumentParser:
         "full logits). The fused graph picks per call",
     )
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| allowed (default 1e-4)")
-    p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    p.add_argument(
+        "--tolerance", type=_finite_at_least(0.0), default=1e-4, help="max |logit difference| allowed (default 1e-4)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace out_dir if it is an edgelm package (nothing else is ever deleted)",
+    )
 
     p = sub.add_parser(
         "quantize",
-        help="package -> quantized package (dynamic, static, int4, fp16)",
-        description="Quantize a package into a new one and store its accuracy report.",
+        help="package -> quantized package (dynamic, static, int4, int8-weight-only, fp16)",
+        description="Quantize a package into a new package folder and, given --eval-text, store its accuracy "
+        "report against the input package. The output rules are export's.",
     )
-    p.add_argument("package")
-    p.add_argument("out_dir")
-    p.add_argument("--mode", required=True, help="dynamic | static | int4 | fp16")
-    p.add_argument("--calibration-text", default=None, help="text file for static calibration (default: bundled)")
+    p.add_argument("package", help="the fp32 package to quantize")
+    p.add_argument("out_dir", help="package folder to write")
     p.add_argument(
-        "--calibration-method", default="percentile", help="percentile (default) | entropy | minmax (static)"
+        "--mode",
+        required=True,
+        choices=QUANTIZE_MODES,
+        help="dynamic: int8, activations scaled per call (fast; a row's output can depend on the rest of its batch); "
+        "static: int8 calibrated QDQ (needs --calibration-text); int4: 4-bit blocks; int8-weight-only: 8-bit "
+        "blocks, batch-invariant; fp16: for GPUs",
     )
-    p.add_argument("--calibration-samples", type=int, default=32, help="calibration windows (static)")
+    p.add_argument(
+        "--calibration-text",
+        type=_text_file,
+        default=None,
+        metavar="FILE",
+        help="UTF-8 text to calibrate static mode on; required with --mode static (no default: it should be "
+        "text like your model's input; the repo's data/shakespeare-calibration.txt suits the bundled model)",
+    )
+    p.add_argument(
+        "--calibration-method",
+        choices=CALIBRATION_METHODS,
+        default="percentile",
+        help="static mode's range estimate (default percentile)",
+    )
+    p.add_argument(
+        "--calibration-samples",
+        type=_int_in(1, 4096),
+        default=32,
+        help="calibration windows, 1 to 4096 (static; default 32)",
+    )
     p.add_argument(
         "--per-channel",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="per-channel int8 weights (default: on for static, on for dynamic)",
     )
-    p.add_argument("--block-size", type=int, default=32, help="int4 block size (default 32)")
+    p.add_argument(
+        "--block-size",
+        type=_int_in(16, 256, power_of_two=True),
+        default=32,
+        help="int4 and int8-weight-only block size, a power of two from 16 to 256 (default 32)",
+    )
     p.add_argument(
         "--int4-lm-head",
         choices=("int8", "int4"),
@@ -118,37 +225,65 @@ def build_parser() -> argparse.ArgumentParser:
         help="int4 mode: precision of the LM head and the tied embedding (default int8; on the bundled model "
         "93.3%% top-1 agreement at 0.192 of fp32's size, against 89.2%% at 0.175 with int4)",
     )
-    p.add_argument("--eval-text", default=None, help="held-out text for the accuracy report (default: bundled)")
-    p.add_argument("--no-eval", action="store_true", help="skip the accuracy report")
-    p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    p.add_argument(
+        "--eval-text",
+        type=_text_file,
+        default=None,
+        metavar="FILE",
+        help="held-out UTF-8 text for the accuracy report stored in the package; without it no report is made "
+        "(no default; the repo's data/shakespeare-heldout.txt suits the bundled model)",
+    )
+    p.add_argument("--no-eval", action="store_true", help="skip the accuracy report even with --eval-text")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace out_dir if it is an edgelm package (nothing else is ever deleted)",
+    )
 
-    p = sub.add_parser("eval", help="perplexity, bits per byte, agreement and KL against a reference package")
+    p = sub.add_parser(
+        "eval",
+        help="perplexity, bits per byte, agreement and KL against a reference package",
+        description="Score a package on a text file; with --reference, also top-1 agreement and KL against it.",
+    )
     p.add_argument("package")
-    p.add_argument("--text", required=True, help="UTF-8 text file to evaluate on")
+    p.add_argument("--text", required=True, type=_text_file, help="UTF-8 text file to evaluate on")
     p.add_argument("--reference", default=None, help="reference package (e.g. the fp32 export)")
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate on the first N tokens only")
+    p.add_argument("--max-tokens", type=_int_in(2), default=None, help="evaluate on the first N tokens only (N >= 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_runtime(p)
 
-    p = sub.add_parser("generate", help="generate text from a package, streaming to stdout")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a package, streaming to stdout",
+        description="Generate from a prompt, streaming the text to stdout and a timing line to stderr.",
+    )
     p.add_argument("package")
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
     _add_sampling(p)
     _add_runtime(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, ids, finish reason, timings)")
 
-    p = sub.add_parser("info", help="what a package holds")
+    p = sub.add_parser(
+        "info",
+        help="what a package holds",
+        description="Describe a package: architecture, precision, recipe, accuracy report, and whether its "
+        "files were verified against their sha256.",
+    )
     p.add_argument("package")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the package files")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_verify(p)
 
-    p = sub.add_parser("bench", help="time to first token, decode tokens/s, load time, peak memory")
+    p = sub.add_parser(
+        "bench",
+        help="time to first token, decode tokens/s, load time, peak memory",
+        description="Time generation on random prompts: median of --repeats runs after one warm-up.",
+    )
     p.add_argument("package")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--prompt-tokens", type=_int_in(1), default=32, help="prompt length (default 32)")
+    p.add_argument("--new-tokens", type=_int_in(2), default=128, help="tokens to generate, >= 2 (default 128)")
+    p.add_argument("--batch", type=_int_in(1, 4096), default=1, help="prompts per batch, 1 to 4096 (default 1)")
+    p.add_argument("--repeats", type=_int_in(1, 1000), default=3, help="timed runs, 1 to 1000 (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_runtime(p)
     return parser
 
@@ -176,6 +311,7 @@ def _generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     r = stream.result
     t = r.timings
     print(
@@ -202,6 +338,8 @@ def _info(args) -> int:
 def _bench(args) -> int:
     from edgelm.runtime.bench import bench
 
+    if args.no_verify:
+        raise ValueError("bench measures load time with verification; run it on a verified package")
     report = bench(
         args.package,
         prompt_tokens=args.prompt_tokens,
@@ -244,8 +382,13 @@ def _export(args) -> int:
 
 
 def _quantize(args) -> int:
+    if args.mode == "static" and args.calibration_text is None:
+        raise ValueError("--mode static needs --calibration-text FILE (text like the model's input)")
     from edgelm.quantize.quantize import quantize_package
 
+    evaluate = not args.no_eval and args.eval_text is not None
+    if not evaluate and not args.no_eval:
+        print("no --eval-text given: the package gets no accuracy report")
     quantize_package(
         args.package,
         args.out_dir,
@@ -257,7 +400,7 @@ def _quantize(args) -> int:
         block_size=args.block_size,
         int4_lm_head=args.int4_lm_head,
         eval_text=args.eval_text,
-        evaluate=not args.no_eval,
+        evaluate=evaluate,
         overwrite=args.overwrite,
     )
     return 0
@@ -288,22 +431,56 @@ COMMANDS = {
     "bench": _bench,
 }
 EXTRA_FOR = {"export": "export", "quantize": "export", "eval": "export"}
+WRITES_STDOUT = {"generate", "info", "bench", "eval"}  # commands whose product is their standard output
+
+
+def _error(command: str, message: str) -> None:
+    message = " ".join(str(message).split())
+    try:
+        print(f"edgelm {command}: error: {message}", file=sys.stderr)
+    except (OSError, ValueError, AttributeError):  # stderr closed too: the exit status says it
+        pass
+
+
+def _silence_stdout() -> None:
+    """After the reader closed stdout: point fd 1 at /dev/null, so the interpreter's final flush does
+    not print a BrokenPipeError of its own."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    command = "edgelm"
     try:
-        return COMMANDS[args.command](args)
-    except ModuleNotFoundError as e:
-        extra = EXTRA_FOR.get(args.command)
-        hint = f"; install it with: pip install 'edgelm[{extra}]'" if extra else ""
-        print(f"edgelm {args.command}: error: missing Python package {e.name!r}{hint}", file=sys.stderr)
+        args = build_parser().parse_args(argv)
+        command = args.command
+        if sys.stdout is None:  # started with stdout closed (`>&-`)
+            if command in WRITES_STDOUT:
+                _error(command, "standard output is closed; redirect it to a file or /dev/null instead")
+                return 1
+            sys.stdout = open(os.devnull, "w")  # export/quantize only print progress there
+        return COMMANDS[command](args)
     except KeyboardInterrupt:
-        print(f"edgelm {args.command}: interrupted", file=sys.stderr)
+        _error(command, "interrupted")
         return 130
+    except BrokenPipeError:  # `edgelm generate ... | head -c1`: the reader has what it wanted
+        _silence_stdout()
+        return 141
+    except MemoryError as e:
+        _error(command, f"out of memory: {e}" if str(e) else "out of memory")
+    except ModuleNotFoundError as e:
+        extra = EXTRA_FOR.get(command)
+        hint = f"; install it with: pip install 'edgelm[{extra}]'" if extra else ""
+        _error(command, f"missing Python package {e.name!r}{hint}")
     except (ValueError, OSError, RuntimeError) as e:  # EdgelmError subclasses ValueError/FileNotFoundError
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"edgelm {args.command}: error: {message}", file=sys.stderr)
+        _error(command, str(e) or type(e).__name__)
+    except SystemExit as e:  # SIGTERM while a package was being written (runtime/outputs.py), or argparse
+        if isinstance(e.code, int) and e.code > 128:
+            _error(command, "terminated; the partial package was removed")
+        raise
     return 1
 
 

@@ -32,7 +32,8 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
-from ..runtime.package import StagedPackage, file_sha256, list_files, write_json
+from ..runtime.outputs import StagedOutput
+from ..runtime.package import file_sha256, list_files, write_json
 from .checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_hash
 from .families import Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
@@ -199,10 +200,7 @@ def export_package(
     if attention == "fused" and last_token_logits:
         raise ValueError("last_token_logits is for the standard graph; the fused graph takes num_logits_to_keep")
     fused = attention == "fused"
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists (use --overwrite / overwrite=True to replace it)")
-    if out_dir.resolve() == checkpoint.resolve():
-        raise ValueError("the output folder must differ from the checkpoint folder")
+    staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     progress(f"[1/4] loading checkpoint {checkpoint}")
     source = open_source(checkpoint)
     model, config = source.model, source.model.config
@@ -219,7 +217,7 @@ def export_package(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
     )
 
-    with StagedPackage(out_dir, overwrite=overwrite) as staging:
+    with staged as staging:
         progress(
             f"[2/4] exporting ONNX ({attention} attention, opset {opset}"
             f"{', last-token logits' if last_token_logits else ''})"

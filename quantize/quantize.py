@@ -14,7 +14,8 @@ from edgelm import __version__
 
 from ..runtime import PackageError, load
 from ..runtime.contract import MANIFEST_FILE
-from ..runtime.package import StagedPackage, list_files, read_package, write_json
+from ..runtime.outputs import StagedOutput
+from ..runtime.package import list_files, read_package, write_json
 from .calibration import DecoderCalibrationReader
 from .evaluate import evaluate_package
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options
@@ -63,13 +64,12 @@ def quantize_package(
         raise ValueError(f"unknown calibration method {calibration_method!r}; valid: {', '.join(CALIBRATION_METHODS)}")
     recipe = RECIPES[mode]
     package, out_dir = Path(package), Path(out_dir)
+    staged = StagedOutput(out_dir, inputs=[package, calibration_text, eval_text], overwrite=overwrite)
     spec = read_package(package)  # verifies every file's sha256
     if spec.manifest is None:
         raise PackageError(f"{package} is not an edgelm package (no {MANIFEST_FILE}); export it with edgelm first")
     if spec.precision != "fp32":
         raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
-    if out_dir.resolve() == package.resolve():
-        raise ValueError("the output folder must differ from the input package")
     if spec.manifest.export.get("external_data"):
         raise PackageError("quantizing packages with external data (> 2 GB) is not supported yet")
     source = load(package, provider="cpu")
@@ -82,11 +82,9 @@ def quantize_package(
     if recipe.calibrated:
         ids = _calibration_ids(calibration_text, source.tokenizer)
         options.calibration = DecoderCalibrationReader(source, ids, samples=calibration_samples)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists (use --overwrite / overwrite=True to replace it)")
 
     progress(f"quantizing {package} -> {out_dir} ({mode})")
-    with StagedPackage(out_dir, overwrite=overwrite) as staging:
+    with staged as staging:
         model_file = spec.model_path.name
         facts = recipe.run(spec.model_path, staging / model_file, options)
         for name in spec.manifest.files:

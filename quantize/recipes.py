@@ -10,6 +10,9 @@ mode the same way). Why each recipe is as it is, with the measurements: docs/res
   whose input suffers most from one calibrated range, gets the dynamic recipe.
 - int4: MatMulNBits, block-wise symmetric 4-bit weights (round to nearest) for the blocks; the LM head
   and the tied embedding 8-bit blocks; activations quantized to int8 per block at run time.
+- int8-weight-only: the int4 recipe with 8-bit blocks everywhere (MatMulNBits bits=8). Its kernel
+  quantizes activations per row and block, so, unlike dynamic int8 (one activation scale over the whole
+  batch), a row's output does not depend on the other rows of a batch.
 - fp16: every float tensor in half precision, for GPU providers.
 """
 
@@ -184,9 +187,11 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
     }
 
 
-def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = "int8") -> dict:
+def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = "int8", bits: int = 4) -> dict:
     """4-bit blocks for the linear layers; lm_head="int8" keeps the LM head (and the tied embedding that
-    reads it) at 8 bits, since its rounding errors are the ones that change the most likely token."""
+    reads it) at 8 bits, since its rounding errors are the ones that change the most likely token.
+    bits=8 is the int8-weight-only recipe: every linear layer in 8-bit blocks, activations quantized
+    per row and block by the kernel, so a row's result does not depend on the other rows of a batch."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     if block_size < 16 or block_size & (block_size - 1):
@@ -205,8 +210,8 @@ def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = 
     # level 0/1 (float activations) measured no more accurate on the bundled model, and slower
     nbits = dict(block_size=block_size, is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
     # MatMuls without a constant weight (attention products of the standard graph) are left as they are
-    excluded = [head] if lm_head == "int8" else []
-    quantizer = MatMulNBitsQuantizer(model, bits=4, nodes_to_exclude=excluded, **nbits)
+    excluded = [head] if lm_head == "int8" and bits == 4 else []
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, nodes_to_exclude=excluded, **nbits)
     quantizer.process()
     quantized = quantizer.model.model
     if excluded:
@@ -224,14 +229,15 @@ def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = 
     drop_unused_initializers(quantized)
     save_model(quantized, dst)
     return {
-        "mode": "int4",
+        "mode": "int4" if bits == 4 else "int8-weight-only",
+        "bits": bits,
         "op": "MatMulNBits",
         "algorithm": "round to nearest",
         "block_size": block_size,
         "symmetric": True,
         "accuracy_level": 4,
         "lm_head": lm_head,
-        "ops": f"linear MatMuls of the blocks int4; LM head {lm_head}, read by the tied embedding too",
+        "ops": f"linear MatMuls of the blocks int{bits}; LM head {lm_head}, read by the tied embedding too",
     }
 
 
@@ -275,6 +281,10 @@ RECIPES: dict[str, Recipe] = {
     ),
     "int4": Recipe(
         "int4", lambda src, dst, o: quantize_int4(src, dst, block_size=o.block_size, lm_head=o.int4_lm_head)
+    ),
+    "int8-weight-only": Recipe(
+        "int8-weight-only",
+        lambda src, dst, o: quantize_int4(src, dst, block_size=o.block_size, lm_head="int8", bits=8),
     ),
     "fp16": Recipe("fp16", lambda src, dst, o: convert_fp16(src, dst), kv_dtype="float16", evaluated=False),
 }

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
 from .kvcache import make_cache, plain_feed
-from .package import PackageSpec, read_package
+from .package import PackageSpec, check_generation_memory, read_package
 from .results import GenerationResult, Stream, Timings, make_timings
 from .sampling import SamplingParams, sample
 from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers
@@ -90,6 +90,7 @@ class Model:
         return {
             "package": str(s.folder),
             "kind": s.kind,
+            "verified": s.verified,  # False when loaded with verify=False: no sha256 was checked
             "architecture": s.arch.type,
             "layers": s.arch.n_layer,
             "heads": s.arch.n_head,
@@ -192,6 +193,7 @@ class Model:
         yields (row, token id) for every new token of an unfinished row. state.finish[row] records why
         a row ended; the consumer may end a row itself (a stop string) by setting it."""
         batch = len(prompts)
+        check_generation_memory(self.spec, list(map(len, prompts)), new_tokens=max_new_tokens, kv_dtype=self.kv_dtype)
         cache = make_cache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
         rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(batch)]
         penalize = params.repetition_penalty != 1.0

@@ -53,6 +53,7 @@ class PackageSpec:
     precision: str = "fp32"
     manifest: Manifest | None = None  # edgelm packages only
     chat_template_path: Path | None = None
+    verified: bool = False  # every file the runtime reads was checked against the manifest's sha256
 
 
 def file_sha256(path: str | Path) -> str:
@@ -212,8 +213,7 @@ def verify_files(folder: Path, manifest: dict) -> None:
         raise PackageError(f"{MANIFEST_FILE}: 'files' must list the package's files with their sha256")
     for name, entry in files.items():
         path = inside(folder, name, "listed file")
-        if not path.is_file():
-            raise PackageNotFoundError(f"package file {name} is missing from {folder}")
+        regular_file(path, "package file")
         if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
             raise PackageError(f"{MANIFEST_FILE}: entry for {name} lacks a sha256")
         size = path.stat().st_size
@@ -347,7 +347,11 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
         raise PackageNotFoundError(f"package folder {folder} does not exist")
     if not is_dir:
         raise PackageError(f"{folder} is not a folder (a package is a folder holding model.onnx and its JSON)")
-    if (folder / MANIFEST_FILE).is_file():
+    manifest_path = folder / MANIFEST_FILE
+    other_kind = (folder / GENAI_CONFIG_FILE).is_file() or (folder / HF_CONFIG_FILE).is_file()
+    if verify and not manifest_path.is_file() and (other_kind or os.path.lexists(manifest_path)):
+        raise PackageError(_unsigned_reason(folder, manifest_path))
+    if manifest_path.is_file():
         manifest = _read_json(inside(folder, MANIFEST_FILE, "manifest"))
         if verify:
             verify_files(folder, manifest)
@@ -361,8 +365,10 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
             f"{folder} is not a model package: it has no {MANIFEST_FILE}, no {GENAI_CONFIG_FILE}, "
             f"and no {HF_CONFIG_FILE} + model.onnx"
         )
-    if not spec.model_path.is_file():
-        raise PackageNotFoundError(f"model file {spec.model_path.name} is missing from {folder}")
+    regular_file(spec.model_path, "model file")
+    for path in (spec.tokenizer_path, spec.chat_template_path):
+        if path is not None:
+            regular_file(path, "package file")
     tokens, vocab_size = spec.tokens, spec.arch.vocab_size
     for token in [*tokens.eos_token_ids, tokens.pad_token_id, tokens.bos_token_id]:
         if token is not None and not 0 <= token < vocab_size:
@@ -371,11 +377,82 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
         inside(spec.model_path.parent, location, f"external data location in {spec.model_path.name}")
         for location in external_data_locations(spec.model_path)
     ]
-    if verify and spec.kind == "edgelm":
+    for path in external:
+        regular_file(path, f"external data of {spec.model_path.name}")
+    if verify:
         optional = [p for p in (spec.tokenizer_path, spec.chat_template_path) if p is not None]
         read = [spec.model_path, *external, *optional]
         _check_listed(folder, spec.manifest, read)
+        spec.verified = True
     return spec
+
+
+def _unsigned_reason(folder: Path, manifest_path: Path) -> str:
+    """Why a folder cannot load with verify=True, and how to load it on purpose."""
+    if os.path.lexists(manifest_path):
+        why = f"its {MANIFEST_FILE} is not a regular file"
+    else:
+        why = f"it has no {MANIFEST_FILE} manifest"
+    return (
+        f"{folder} cannot be verified: {why}, so its files' sha256 cannot be checked. To run an unsigned folder "
+        "on purpose (for example one written by onnxruntime-genai's builder or Optimum), load it with "
+        "verify=False (CLI: --no-verify)"
+    )
+
+
+def regular_file(path: Path, what: str) -> None:
+    """Refuse anything but a regular file before it is opened: a FIFO or a device would block or never end."""
+    if not path.exists():
+        raise PackageNotFoundError(f"{what} {path.name} is missing from {path.parent}")
+    if not path.is_file():
+        raise PackageError(f"{what} {path.name} is not a regular file (a folder, pipe or device)")
+
+
+# What a generation may allocate for its KV cache and logits: a manifest that lies about its
+# architecture or context length, with a large max_new_tokens, must not make the runtime ask for
+# hundreds of GiB; the limit is the memory the machine has free (or MAX_GENERATION_BYTES where the OS
+# does not say).
+MAX_GENERATION_BYTES = 64 << 30
+
+
+def kv_cache_bytes(spec: PackageSpec, *, batch: int, capacity: int, itemsize: int = 4) -> int:
+    """Bytes of a (batch, n_kv_head, capacity, head_dim) key and value buffer for every layer."""
+    arch = spec.arch
+    return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
+
+
+def available_memory_bytes() -> int:
+    """Memory a new allocation can get: Linux's MemAvailable (free + reclaimable cache), else the free
+    physical pages, else MAX_GENERATION_BYTES."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every OS names these
+        return MAX_GENERATION_BYTES
+
+
+def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new_tokens: int, kv_dtype=None) -> None:
+    """Raise MemoryError (a clear one, before allocating) when a batch's KV cache plus its prompt
+    logits (batch, longest prompt, vocab) would not fit in the memory available."""
+    batch, width = len(prompt_lengths), max(prompt_lengths)
+    capacity = width + new_tokens
+    itemsize = 4 if kv_dtype is None else kv_dtype().itemsize
+    needed = kv_cache_bytes(spec, batch=batch, capacity=capacity, itemsize=itemsize)
+    needed += batch * width * spec.arch.vocab_size * 4
+    limit = min(available_memory_bytes(), MAX_GENERATION_BYTES)
+    if needed > limit:
+        raise MemoryError(
+            f"this generation needs {needed / 2**30:.1f} GiB for its KV cache and logits (batch {batch}, "
+            f"{capacity} positions, {spec.arch.n_layer} layers x {spec.arch.n_kv_head} KV heads x "
+            f"{spec.arch.head_dim}), more than the {limit / 2**30:.1f} GiB available; lower max_new_tokens or "
+            "the batch size"
+        )
 
 
 def list_files(folder: Path) -> dict:
@@ -385,35 +462,3 @@ def list_files(folder: Path) -> dict:
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != MANIFEST_FILE
     }
-
-
-class StagedPackage:
-    """Write a package into a temporary folder beside `out_dir` and rename it into place only when
-    the block succeeds: an interrupted or failed run leaves nothing that looks like a package.
-
-        with StagedPackage(out_dir, overwrite=False) as staging:
-            ... write files into staging ...
-    """
-
-    def __init__(self, out_dir: str | Path, *, overwrite: bool = False):
-        import tempfile
-
-        self.out_dir = Path(out_dir)
-        if self.out_dir.exists() and not overwrite:
-            raise FileExistsError(f"{self.out_dir} already exists (use --overwrite / overwrite=True to replace it)")
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
-
-    def __enter__(self) -> Path:
-        return self.path
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        import shutil
-
-        if exc_type is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        self.path.chmod(0o755)  # mkdtemp makes it private; a package is an ordinary folder
-        if self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
-        self.path.rename(self.out_dir)

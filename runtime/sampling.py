@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from .errors import InvalidInputError, InvalidParameterError
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,23 @@ def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: floa
         return logits
     logits = logits.copy()
     ids = np.unique(seen)
-    scores = logits[ids]
-    logits[ids] = np.where(scores > 0, scores / penalty, scores * penalty)
+    scores = logits[ids].astype(np.float64)  # float64: a penalty of 5e-324 is not 0 there
+    with np.errstate(over="ignore", under="ignore"):  # a penalty of 1e-45 or 1e300: clipped below
+        penalized = np.where(scores > 0, scores / penalty, scores * penalty)
+    top = np.finfo(logits.dtype).max  # a finite logit stays finite: inf - inf in softmax would make NaN
+    logits[ids] = np.where(np.isfinite(scores), np.clip(penalized, -top, top), scores)
+    return logits
+
+
+def finite_logits(logits: np.ndarray) -> np.ndarray:
+    """Logits the samplers can work with: +inf becomes the largest finite value (that token is the
+    most likely one), -inf stays (probability 0); NaN, or no token with a finite chance, is refused."""
+    if np.isnan(logits).any():
+        raise InvalidInputError("the logits hold NaN: no token can be chosen")
+    if not np.isfinite(logits).all():
+        if np.isneginf(logits).all():
+            raise InvalidInputError("every logit is -inf: no token can be chosen")
+        logits = np.minimum(logits, np.finfo(logits.dtype).max)
     return logits
 
 
@@ -111,8 +126,9 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: np.ndarray | None = None) -> int:
     """One token id from one row of logits (V,). Computed in float32: exp and cumsum over a 50k
     vocabulary cost several times more in float64, and a draw needs no more precision (temperatures
-    too small for float32 to divide by take float64)."""
-    logits = logits.astype(np.float32 if params.temperature >= 1e-30 else np.float64, copy=False)
+    too small or too large for float32 to divide by take float64)."""
+    in_float32_range = 1e-30 <= params.temperature <= 1e30  # else T itself would round to 0 or inf
+    logits = finite_logits(logits.astype(np.float32 if in_float32_range else np.float64, copy=False))
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:

@@ -216,7 +216,7 @@ def test_genai_folder_paths_stay_inside(package, tmp_path, sessions, case):
         symlink_out(folder, "model.onnx", model)
     else:
         symlink_out(folder, "tokenizer.json", tokenizer)
-    message = refused(folder)
+    message = refused(folder, verify=False)
     assert "outside the package folder" in message or "absolute path" in message, message
     assert sessions == []
 
@@ -226,7 +226,7 @@ def test_symlinks_inside_the_folder_are_fine(package, model, tmp_path):
     (folder / "weights").mkdir()
     (folder / "model.onnx").rename(folder / "weights" / "model.onnx")
     (folder / "model.onnx").symlink_to(folder / "weights" / "model.onnx")
-    linked = load(folder, provider="cpu", threads=1)
+    linked = load(folder, provider="cpu", threads=1, verify=False)
     assert linked.generate("ROMEO:", 6).token_ids == model.generate("ROMEO:", 6).token_ids
 
 
@@ -267,7 +267,7 @@ def test_external_weights_inside_the_folder_load(package, model, tmp_path):
     initializers = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.initializer
     assert len(locations) == len(initializers) > 10 and set(locations) == {"weights.bin"}
     assert (folder / "model.onnx").stat().st_size < (package / "model.onnx").stat().st_size / 2, "weights moved out"
-    external = load(folder, provider="cpu", threads=1)
+    external = load(folder, provider="cpu", threads=1, verify=False)
     assert external.generate("ROMEO:", 8).token_ids == model.generate("ROMEO:", 8).token_ids
 
 
@@ -282,7 +282,7 @@ def test_external_data_outside_the_folder_is_refused(package, tmp_path, sessions
         location = str(outside) if where == "absolute" else where
         with_external_weights(package / "model.onnx", folder, location, data_file=outside)
     assert outside.stat().st_size > 100_000, "the outside file holds the real weights"
-    message = refused(folder)
+    message = refused(folder, verify=False)
     assert "external data" in message and ("outside the package folder" in message or "absolute" in message)
     assert sessions == [], "the runtime, not ONNX Runtime, must refuse it"
 
@@ -433,7 +433,7 @@ GENAI_EDITS = {
 def test_a_genai_config_that_does_not_match_its_model_fails_at_load(package, tmp_path, case):
     folder = genai_only(package, tmp_path)
     edit_json(folder / "genai_config.json", GENAI_EDITS[case])
-    refused(folder)
+    refused(folder, verify=False)
 
 
 def test_a_context_length_beyond_the_model_fails_cleanly_when_reached(package, tmp_path):
@@ -608,3 +608,90 @@ def test_export_interrupted_over_an_existing_package_keeps_it(hf_checkpoint, pac
     assert load(out, provider="cpu", threads=1).generate("ROMEO:", 4).token_ids == (
         model.generate("ROMEO:", 4).token_ids
     )
+
+
+# ---- round 2: a missing or replaced manifest never skips the check; special files never block ----------
+
+
+def replace_manifest(folder: Path, how: str) -> None:
+    manifest = folder / "edgelm.json"
+    manifest.unlink()
+    if how == "folder":
+        manifest.mkdir()
+    elif how == "fifo":
+        os.mkfifo(manifest)
+    elif how == "garbage":
+        manifest.write_bytes(b"\x00\xff not json")
+    elif how == "dangling symlink":
+        manifest.symlink_to(folder / "nowhere.json")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("how", ["missing", "folder", "fifo", "garbage", "dangling symlink"])
+def test_a_missing_or_replaced_manifest_does_not_load_with_verification(package, model, tmp_path, sessions, how):
+    folder = copy_package(package, tmp_path)
+    flip_middle_byte(folder / "tokenizer.json")  # tampered: the hash check is what would catch it
+    replace_manifest(folder, how)
+    message = refused(folder)
+    assert sessions == []
+    if how == "garbage":
+        assert "not valid JSON" in message
+    else:
+        assert "cannot be verified" in message and "verify=False" in message and "--no-verify" in message
+    # on purpose, unverified: the folder loads as what it is (a genai folder), and info says so
+    if how != "garbage":
+        (folder / "tokenizer.json").write_bytes((package / "tokenizer.json").read_bytes())
+        unsigned = load(folder, provider="cpu", threads=1, verify=False)
+        assert unsigned.info()["verified"] is False and unsigned.spec.kind == "genai"
+        assert unsigned.generate("ROMEO:", 4).token_ids == model.generate("ROMEO:", 4).token_ids
+
+
+def test_info_says_whether_the_package_was_verified(package, model):
+    assert model.info()["verified"] is True
+    assert load(package, provider="cpu", threads=1, verify=False).info()["verified"] is False
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("name", ["model.onnx", "tokenizer.json", "genai_config.json"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_fifo_in_place_of_a_file_never_blocks(package, tmp_path, sessions, name, verify):
+    folder = copy_package(package, tmp_path)
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    done = threading.Event()
+    outcome: list = []
+
+    def attempt():
+        try:
+            outcome.append(load(folder, provider="cpu", threads=1, verify=verify))
+        except Exception as e:  # noqa: BLE001 - recorded and checked below
+            outcome.append(e)
+        done.set()
+
+    threading.Thread(target=attempt, daemon=True).start()
+    assert done.wait(20), f"load blocked on a FIFO named {name}"
+    if name == "genai_config.json" and not verify:
+        return  # the manifest describes the package; this file is not read
+    assert isinstance(outcome[0], PackageError), outcome
+    assert "regular file" in str(outcome[0]) or "missing" in str(outcome[0]), outcome
+
+
+def test_a_lying_manifest_cannot_make_the_runtime_allocate_without_bound(package, tmp_path):
+    """context_length says a billion: prompt + max_new_tokens fits it, but the cache would not fit memory."""
+    folder = copy_package(package, tmp_path)
+    edit_json(folder / "edgelm.json", lambda m: m["architecture"].update(context_length=10**9))
+    relist(folder)
+    liar = load(folder, provider="cpu", threads=1)
+    with pytest.raises(MemoryError, match="GiB"):
+        liar.generate("ROMEO:", 10**8)
+    with pytest.raises(MemoryError, match="batch size"):
+        liar.generate_batch(["ROMEO:"] * 4096, 10**6)
+    assert len(liar.generate("ROMEO:", 4).token_ids) == 4  # a sane request still runs
+
+
+def test_kv_cache_bytes_counts_every_layer(model):
+    from edgelm.runtime.package import kv_cache_bytes
+
+    spec = model.spec
+    expected = 2 * spec.n_layer * 3 * spec.n_head * 50 * spec.head_dim * 4
+    assert kv_cache_bytes(spec, batch=3, capacity=50) == expected
