@@ -693,5 +693,5 @@ def test_kv_cache_bytes_counts_every_layer(model):
     from edgelm.runtime.package import kv_cache_bytes
 
     spec = model.spec
-    expected = 2 * spec.n_layer * 3 * spec.n_head * 50 * spec.head_dim * 4
+    expected = 2 * spec.arch.n_layer * 3 * spec.arch.n_kv_head * 50 * spec.arch.head_dim * 4
     assert kv_cache_bytes(spec, batch=3, capacity=50) == expected
