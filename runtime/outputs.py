@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .package import MANIFEST_FILE, MANIFEST_FORMAT
+from .contract import MANIFEST_FILE, MANIFEST_FORMAT
 
 STAGING_PREFIX = ".edgelm-staging-"  # hidden folders beside the output while a package is written
 _SIGNALS = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgelm.runtime.outputs import STAGING_PREFIX, StagedOutput, check_output
-from edgelm.runtime.package import MANIFEST_FILE, MANIFEST_FORMAT, list_files, read_package, write_json
+from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
+from edgelm.runtime.package import list_files, read_package, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
