@@ -256,17 +256,16 @@ def _chat(args) -> int:
             print(f"[unknown command {command}: {CHAT_COMMANDS}]", file=sys.stderr)
         else:
             cancel = threading.Event()
-            try:
-                stream = conv.stream(text, args.max_new_tokens, cancel=cancel, **options)
-            except EdgelmError as e:  # a message too long, say: the conversation goes on
-                print(f"edgelm chat: error: {' '.join(str(e).split())}", file=sys.stderr)
-                continue
             # Ctrl-C while a reply streams sets cancel: the reply ends within one decode step, the chat goes on
             previous = signal.signal(signal.SIGINT, lambda *_, event=cancel: event.set())
             try:
+                stream = conv.stream(text, args.max_new_tokens, cancel=cancel, **options)
                 for piece in stream:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
+            except EdgelmError as e:  # a message too long, say: the conversation goes on
+                print(f"edgelm chat: error: {' '.join(str(e).split())}", file=sys.stderr)
+                continue
             finally:
                 signal.signal(signal.SIGINT, previous)
             print()

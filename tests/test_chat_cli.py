@@ -95,6 +95,7 @@ def test_ctrl_c_stops_the_reply_not_the_chat(package) -> None:
     child.expect("> ")
     child.sendline("Short answer now")  # the chat goes on after a stopped reply
     child.expect("Short answer now\r\n")
+    child.expect(r"\S{3}")  # the echo comes from the terminal: wait for the reply itself
     child.sendintr()
     child.expect(r"\[stopped\]")
     child.expect("> ")
