@@ -1,6 +1,6 @@
-"""The `edgelm` command: export, quantize, eval, generate, info, bench.
+"""The `edgelm` command: export, quantize, eval, generate, chat, info, bench.
 
-generate, info and bench need only the runtime (onnxruntime, numpy, tokenizers); export, quantize
+generate, chat, info and bench need only the runtime (onnxruntime, numpy, tokenizers); export, quantize
 and eval import their rooms lazily, so a runtime-only install runs `edgelm generate` without torch.
 
 Exit status (README, "Errors"): 0 success; 1 any error, bad options included, as one line on stderr;
@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   edgelm export models/shakespeare out/fp32
   edgelm quantize out/fp32 out/int8 --mode dynamic --eval-text data/shakespeare-heldout.txt
   edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1
+  edgelm chat out/smol-int4 --system "You are brief." --temperature 0.7 --stats
   edgelm eval out/int8 --text data/shakespeare-heldout.txt --reference out/fp32
   edgelm bench out/int8 --prompt-tokens 32 --new-tokens 128
 
@@ -78,7 +79,7 @@ def _text_file(text: str) -> str:
     return text
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
+def _add_sampling(p: argparse.ArgumentParser, *, truncate: bool = True) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples from softmax(logits/T)"
@@ -95,11 +96,12 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
         metavar="STR",
         help="stop when this string is generated (not printed); repeatable",
     )
-    p.add_argument(
-        "--truncate-prompt",
-        action="store_true",
-        help="drop the oldest prompt tokens instead of failing when the context would overflow",
-    )
+    if truncate:
+        p.add_argument(
+            "--truncate-prompt",
+            action="store_true",
+            help="drop the oldest prompt tokens instead of failing when the context would overflow",
+        )
 
 
 def _add_verify(p: argparse.ArgumentParser) -> None:
@@ -264,6 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, ids, finish reason, timings)")
 
     p = sub.add_parser(
+        "chat",
+        help="chat in the terminal with a package that has a chat template",
+        description="An interactive chat, streamed. Commands: /reset (new conversation), /undo (remove the last "
+        "exchange), /stats (tokens/s after each reply, on or off), /exit. Ctrl-C stops a reply; at the prompt "
+        "it exits, as does Ctrl-D. When the context fills, the oldest exchanges are dropped.",
+    )
+    p.add_argument("package")
+    p.add_argument("--system", default=None, help="the system message (default: the template's own, if any)")
+    _add_sampling(p, truncate=False)
+    p.set_defaults(max_new_tokens=256)
+    p.add_argument("--stats", action="store_true", help="print tokens/s and the tokens prefilled after each reply")
+    _add_runtime(p)
+
+    p = sub.add_parser(
         "info",
         help="what a package holds",
         description="Describe a package: architecture, precision, recipe, accuracy report, and whether its "
@@ -320,6 +336,88 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+CHAT_COMMANDS = "/reset, /undo, /stats, /exit; Ctrl-C stops a reply"
+
+
+def _chat(args) -> int:
+    import signal
+    import threading
+
+    from edgelm.runtime import EdgelmError, load
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+    except ImportError:
+        pass
+    model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
+    conv = model.conversation(system=args.system)
+    options = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    model.check_options(args.max_new_tokens, *options.values(), None)  # bad options end here, not per message
+    show_stats = args.stats
+    print(f"[{model.spec.folder.name}, context {model.context_length} tokens. {CHAT_COMMANDS}]", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ").strip()
+        except EOFError:  # Ctrl-D, or the end of piped input
+            print()
+            return 0
+        if not text:
+            continue
+        command = text.split()[0]
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            conv.reset()
+            print("[new conversation]", file=sys.stderr)
+        elif command == "/undo":
+            try:
+                conv.undo()
+                print("[removed the last exchange]", file=sys.stderr)
+            except EdgelmError as e:
+                print(f"[{e}]", file=sys.stderr)
+        elif command == "/stats":
+            show_stats = not show_stats
+            print(f"[stats {'on' if show_stats else 'off'}]", file=sys.stderr)
+        elif command.startswith("/") and len(command) > 1 and command[1:].isalpha():
+            print(f"[unknown command {command}: {CHAT_COMMANDS}]", file=sys.stderr)
+        else:
+            cancel = threading.Event()
+            # Ctrl-C while a reply streams sets cancel: the reply ends within one decode step, the chat goes on
+            previous = signal.signal(signal.SIGINT, lambda *_, event=cancel: event.set())
+            try:
+                stream = conv.stream(text, args.max_new_tokens, cancel=cancel, **options)
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except EdgelmError as e:  # a message too long, say: the conversation goes on
+                print(f"edgelm chat: error: {' '.join(str(e).split())}", file=sys.stderr)
+                continue
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            print()
+            result, turn = stream.result, conv.last_turn
+            if result.finish_reason == "cancelled":
+                print("[stopped]", file=sys.stderr)
+            if show_stats:
+                t = result.timings
+                print(
+                    f"[{t.new_tokens} tokens, {t.decode_tokens_per_s:.1f} tokens/s, first token "
+                    f"{t.time_to_first_token_s * 1000:.0f} ms, prefilled {turn.prefilled_tokens} of "
+                    f"{turn.prompt_tokens} prompt tokens ({turn.path})"
+                    + (f", dropped {turn.dropped_messages} old messages" if turn.dropped_messages else "")
+                    + "]",
+                    file=sys.stderr,
+                )
 
 
 def _info(args) -> int:
@@ -427,6 +525,7 @@ COMMANDS = {
     "quantize": _quantize,
     "eval": _eval,
     "generate": _generate,
+    "chat": _chat,
     "info": _info,
     "bench": _bench,
 }

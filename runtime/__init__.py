@@ -4,6 +4,7 @@ Imports nothing from export/ or quantize/ and never torch, so an application can
 alone (its imports are all relative).
 """
 
+from .chat import Conversation, TurnStats
 from .errors import (
     ChatTemplateError,
     ContextLengthError,
@@ -21,6 +22,7 @@ from .sampling import SamplingParams
 __all__ = [
     "ChatTemplateError",
     "ContextLengthError",
+    "Conversation",
     "EdgelmError",
     "GenerationResult",
     "InvalidInputError",
@@ -32,5 +34,6 @@ __all__ = [
     "SamplingParams",
     "Stream",
     "Timings",
+    "TurnStats",
     "load",
 ]

@@ -122,6 +122,21 @@ class Model:
             raise PackageError(f"ONNX Runtime failed running {self.spec.model_path.name}: {ort_reason(e)}") from None
         return outputs[0], outputs[1:]
 
+    # ---- chat (runtime/chat.py) ----------------------------------------------------------------
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, *, template=None, **options) -> GenerationResult:
+        """The assistant's reply to messages ([{"role": ..., "content": ...}]), rendered with the package's chat
+        template (or `template`, Jinja source). Options as generate's; ContextLengthError when they do not fit."""
+        from .chat import Conversation
+
+        return Conversation(self, template=template).reply_to(messages, max_new_tokens=max_new_tokens, **options)
+
+    def conversation(self, system: str | None = None, *, template=None):
+        """A multi-turn chat that keeps its KV cache between turns: .send(text), .stream(text), .undo(), .reset()."""
+        from .chat import Conversation
+
+        return Conversation(self, system=system, template=template)
+
     # ---- input handling ------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -188,13 +203,21 @@ class Model:
         seed: int | None,
         cancel: threading.Event | None,
         ignore_eos: bool = False,
+        cache=None,
+        feed: list[int] | None = None,
     ) -> Iterator[tuple[int, int]]:
         """Batched decoding, prompts padded as the package's cache wants (runtime/kvcache.py):
         yields (row, token id) for every new token of an unfinished row. state.finish[row] records why
-        a row ended; the consumer may end a row itself (a stop string) by setting it."""
+        a row ended; the consumer may end a row itself (a stop string) by setting it. A chat turn passes
+        its batch-1 `cache`, which holds prompts[0] but its last len(feed) ids, and the `feed` to extend it with."""
         batch = len(prompts)
         check_generation_memory(self.spec, list(map(len, prompts)), new_tokens=max_new_tokens, kv_dtype=self.kv_dtype)
-        cache = make_cache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
+        if cache is None:
+            cache = make_cache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
+            first = cache.prompt
+        else:
+            assert batch == 1 and feed, "a kept cache continues one row with at least one new token"
+            first = lambda: cache.extend(feed)[None, :]  # noqa: E731
         rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(batch)]
         penalize = params.repetition_penalty != 1.0
         seen = [np.array(p, dtype=np.int64) for p in prompts]
@@ -206,7 +229,7 @@ class Model:
                 for row in range(batch):
                     finish[row] = finish[row] or "cancelled"
                 break
-            logits = cache.prompt() if step == 0 else cache.next(next_ids)  # (B, V): each row's newest position
+            logits = first() if step == 0 else cache.next(next_ids)  # (B, V): each row's newest position
             live = [row for row in range(batch) if not finish[row]]
             if not np.isfinite(logits[live] if batch > 1 else logits).all():
                 raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
@@ -241,6 +264,16 @@ class Model:
         truncate_prompt,
         cancel=None,
     ):
+        params, stops = self.check_options(
+            max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, cancel
+        )
+        prompts = [self._fit_context(self.encode(p), int(max_new_tokens), truncate_prompt) for p in prompt]
+        return params, stops, prompts
+
+    def check_options(
+        self, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, cancel
+    ) -> tuple[SamplingParams, tuple[str, ...]]:
+        """Validate generation options (InvalidParameterError); returns the sampling parameters and stop strings."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
         )
@@ -257,8 +290,7 @@ class Model:
             raise InvalidParameterError("stop strings need a tokenizer, and this package has none")
         if cancel is not None and not callable(getattr(cancel, "is_set", None)):
             raise InvalidParameterError(f"cancel must be a threading.Event or None, got {cancel!r}")
-        prompts = [self._fit_context(self.encode(p), int(max_new_tokens), truncate_prompt) for p in prompt]
-        return params, stops, prompts
+        return params, stops
 
     def generate_batch(
         self,

@@ -177,11 +177,16 @@ class SharedCache:
         assert len(self.lengths) == 1, "extend is for a batch of one"
         start = int(self.lengths[0])
         if start + len(ids) > self.capacity:
-            self._allocate(1, max(start + len(ids), 2 * self.capacity), old=self.buffers)
+            self._allocate(1, max(start + len(ids), self._grown()), old=self.buffers)
         self.lengths[0] = start + len(ids)
         self.mask[0, : start + len(ids)] = 1
         mask = np.ones((1, start + len(ids)), dtype=np.int64)
         return self._run_tokens(np.array([ids], dtype=np.int64), mask, start, keep_last=True)[0, -1]
+
+    def _grown(self) -> int:
+        # no wider than the context: a decode step's mask is as wide as the buffer, and the graph's rotary
+        # tables have context_length rows
+        return min(2 * self.capacity, self.spec.arch.context_length)
 
     def rewind(self, length: int) -> None:
         assert len(self.lengths) == 1 and 0 <= length <= self.lengths[0], f"cannot rewind to {length}"
@@ -204,10 +209,10 @@ class SharedCache:
         return binding.get_outputs()[0].numpy()  # (B, T or 1, V)
 
     def next(self, next_ids: np.ndarray) -> np.ndarray:
-        binding, io = self.binding, self.spec.io
         if np.any(self.lengths >= self.capacity):
             assert len(self.lengths) == 1, "a batch's buffers are sized for its whole generation"
-            self._allocate(1, 2 * self.capacity, old=self.buffers)
+            self._allocate(1, self._grown(), old=self.buffers)
+        binding, io = self.binding, self.spec.io  # after _allocate: growing binds new buffers to a new binding
         if not self._decode_bound:
             # the mask keeps the buffer's width: every decode step then has the same input shapes,
             # so ONNX Runtime reuses its memory plan instead of making one per step

@@ -31,6 +31,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary entry of one id (e.g. "<|im_end|>"), None if there is none."""
+        return self._tokenizer.id_to_token(token_id)
+
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 

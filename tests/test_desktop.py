@@ -1,6 +1,8 @@
-"""The desktop example (examples/desktop/app.py) on a virtual X display: load a package, stream a
-completion, stop it mid-way, and show bad input in the window instead of raising. Drives the app
-in-process through its buttons and pumps Tk's event loop by hand, as mainloop() would."""
+"""The desktop example (examples/desktop/app.py) on a virtual X display: a two-turn chat on a package
+with a chat template (screenshot), a reply stopped mid-way, New chat; text completion on a package
+without one; bad input shown in the window instead of raised. Drives the app in-process through its
+buttons and pumps Tk's event loop by hand, as mainloop() would. With EDGELM_SCREENSHOTS=DIR set, the
+chat's screenshot is also copied there (docs/desktop-chat.png comes from it)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from chat_package import make_chat_package
 
 APP = Path(__file__).resolve().parent.parent / "examples" / "desktop" / "app.py"
 STEP_DELAY_S = 0.02  # see SlowSession below
+SCREENSHOTS = os.environ.get("EDGELM_SCREENSHOTS")
 
 tkinter = pytest.importorskip("tkinter", reason="tkinter is not installed (Debian: apt-get install python3-tk)")
 pytestmark = pytest.mark.skipif(
@@ -66,7 +70,7 @@ def app(display):
     # Tk prints exceptions raised in callbacks and carries on; collect them so the test can fail on one
     root.callback_errors = []
     root.report_callback_exception = lambda *exc: root.callback_errors.append(exc)
-    app = module.CompletionApp(root, provider="cpu", threads=1)
+    app = module.ChatApp(root, provider="cpu", threads=1)
     yield app
     app.stop_generation()
     pump(root, lambda: not app.is_busy, timeout=10)
@@ -100,90 +104,153 @@ class SlowSession:
         return self._session.run_with_iobinding(*args, **kwargs)
 
 
-def load_tiny(app, package: Path) -> None:
+@pytest.fixture(scope="module")
+def chat_package(tmp_path_factory) -> Path:
+    return make_chat_package(tmp_path_factory.mktemp("desktop-chat") / "fused")
+
+
+def load_tiny(app, package: Path, mode: str) -> None:
     app.package_path.set(str(package))
     app.load_button.invoke()
     assert app.is_busy, "loading should run on the worker thread"
     assert pump(app.root, lambda: not app.is_busy, timeout=60), "loading did not finish"
     assert app.model is not None, app.status_text
-    assert app.status_text.startswith("Loaded"), app.status_text
+    assert app.status_text.startswith("Loaded") and app.mode == mode, app.status_text
 
 
-def set_prompt(app, text: str, **params: str) -> None:
-    app.prompt.delete("1.0", "end")
-    app.prompt.insert("1.0", text)
+def set_input(app, text: str, **params: str) -> None:
+    app.input.delete("1.0", "end")
+    app.input.insert("1.0", text)
     for key, value in params.items():
         app.params[key].set(value)
 
 
-def test_generate_stop_and_screenshot(app, package, tmp_path):
-    load_tiny(app, package)
-    app.model.session = SlowSession(app.model.session)
-    # 50 of the 64 positions, a high temperature and a seed with which the random model does not hit EOS in 50 tokens
-    set_prompt(app, "ROMEO:", max_new_tokens="50", temperature="1.5", top_k="0", top_p="1.0", seed="1")
-    app.generate_button.invoke()
-    assert app.is_generating and str(app.stop_button["state"]) == "normal"
-    assert str(app.generate_button["state"]) == "disabled", "a second Generate while one runs must be impossible"
+def send(app, text: str) -> None:
+    app.input.delete("1.0", "end")
+    app.input.insert("1.0", text)
+    app.send_button.invoke()
+    assert app.is_generating, app.status_text
+    assert str(app.send_button["state"]) == "disabled", "a second Send while one runs must be impossible"
+    assert pump(app.root, lambda: not app.is_generating, timeout=30), "the reply did not finish"
 
-    # the UI thread stays responsive: pumping returns promptly while the worker generates
-    assert pump(app.root, lambda: len(app.output_text()) >= 3, timeout=30), f"no text appeared: {app.status_text}"
-    assert app.is_generating, f"generation ended before Stop: {app.status_text}"
-    stopped_at = time.monotonic()
-    app.stop_button.invoke()
-    assert pump(app.root, lambda: not app.is_generating, timeout=5), "Stop did not end generation"
-    elapsed = time.monotonic() - stopped_at
-    result = app.last_result
-    assert result.finish_reason == "cancelled", f"finish reason {result.finish_reason!r} after Stop"
-    assert 0 < result.timings.new_tokens < 50
-    # cancel is checked before every step: a Stop costs at most the step in flight plus one poll
-    assert elapsed < 1.0, f"Stop took {elapsed:.2f} s"
-    assert "tokens/s" in app.status_text and "cancelled" in app.status_text, app.status_text
-    assert app.output_text() == result.text
-    assert str(app.generate_button["state"]) == "normal"
 
-    screenshot = tmp_path / "desktop.png"
+def screenshot(app, path: Path) -> None:
     pump(app.root, lambda: False, timeout=0.2)  # let Tk draw the final state
-    subprocess.run(["import", "-window", "root", str(screenshot)], check=True, timeout=30)
-    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert screenshot.stat().st_size > 5_000, "the screenshot is nearly empty"
+    subprocess.run(["import", "-window", "root", str(path)], check=True, timeout=30)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5_000, "the screenshot is nearly empty"
     described = subprocess.run(
-        ["identify", "-format", "%w %h %k", str(screenshot)], capture_output=True, text=True, check=True, timeout=30
+        ["identify", "-format", "%w %h %k", str(path)], capture_output=True, text=True, check=True, timeout=30
     ).stdout.split()
     width, height, colours = map(int, described)
     assert (width, height) == (1024, 768)
     assert colours > 20, f"the screenshot has only {colours} colours: the window was not drawn"
 
 
-def test_errors_show_in_the_window(app, package):
+def test_two_turn_chat_stop_new_chat_and_screenshot(app, chat_package, tmp_path):
+    load_tiny(app, chat_package, "chat")
+    set_input(app, "", max_new_tokens="24", temperature="0", top_k="0", top_p="1.0", seed="")
+    app.system_prompt.set("You are a friendly assistant.")
+    first, second = "Hello! Who are you?", "What can you tell me about the sea?"
+    send(app, first)
+    reply_1 = app.last_result
+    assert app.input.get("1.0", "end-1c") == "", "the message box empties on Send"
+    send(app, second)
+    reply_2 = app.last_result
+    assert (reply_1.finish_reason, reply_2.finish_reason) == ("length", "length"), app.status_text
+    turn = app.conversation.last_turn
+    assert turn.path in ("prefix", "rewind") and turn.reused_tokens > len(reply_1.prompt_token_ids) // 2
+    assert f"reused {turn.reused_tokens} cached tokens" in app.status_text
+    messages = app.conversation.messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert messages[0]["content"] == "You are a friendly assistant."
+    assert [messages[2]["content"], messages[4]["content"]] == [reply_1.text, reply_2.text]
+    shown = app.history_text()
+    assert shown == f"You\n{first}\n\nAssistant\n{reply_1.text}\n\nYou\n{second}\n\nAssistant\n{reply_2.text}\n\n"
+
+    path = tmp_path / "desktop-chat.png"
+    screenshot(app, path)
+    if SCREENSHOTS:
+        shutil.copy(path, Path(SCREENSHOTS) / path.name)
+
+    # a third turn, stopped mid-way: the partial reply stays in the view and in the conversation
+    app.model.session = SlowSession(app.model.session)
+    set_input(app, "Tell me a long story.", max_new_tokens="120", temperature="1.5", seed="1")
+    app.send_button.invoke()
+    assert pump(app.root, lambda: len(app.history_text()) > len(shown) + 40, timeout=30), app.status_text
+    assert app.is_generating, f"generation ended before Stop: {app.status_text}"
+    stopped_at = time.monotonic()
+    app.stop_button.invoke()
+    assert pump(app.root, lambda: not app.is_generating, timeout=5), "Stop did not end generation"
+    assert time.monotonic() - stopped_at < 1.0, "cancel is checked before every decode step"
+    result = app.last_result
+    assert result.finish_reason == "cancelled" and 0 < result.timings.new_tokens < 120, app.status_text
+    assert app.conversation.messages[-1] == {"role": "assistant", "content": result.text}
+    assert app.history_text().endswith(result.text + "\n\n")
+
+    app.new_chat_button.invoke()
+    assert app.history_text() == "" and len(app.conversation.messages) == 1
+    app.model.session = app.model.session._session
+    set_input(app, "", max_new_tokens="24", temperature="0")
+    send(app, first)  # greedy again: the same first answer, with the system prompt still cached
+    assert app.last_result.token_ids == reply_1.token_ids
+    assert app.conversation.last_turn.reused_tokens > 5
+
+
+def test_completion_fallback_without_a_template(app, package):
+    load_tiny(app, package, "completion")
+    assert "no chat template" in app.status_text
+    app.model.session = SlowSession(app.model.session)
+    # 50 of the 64 positions, a high temperature and a seed with which the random model does not hit EOS in 50 tokens
+    set_input(app, "ROMEO:", max_new_tokens="50", temperature="1.5", top_k="0", top_p="1.0", seed="1")
+    app.send_button.invoke()
+    assert app.is_generating and str(app.stop_button["state"]) == "normal"
+    assert str(app.send_button["state"]) == "disabled"
+    # the UI thread stays responsive: pumping returns promptly while the worker generates
+    assert pump(app.root, lambda: len(app.history_text()) >= 9, timeout=30), f"no text appeared: {app.status_text}"
+    assert app.is_generating, f"generation ended before Stop: {app.status_text}"
+    app.stop_button.invoke()
+    assert pump(app.root, lambda: not app.is_generating, timeout=5), "Stop did not end generation"
+    result = app.last_result
+    assert result.finish_reason == "cancelled" and 0 < result.timings.new_tokens < 50
+    assert "tokens/s" in app.status_text and "cancelled" in app.status_text, app.status_text
+    assert app.history_text() == "ROMEO:" + result.text
+
+
+def test_errors_show_in_the_window(app, package, chat_package):
     app.package_path.set(str(package.parent / "no-such-package"))
     app.load_button.invoke()
     assert pump(app.root, lambda: not app.is_busy, timeout=30)
     assert app.status_text.startswith("Error:") and "no-such-package" in app.status_text, app.status_text
     assert app.model is None
 
-    app.generate_button.invoke()
+    app.send_button.invoke()
     assert app.status_text.startswith("Error: Load a model package first"), app.status_text
 
-    load_tiny(app, package)
+    load_tiny(app, chat_package, "chat")
     for key, value, expected in [
         ("temperature", "-1", "temperature"),
         ("top_k", "many", "Top-k"),
         ("top_p", "0", "top_p"),
         ("max_new_tokens", "500", "context length"),
     ]:
-        set_prompt(app, "ROMEO:", max_new_tokens="10", temperature="0.8", top_k="40", top_p="1.0", seed="")
+        set_input(app, "Hello", max_new_tokens="10", temperature="0.8", top_k="40", top_p="1.0", seed="")
         app.params[key].set(value)
-        app.generate_button.invoke()
+        app.send_button.invoke()
         assert not app.is_generating, f"{key}={value} should not start a generation"
         assert app.status_text.startswith("Error:") and expected in app.status_text, app.status_text
+        assert app.history_text() == "" and len(app.conversation.messages) == 1, "nothing was sent"
+    set_input(app, "   ")
+    app.send_button.invoke()
+    assert app.status_text.startswith("Error: Type a message"), app.status_text
 
     # after the errors the app still works, and a failed load keeps the loaded model
     app.package_path.set("/nonexistent/edgelm-package")
     app.load_button.invoke()
     assert pump(app.root, lambda: not app.is_busy, timeout=30)
     assert app.status_text.startswith("Error:") and app.model is not None
-    set_prompt(app, "ROMEO:", max_new_tokens="5", temperature="0", top_k="0", top_p="1.0", seed="")
-    app.generate_button.invoke()
+    set_input(app, "Hello", max_new_tokens="5", temperature="0", top_k="0", top_p="1.0", seed="")
+    app.send_button.invoke()
     assert pump(app.root, lambda: not app.is_generating, timeout=30)
     assert app.last_result.finish_reason in ("length", "eos"), app.status_text
-    assert app.output_text() == app.last_result.text
+    assert app.history_text().endswith(app.last_result.text + "\n\n")

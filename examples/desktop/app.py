@@ -1,13 +1,18 @@
-"""A small desktop text-completion app: Tkinter (stdlib) + edgelm.runtime, nothing else.
+"""A small desktop chat app: Tkinter (stdlib) + edgelm.runtime, nothing else.
 
     python examples/desktop/app.py [--package PATH] [--provider cpu|cuda|auto] [--threads N]
+
+A package with a chat template gets a chat: a history view, a message box, Send, Stop and New chat, and
+a Conversation (runtime/chat.py) that keeps its KV cache between turns, so a follow-up message is
+answered without reading the whole history again. A package without one falls back to text
+completion: the message box is the prompt and the view shows its continuation.
 
 Tk may only be touched from the thread that created it (the tkinter docs' "Threading model"), and
 a model call blocks while it runs. So loading and generating run on a worker thread that never
 calls Tk: it puts messages on a queue, and the UI thread drains that queue every POLL_MS with
 `after`, so the window keeps repainting and answering clicks. Stop sets the threading.Event
-passed to `Model.stream` as `cancel`; the runtime checks it before every decode step, so
-generation ends within one step.
+passed to the stream as `cancel`; the runtime checks it before every decode step, so the reply
+ends within one step (and stays in the conversation as far as it got).
 """
 
 from __future__ import annotations
@@ -24,27 +29,29 @@ POLL_MS = 30  # how often the UI thread drains the worker's queue: fast enough t
 
 # (runtime keyword, label, parser, default). An empty seed means a different sample every run.
 PARAMETERS = [
-    ("max_new_tokens", "Max tokens", int, "100"),
-    ("temperature", "Temperature", float, "0.8"),
+    ("max_new_tokens", "Max tokens", int, "200"),
+    ("temperature", "Temperature", float, "0.7"),
     ("top_k", "Top-k", int, "40"),
-    ("top_p", "Top-p", float, "1.0"),
+    ("top_p", "Top-p", float, "0.95"),
     ("seed", "Seed", int, ""),
 ]
+DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
-class CompletionApp:
-    """The window's widgets and its two jobs, loading a package and streaming a completion.
+class ChatApp:
+    """The window's widgets and its jobs: loading a package, and streaming a reply (or a completion).
 
-    Driven by a person through the buttons, or by a test through load_package(),
-    start_generation() and stop_generation(); both read status_text, output_text(), is_busy
-    and is_generating."""
+    Driven by a person through the buttons, or by a test through load_package(), send_message(),
+    stop_generation() and new_chat(); both read mode ("chat" or "completion"), status_text,
+    history_text(), is_busy, is_generating and last_result."""
 
     def __init__(self, root: tk.Tk, package: str | None = None, *, provider: str = "auto", threads: int | None = None):
         self.root = root
         self.provider = provider
         self.threads = threads
         self.model: Model | None = None
-        self.last_result: GenerationResult | None = None  # the latest finished generation
+        self.conversation = None  # a runtime Conversation in chat mode
+        self.last_result: GenerationResult | None = None  # the latest finished reply
         self._messages: queue.Queue[tuple[str, object]] = queue.Queue()  # worker -> UI thread
         self._cancel = threading.Event()
         self._job: str | None = None  # "load" or "generate" while a worker runs
@@ -60,9 +67,9 @@ class CompletionApp:
     # ---- layout --------------------------------------------------------------------------------
 
     def _build_widgets(self) -> None:
-        self.root.title("edgelm completion")
+        self.root.title("edgelm chat")
         self.root.columnconfigure(0, weight=1)
-        self.root.rowconfigure(3, weight=1)
+        self.root.rowconfigure(2, weight=1)
 
         top = ttk.Frame(self.root, padding=(8, 8, 8, 0))
         top.grid(row=0, column=0, sticky="ew")
@@ -76,36 +83,46 @@ class CompletionApp:
         self.load_button = ttk.Button(top, text="Load", command=lambda: self.load_package(self.package_path.get()))
         self.load_button.grid(row=0, column=3, padx=(6, 0))
 
-        # the prompt, with the two buttons beside it
-        middle = ttk.Frame(self.root, padding=8)
-        middle.grid(row=1, column=0, sticky="ew")
-        middle.columnconfigure(0, weight=1)
-        self.prompt = tk.Text(middle, height=4, wrap="word", undo=True)
-        self.prompt.grid(row=0, column=0, rowspan=2, sticky="nsew")
-        self.prompt.insert("1.0", "ROMEO:")
-        self.prompt.bind("<Control-Return>", lambda _: (self.start_generation(), "break")[1])  # "break": no newline
-        self.generate_button = ttk.Button(middle, text="Generate", command=self.start_generation)
-        self.generate_button.grid(row=0, column=1, sticky="new", padx=(6, 0))
-        self.stop_button = ttk.Button(middle, text="Stop", command=self.stop_generation)
-        self.stop_button.grid(row=1, column=1, sticky="new", padx=(6, 0))
-
-        controls = ttk.Frame(self.root, padding=(8, 0))
-        controls.grid(row=2, column=0, sticky="ew")
+        # settings: sampling on one row, the system prompt below it
+        settings = ttk.Frame(self.root, padding=(8, 6, 8, 0))
+        settings.grid(row=1, column=0, sticky="ew")
         self.params: dict[str, tk.StringVar] = {}
         for column, (key, label, _, default) in enumerate(PARAMETERS):
-            ttk.Label(controls, text=label).grid(row=0, column=2 * column, padx=(0 if column == 0 else 10, 4))
+            ttk.Label(settings, text=label).grid(row=0, column=2 * column, padx=(0 if column == 0 else 10, 4))
             self.params[key] = tk.StringVar(value=default)
-            ttk.Entry(controls, textvariable=self.params[key], width=6).grid(row=0, column=2 * column + 1)
+            ttk.Entry(settings, textvariable=self.params[key], width=6).grid(row=0, column=2 * column + 1)
+        ttk.Label(settings, text="System").grid(row=1, column=0, pady=(6, 0), sticky="w")
+        self.system_prompt = tk.StringVar(value=DEFAULT_SYSTEM)
+        ttk.Entry(settings, textvariable=self.system_prompt).grid(
+            row=1, column=1, columnspan=2 * len(PARAMETERS) - 1, sticky="ew", pady=(6, 0)
+        )
 
         body = ttk.Frame(self.root, padding=8)
-        body.grid(row=3, column=0, sticky="nsew")
+        body.grid(row=2, column=0, sticky="nsew")
         body.rowconfigure(0, weight=1)
         body.columnconfigure(0, weight=1)
-        self.output = tk.Text(body, wrap="word", state="disabled")  # read-only: only _append writes
-        scroll = ttk.Scrollbar(body, command=self.output.yview)
-        self.output.configure(yscrollcommand=scroll.set)
-        self.output.grid(row=0, column=0, sticky="nsew")
+        self.history = tk.Text(body, wrap="word", state="disabled", padx=6, pady=4)  # only _append writes
+        self.history.tag_configure("user", foreground="navy", font=("TkDefaultFont", 10, "bold"))
+        self.history.tag_configure("label", foreground="gray35", font=("TkDefaultFont", 9, "italic"))
+        scroll = ttk.Scrollbar(body, command=self.history.yview)
+        self.history.configure(yscrollcommand=scroll.set)
+        self.history.grid(row=0, column=0, sticky="nsew")
         scroll.grid(row=0, column=1, sticky="ns")
+
+        # the message box, with Send / Stop / New chat beside it
+        bottom = ttk.Frame(self.root, padding=(8, 0, 8, 8))
+        bottom.grid(row=3, column=0, sticky="ew")
+        bottom.columnconfigure(0, weight=1)
+        self.input = tk.Text(bottom, height=3, wrap="word", undo=True)
+        self.input.grid(row=0, column=0, rowspan=3, sticky="nsew")
+        self.input.bind("<Return>", lambda _: (self.send_message(), "break")[1])  # "break": no newline
+        self.input.bind("<Shift-Return>", lambda _: None)  # a newline in the message
+        self.send_button = ttk.Button(bottom, text="Send", command=self.send_message)
+        self.send_button.grid(row=0, column=1, sticky="new", padx=(6, 0))
+        self.stop_button = ttk.Button(bottom, text="Stop", command=self.stop_generation)
+        self.stop_button.grid(row=1, column=1, sticky="new", padx=(6, 0))
+        self.new_chat_button = ttk.Button(bottom, text="New chat", command=self.new_chat)
+        self.new_chat_button.grid(row=2, column=1, sticky="new", padx=(6, 0))
 
         self._status = tk.StringVar()
         self.status_label = ttk.Label(self.root, textvariable=self._status, relief="sunken", anchor="w", padding=(6, 2))
@@ -122,6 +139,12 @@ class CompletionApp:
     # ---- readable state ------------------------------------------------------------------------
 
     @property
+    def mode(self) -> str | None:
+        if self.model is None:
+            return None
+        return "chat" if self.conversation is not None else "completion"
+
+    @property
     def status_text(self) -> str:
         return self._status.get()
 
@@ -133,8 +156,8 @@ class CompletionApp:
     def is_generating(self) -> bool:
         return self._job == "generate"
 
-    def output_text(self) -> str:
-        return self.output.get("1.0", "end-1c")
+    def history_text(self) -> str:
+        return self.history.get("1.0", "end-1c")
 
     # ---- actions -------------------------------------------------------------------------------
 
@@ -149,13 +172,58 @@ class CompletionApp:
         self._set_status(f"Loading {path} ...")
         self._start_worker("load", self._load_worker, path)
 
-    def start_generation(self) -> None:
-        """Check the controls, then stream a completion of the prompt into the output box."""
+    def new_chat(self) -> None:
+        """Start over with the system prompt as it is now set (the cache keeps what the new chat shares)."""
+        if self.is_busy or self.model is None:
+            return
+        if self.conversation is not None:
+            # the next turn compares its ids with the cache's, so a changed system prompt is safe here
+            self.conversation.system = self.system_prompt.get().strip() or None
+            self.conversation.reset()
+        self._clear_history()
+        self._set_status("New chat." if self.conversation is not None else "Cleared.")
+
+    def send_message(self) -> None:
+        """Check the settings, then stream the reply to the message box's text (or its completion)."""
         if self.is_busy:
             return
         if self.model is None:
             self._set_error("Load a model package first.")
             return
+        options = self._read_options()
+        if options is None:
+            return
+        text = self.input.get("1.0", "end-1c").strip()
+        if not text:
+            self._set_error("Type a message first.")
+            return
+        max_new_tokens = options.pop("max_new_tokens")
+        self._cancel = threading.Event()  # a fresh one: a late Stop of the last run must not end this one
+        system = self.system_prompt.get().strip() or None
+        try:
+            # stream() checks every parameter and the context before returning, so bad input is reported
+            # here, on the UI thread, and no worker starts
+            if self.conversation is not None:
+                if all(message["role"] == "system" for message in self.conversation.messages):
+                    self.conversation.system = system  # until the first message; later, New chat applies it
+                stream = self.conversation.stream(text, max_new_tokens, cancel=self._cancel, **options)
+            else:
+                stream = self.model.stream(text, max_new_tokens, cancel=self._cancel, **options)
+        except EdgelmError as e:
+            self._set_error(str(e))
+            return
+        self.input.delete("1.0", "end")
+        if self.conversation is not None:
+            self._append("You\n", "label")
+            self._append(text + "\n\n", "user")
+            self._append("Assistant\n", "label")
+        else:
+            self._clear_history()
+            self._append(text, "user")
+        self._set_status("Generating ...")
+        self._start_worker("generate", self._generate_worker, stream)
+
+    def _read_options(self) -> dict | None:
         options = {}
         for key, label, parse, _ in PARAMETERS:
             text = self.params[key].get().strip()
@@ -166,22 +234,8 @@ class CompletionApp:
                 options[key] = parse(text)
             except ValueError:
                 self._set_error(f"{label} must be {'an integer' if parse is int else 'a number'}, got {text!r}.")
-                return
-        prompt = self.prompt.get("1.0", "end-1c")
-        max_new_tokens = options.pop("max_new_tokens")
-        self._cancel = threading.Event()  # a fresh one: a late Stop of the last run must not end this one
-        try:
-            # stream() checks every parameter and the context length before returning, so bad input
-            # is reported here, on the UI thread, and no worker starts
-            stream = self.model.stream(prompt, max_new_tokens, cancel=self._cancel, **options)
-        except EdgelmError as e:
-            self._set_error(str(e))
-            return
-        self.output.configure(state="normal")
-        self.output.delete("1.0", "end")
-        self.output.configure(state="disabled")
-        self._set_status("Generating ...")
-        self._start_worker("generate", self._generate_worker, stream)
+                return None
+        return options
 
     def stop_generation(self) -> None:
         if self.is_generating and not self._cancel.is_set():
@@ -242,32 +296,46 @@ class CompletionApp:
         if kind == "loaded":
             self.model = value
             info = value.info()
+            try:
+                self.conversation = value.conversation(system=self.system_prompt.get().strip() or None)
+                mode = "chat"
+            except EdgelmError:  # no chat template: text completion, as for a base model
+                self.conversation, mode = None, "completion (the package has no chat template)"
+            self._clear_history()
             self._set_status(
                 f"Loaded {info['package']}: {info['layers']} layers, {info['precision']}, "
-                f"context {info['context_length']}, on {value.device}."
+                f"context {info['context_length']}, on {value.device}; {mode}."
             )
         elif kind == "done":
             self.last_result = value
-            timings = value.timings
+            if self.conversation is not None:
+                self._append("\n\n")
+            timings, turn = value.timings, getattr(self.conversation, "last_turn", None)
+            cached = f", reused {turn.reused_tokens} cached tokens" if turn is not None else ""
             self._set_status(
                 f"{timings.new_tokens} tokens, {timings.decode_tokens_per_s:.1f} tokens/s, first token "
-                f"{timings.time_to_first_token_s * 1000:.0f} ms, finish: {value.finish_reason}"
+                f"{timings.time_to_first_token_s * 1000:.0f} ms{cached}, finish: {value.finish_reason}"
             )
         else:
             self._set_error(value)
 
-    def _append(self, text: str) -> None:
+    def _append(self, text: str, *tags: str) -> None:
         if not text:
             return
-        self.output.configure(state="normal")
-        self.output.insert("end", text)
-        self.output.configure(state="disabled")
-        self.output.see("end")
+        self.history.configure(state="normal")
+        self.history.insert("end", text, tags)
+        self.history.configure(state="disabled")
+        self.history.see("end")
+
+    def _clear_history(self) -> None:
+        self.history.configure(state="normal")
+        self.history.delete("1.0", "end")
+        self.history.configure(state="disabled")
 
     def _update_buttons(self) -> None:
         idle = "disabled" if self.is_busy else "normal"
-        self.load_button.configure(state=idle)
-        self.generate_button.configure(state=idle)
+        for button in (self.load_button, self.send_button, self.new_chat_button):
+            button.configure(state=idle)
         self.stop_button.configure(state="normal" if self.is_generating else "disabled")
 
     def _set_status(self, text: str) -> None:
@@ -280,14 +348,14 @@ class CompletionApp:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Text completion with an edgelm model package.")
+    parser = argparse.ArgumentParser(description="Chat (or text completion) with an edgelm model package.")
     parser.add_argument("--package", help="model package folder to load at start")
     parser.add_argument("--provider", choices=["cpu", "cuda", "auto"], default="auto")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's)")
     args = parser.parse_args()
     root = tk.Tk()
-    root.geometry("900x600")
-    CompletionApp(root, args.package, provider=args.provider, threads=args.threads)
+    root.geometry("900x650")
+    ChatApp(root, args.package, provider=args.provider, threads=args.threads)
     root.mainloop()
 
 

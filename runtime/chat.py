@@ -1,0 +1,273 @@
+"""Chat: the assistant's reply to messages, and conversations that keep their KV cache between turns.
+
+    reply = model.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=128)
+    conv = model.conversation(system="You answer in one sentence.")
+    print(conv.send("What is ONNX?").text)
+    for piece in conv.stream("And ONNX Runtime?"):
+        print(piece, end="", flush=True)
+
+Every turn renders the whole history with the chat template and the generation prompt (as transformers'
+apply_chat_template(..., add_generation_prompt=True)), tokenizes that text, and compares the ids with the
+ids whose keys/values the conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
+
+- "prefix": the cached ids are a prefix of the new ones; only the rest is fed (the usual follow-up turn);
+- "rewind": they differ somewhere (a template that rewrites earlier turns, a reply that tokenizes differently
+  from how it was generated, a reply cut at a stop string): the cache rewinds to the longest common prefix;
+- "full": nothing in common (the first turn).
+
+So the model always sees exactly the ids of rendering the whole history; `last_turn` says which path a turn
+took. After a turn the cache holds the prompt and the reply's ids that were fed; the end-of-turn id the model
+sampled (any of the package's EOS ids) is not fed: the next turn's rendering brings it.
+
+Context full: when the rendered history and max_new_tokens do not fit the context, the oldest exchanges
+(never the system message) are dropped from the history, and `messages` no longer shows them; the rest is
+fed again after the common prefix (usually the system prompt). A reply cancelled mid-stream (`cancel` set, or
+the stream closed) is kept as the assistant's message, as far as it got, with finish_reason "cancelled":
+the history shows what the user saw; `undo()` removes it. Bad messages (ChatTemplateError), options
+(InvalidParameterError) or a message too long for the context (ContextLengthError) raise before anything
+changes. A Conversation is used by one thread at a time; many may share one Model.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .chat_template import ChatTemplate, validate_messages
+from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
+from .kvcache import make_cache
+from .results import GenerationResult, Stream, make_timings
+from .text import TextAssembler
+
+if TYPE_CHECKING:
+    from .generator import Model
+
+DEFAULT_MAX_NEW_TOKENS = 256
+# The options a turn takes besides max_new_tokens, with their defaults, in Model.check_options' order.
+OPTIONS = dict(
+    temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=None, stop=None, cancel=None
+)
+
+
+@dataclass
+class TurnStats:
+    """How one turn's prompt reached the model: how much of it the KV cache already held."""
+
+    path: str  # "prefix", "rewind" or "full" (see the module docstring)
+    prompt_tokens: int  # ids of the whole history rendered with the generation prompt
+    reused_tokens: int  # of them, already in the cache from earlier turns
+    prefilled_tokens: int  # fed in this turn's prompt pass: prompt_tokens - reused_tokens
+    dropped_messages: int = 0  # oldest messages dropped from the history to fit the context
+
+
+def package_template(model: Model, template: ChatTemplate | str | None = None) -> ChatTemplate:
+    """The chat template to use: `template` (compiled, or Jinja source) or else the package's own."""
+    if isinstance(template, ChatTemplate):
+        return template
+    if template is None:
+        path = model.spec.chat_template_path
+        if path is None:
+            raise ChatTemplateError(
+                f"the package {model.spec.folder.name} has no chat template: pass template=<Jinja source>, "
+                "or use generate() for plain completion"
+            )
+        template = path.read_text(encoding="utf-8")
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"template must be Jinja source text or a ChatTemplate, got {type(template).__name__}")
+    tokens, name = model.spec.tokens, model.tokenizer.token_text
+    bos = name(tokens.bos_token_id) if tokens.bos_token_id is not None else None
+    return ChatTemplate(template, bos_token=bos, eos_token=name(tokens.eos_token_ids[0]))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    """A chat history and the KV cache that holds it; see the module docstring."""
+
+    def __init__(self, model: Model, *, system: str | None = None, template: ChatTemplate | str | None = None):
+        if model.tokenizer is None:
+            raise InvalidInputError("chat needs a tokenizer, and this package has none")
+        if system is not None and not isinstance(system, str):
+            raise ChatTemplateError(f"system must be a string or None, got {type(system).__name__}")
+        self.model = model
+        self.template = package_template(model, template)
+        self.system = system
+        self.last_turn: TurnStats | None = None
+        self._history: list[dict] = []  # the messages after the system message
+        self._cache = None  # made by the first turn (runtime/kvcache.py)
+        self._ids: list[int] = []  # the ids whose keys/values the cache holds, in order
+        self._turn_starts: list[int] = []  # per exchange in _history: the cache length its turn started from
+        self._pending: Iterator[str] | None = None  # the pieces of a stream not yet finished
+
+    # ---- the public API -------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[dict]:
+        """A copy of the history, the system message first."""
+        return copy.deepcopy(self._head() + self._history)
+
+    def send(self, text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any) -> GenerationResult:
+        """Add a user message and return the assistant's reply. Options as Model.generate's (temperature,
+        top_k, top_p, min_p, repetition_penalty, seed, stop, cancel)."""
+        stream = self.stream(text, max_new_tokens, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any) -> Stream:
+        """Like send, but returns a Stream of text pieces whose .result is set at the end. Everything is
+        checked here, before the first piece is asked for; the turn enters the history when the stream ends."""
+        self._close_pending()
+        if not isinstance(text, str):
+            raise InvalidInputError(f"a message must be a string, got {type(text).__name__}")
+        history = [*self._history, {"role": "user", "content": text}]
+        return self._start(history, max_new_tokens, options, drop_oldest=True)
+
+    def reply_to(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
+        """The reply to a whole list of messages (Model.chat): they replace the history; none is dropped."""
+        self._close_pending()
+        messages = validate_messages(messages)
+        if messages and messages[0]["role"] == "system":
+            self.system, messages = messages[0]["content"], messages[1:]
+        stream = self._start(messages, max_new_tokens, options, drop_oldest=False)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def undo(self) -> None:
+        """Remove the last exchange (the last user message and what followed it); the cache rewinds to before it."""
+        self._close_pending()
+        users = [i for i, message in enumerate(self._history) if message["role"] == "user"]
+        if not users:
+            raise InvalidInputError("there is no exchange to undo")
+        self._history = self._history[: users[-1]]
+        start = self._turn_starts.pop() if self._turn_starts else 0
+        self._rewind(min(start, len(self._ids)))
+
+    def reset(self) -> None:
+        """Forget every message but the system message. The cache is left as it is: the next turn rewinds it
+        to what it shares with the new rendering (the system prompt), so that part is not fed again."""
+        self._close_pending()
+        self._history, self._turn_starts = [], []
+
+    # ---- a turn ---------------------------------------------------------------------------------
+
+    def _head(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system is not None else []
+
+    def _rewind(self, length: int) -> None:
+        if self._cache is not None:
+            self._cache.rewind(length)
+        self._ids = self._ids[:length]
+
+    def _close_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.close()  # commits the partial reply (see _start's finally)
+            self._pending = None
+
+    def _fit(self, history: list[dict], max_new_tokens: int, drop_oldest: bool) -> tuple[list[dict], list[int], int]:
+        """Render and tokenize; drop the oldest exchanges until the prompt and max_new_tokens fit the context."""
+        limit, dropped = self.model.context_length, 0
+        if max_new_tokens >= limit:
+            raise ContextLengthError(f"max_new_tokens ({max_new_tokens}) must be below the context length {limit}")
+        while True:
+            ids = self.model.encode(self.template.render(self._head() + history, add_generation_prompt=True))
+            if len(ids) + max_new_tokens <= limit:
+                return history, ids, dropped
+            users = [i for i, message in enumerate(history) if message["role"] == "user"]
+            if not drop_oldest or len(users) < 2:
+                advice = "shorten the message" if drop_oldest else "drop earlier messages"
+                raise ContextLengthError(
+                    f"the prompt ({len(ids)} tokens with the chat template) + max_new_tokens ({max_new_tokens}) "
+                    f"exceeds the context length {limit}; {advice} or lower max_new_tokens"
+                )
+            dropped += users[1]  # the oldest exchange: everything before the second user message
+            history = history[users[1] :]
+
+    def _start(self, history: list[dict], max_new_tokens: Any, options: dict, *, drop_oldest: bool) -> Stream:
+        started = time.perf_counter()
+        model = self.model
+        unknown = set(options) - set(OPTIONS)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+        values = {**OPTIONS, **options}
+        params, stops = model.check_options(max_new_tokens, *values.values())
+        max_new_tokens = int(max_new_tokens)
+        history, ids, dropped = self._fit(history, max_new_tokens, drop_oldest)
+        # at least one id is fed: its logits start the reply
+        reused = min(common_prefix(self._ids, ids), len(ids) - 1)
+        path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"
+        stats = TurnStats(path, len(ids), reused, len(ids) - reused, dropped)
+        earlier = sum(message["role"] == "user" for message in history) - 1  # exchanges before this one
+        starts = self._turn_starts[max(0, len(self._turn_starts) - earlier) :] if earlier > 0 else []
+        stream: Stream
+
+        def pieces() -> Iterator[str]:
+            from .generator import _DecodeState
+
+            cache = self._prepare_cache(reused, len(ids) + max_new_tokens)
+            assembler = TextAssembler(model.tokenizer, stops)
+            state = _DecodeState(finish=[""])
+            try:
+                for _, token in model._decode(
+                    [ids],
+                    state,
+                    max_new_tokens=max_new_tokens,
+                    params=params,
+                    seed=values["seed"],
+                    cancel=values["cancel"],
+                    cache=cache,
+                    feed=ids[reused:],
+                ):
+                    piece = assembler.add(token)
+                    if piece:
+                        yield piece
+                    if assembler.stopped:
+                        state.finish[0] = "stop"
+                tail = assembler.flush()
+            except GeneratorExit:  # the stream was closed before its end: a cancelled reply
+                state.finish[0] = "cancelled"
+                assembler.flush()
+                raise
+            except BaseException:  # a failed model call: the cache may be half-written, start it afresh
+                self._cache, self._ids, self._pending = None, [], None
+                raise
+            finally:
+                if self._cache is cache:
+                    self._commit(history, ids, assembler, cache, starts + [reused])
+                    new = len(assembler.ids)
+                    timings = make_timings(started, state.first_token_time, time.perf_counter(), len(ids), new)
+                    stream.result = GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings)
+                    self.last_turn = stats
+            if tail:
+                yield tail
+
+        stream = Stream(pieces())
+        self._pending = stream._pieces
+        return stream
+
+    def _prepare_cache(self, reused: int, capacity: int):
+        if self._cache is None:
+            self._cache = make_cache(self.model, [[0]], capacity=capacity)
+            self._cache.rewind(0)  # an empty cache: every turn extends it
+        self._cache.rewind(reused)
+        self._ids = self._ids[:reused]
+        return self._cache
+
+    def _commit(self, history: list[dict], ids: list[int], assembler: TextAssembler, cache, starts: list[int]) -> None:
+        """The turn enters the history; the cache holds the prompt and the reply's ids that were fed."""
+        held = int(cache.lengths[0])
+        self._ids = (ids + list(assembler.ids))[:held]
+        self._history = [*history, {"role": "assistant", "content": assembler.text}]
+        self._turn_starts = starts
+        self._pending = None

@@ -1,0 +1,60 @@
+"""A tiny random instruct model for the chat tests: a transformers LlamaForCausalLM with the bundled
+Shakespeare BPE tokenizer plus ChatML's and Llama 3's special tokens as added tokens, saved with a chat
+template and exported to a package (the fused graph by default, or the standard one)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+BASE_VOCAB = 2048  # models/shakespeare/tokenizer.json
+VOCAB = BASE_VOCAB + len(SPECIAL)
+IM_END = BASE_VOCAB + 1
+EOT = BASE_VOCAB + 5
+BEGIN = BASE_VOCAB + 2
+
+
+def make_tokenizer(folder: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(REPO / "models" / "shakespeare" / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL])
+    assert tokenizer.token_to_id("<|im_end|>") == IM_END and tokenizer.get_vocab_size() == VOCAB
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def make_chat_folder(
+    folder: Path, *, template: str = "smollm2", context: int = 256, layers: int = 2, seed: int = 0
+) -> Path:
+    """A Llama checkpoint folder: random weights, the tokenizer above, tests/data/chat_templates/<template>.jinja
+    (or no template for template=""), EOS ids [<|im_end|>, <|eot_id|>]."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
+        intermediate_size=128, max_position_embeddings=context, rope_theta=1e4, rms_norm_eps=1e-5,
+        bos_token_id=BEGIN, eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
+        initializer_range=0.1,  # not near-uniform logits: a wrong position or cache would change the tokens
+    )  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    make_tokenizer(folder)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    if template:
+        shutil.copy(TEMPLATES / f"{template}.jinja", folder / "chat_template.jinja")
+    return folder
+
+
+def make_chat_package(out: Path, *, attention: str = "fused", **options) -> Path:
+    from edgelm.export.onnx_export import export_package
+
+    folder = make_chat_folder(out.parent / f"{out.name}-checkpoint", **options)
+    export_package(folder, out, attention=attention, progress=lambda _: None)
+    return out
