@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgelm.runtime.outputs import STAGING_PREFIX, StagedOutput, check_output
 from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
+from edgelm.runtime.outputs import STAGING_PREFIX, StagedOutput, check_output
 from edgelm.runtime.package import list_files, read_package, write_json
 
 REPO = Path(__file__).resolve().parent.parent
