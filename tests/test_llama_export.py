@@ -45,7 +45,11 @@ CASES = {
     "mistral-untied": ("Mistral", dict(tie_word_embeddings=False, sliding_window=None)),
 }
 GRAPHS = ("fused", "standard")
-PROMPTS = [[5, 99, 1200, 7, 640, 33, 1800, 412, 77], [300, 12, 2001, 5], [9, 8, 1500, 600, 44, 1024, 3, 17, 250, 21, 90]]
+PROMPTS = [  # three lengths: the padded batch
+    [5, 99, 1200, 7, 640, 33, 1800, 412, 77],
+    [300, 12, 2001, 5],
+    [9, 8, 1500, 600, 44, 1024, 3, 17, 250, 21, 90],
+]
 
 
 def quiet(_: str) -> None:
@@ -177,20 +181,27 @@ def vocab_tables(onnx_path: Path, *, vocab: int, width: int) -> list[str]:
 def quantized(packages, tmp_path_factory) -> dict[str, Path]:
     from edgelm.quantize.quantize import quantize_package
 
+    root = tmp_path_factory.mktemp("llama-quant")
+    excerpt = root / "heldout-excerpt.txt"  # about 1,500 tokens: the whole held-out text takes minutes here
+    excerpt.write_text(HELDOUT.read_text(encoding="utf-8")[:EXCERPT_CHARS], encoding="utf-8")
     source = packages["llama-llama3-tied", "fused"]
     out = {}
     for mode in ("dynamic", "static", "int4", "fp16"):
-        out[mode] = tmp_path_factory.mktemp("llama-quant") / mode
+        out[mode] = root / mode
         quantize_package(
             source, out[mode], mode=mode, calibration_text=CALIBRATION, calibration_samples=8,
-            eval_text=HELDOUT, progress=quiet,
+            eval_text=excerpt, progress=quiet,
         )  # fmt: skip
     return out
 
 
-# top-1 agreement with the fp32 package on held-out text, for random weights (whose logits are flatter
-# than a trained model's, so agreement is lower than on a real model)
-MIN_AGREEMENT = {"dynamic": 0.9, "static": 0.8, "int4": 0.7}
+# Bars for random weights: (min top-1 agreement with the fp32 package, max mean KL in nats). A random
+# model's logits are flat (std about 1.5 over 2048 tokens), so the top token flips easily: fake-quantizing
+# this model's weights in PyTorch (symmetric blocks of 32, embedding at 8 bits) gives agreement 0.92 at
+# 8 bits and 0.32 (KL 0.33) at 4 bits, on 4,600 held-out tokens; the packages measured 0.79 (dynamic,
+# which also quantizes activations per tensor), 0.67 (static) and 0.35 (int4, KL 0.28).
+BARS = {"dynamic": (0.65, 0.05), "static": (0.5, 0.12), "int4": (0.22, 0.45)}
+EXCERPT_CHARS = 4000
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static", "int4", "fp16"])
@@ -206,8 +217,12 @@ def test_quantized_llama_loads_generates_and_reports(mode, quantized, packages, 
         return
     report = manifest.evaluation
     assert report is not None, "quantize_package wrote no evaluation report"
-    print(f"{mode}: {json.dumps({k: report[k] for k in ('perplexity_ratio', 'top1_agreement', 'size_ratio')})}")
-    assert report["top1_agreement"] >= MIN_AGREEMENT[mode], report
+    summary = {k: report[k] for k in ("perplexity_ratio", "top1_agreement", "mean_kl_nats", "size_ratio", "tokens")}
+    print(f"{mode}: {json.dumps(summary)}")
+    min_agreement, max_kl = BARS[mode]
+    assert report["top1_agreement"] >= min_agreement, report
+    assert report["mean_kl_nats"] <= max_kl, report
+    assert abs(report["perplexity_ratio"] - 1) < 0.05, report
     assert report["size_ratio"] < 0.5, report
 
 
