@@ -164,14 +164,17 @@ def genai_greedy(folder: Path, prompt: list[int]) -> list[int]:
     return sequence[len(prompt) :]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_onnxruntime_genai_runs_the_fused_package(case, packages, expected):
-    genai = json.loads((packages[case, "fused"] / "genai_config.json").read_text())
+GENAI_RUNS = [(case, "fused") for case in sorted(CASES)] + [("llama-llama3-tied", "standard")]
+
+
+@pytest.mark.parametrize("case,graph", GENAI_RUNS)
+def test_onnxruntime_genai_runs_the_package(case, graph, packages, expected):
+    genai = json.loads((packages[case, graph] / "genai_config.json").read_text())
     assert genai["model"]["type"] == case.split("-")[0]
     assert genai["model"]["decoder"]["num_key_value_heads"] == 2
     for prompt, tokens in zip(PROMPTS[:2], expected[case][:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
-        assert genai_greedy(packages[case, "fused"], prompt) == tokens
+        assert genai_greedy(packages[case, graph], prompt) == tokens
 
 
 # ---- 3. quantization of a Llama package ----
@@ -222,7 +225,8 @@ def test_quantized_llama_loads_generates_and_reports(mode, quantized, packages, 
     assert len(result.token_ids) == NEW_TOKENS
     if mode == "fp16":
         same = sum(a == b for a, b in zip(result.token_ids, expected["llama-llama3-tied"][0], strict=True))
-        assert same >= NEW_TOKENS // 2, result.token_ids
+        print(f"fp16: {same} of {NEW_TOKENS} greedy tokens equal fp32's")
+        assert same >= NEW_TOKENS * 3 // 4, result.token_ids
         return
     report = manifest.evaluation
     assert report is not None, "quantize_package wrote no evaluation report"
@@ -278,8 +282,14 @@ def test_onnxruntime_genai_builder_folder_runs(folders, expected, tmp_path):
         pytest.skip(f"onnxruntime-genai's builder failed here: {lines[-1] if lines else run.returncode}")
     model = load(out, provider="cpu", verify=False)
     assert model.spec.kind == "genai" and model.spec.arch.n_kv_head == 2
-    batch = model.generate_batch(PROMPTS[:2], NEW_TOKENS, temperature=0, ignore_eos=True)
-    assert [r.token_ids for r in batch] == expected["llama-llama3-tied"][:2]
+    ids = np.array([PROMPTS[2]], dtype=np.int64)
+    with torch.no_grad():
+        reference = hf(torch.from_numpy(ids)).logits.numpy()
+    difference = float(np.abs(model.forward(ids)[0] - reference).max())
+    print(f"onnxruntime-genai builder folder: max |logit difference| {difference:.2e}")
+    assert difference < TOLERANCE
+    batch = model.generate_batch(PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
+    assert [r.token_ids for r in batch] == expected["llama-llama3-tied"]
     assert genai_greedy(out, PROMPTS[0]) == expected["llama-llama3-tied"][0]
 
 
@@ -304,6 +314,11 @@ BAD_FOLDERS = {
     "unknown model_type": (lambda f: _edit_config(f, model_type="falcon"), CheckpointError, "model_type 'falcon'"),
     "rope_scaling yarn": (
         lambda f: _edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None),
+        (CheckpointError, ValueError),
+        "yarn",
+    ),
+    "rope_parameters yarn": (  # transformers 5 writes theta and scaling in one dict
+        lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e5}),
         (CheckpointError, ValueError),
         "yarn",
     ),
