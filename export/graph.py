@@ -70,12 +70,13 @@ class _GraphBuilder:
             return product
         return self.op("Add", [product, self.constant(f"{prefix}.bias", layer.bias)], f"{prefix}/Add")
 
-    def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder) -> str:
+    def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder, *, length: str = "sequence_length") -> str:
         if decoder.norm == "rms":  # x / sqrt(mean(x^2) + eps) * weight: ONNX Runtime's contrib op
             inputs = [x, self.constant(f"{prefix}.weight", norm.weight)]
-            return self.op(
+            output = self.op(
                 "SimplifiedLayerNormalization", inputs, f"{prefix}/RMSNorm", axis=-1, epsilon=decoder.norm_eps
             )
+            return self.float_output(output, ["batch_size", length, decoder.n_embd])  # a contrib op: declare its type
         inputs = [x, self.constant(f"{prefix}.weight", norm.weight), self.constant(f"{prefix}.bias", norm.bias)]
         return self.op("LayerNormalization", inputs, f"{prefix}/LayerNorm", axis=-1, epsilon=decoder.norm_eps)
 
@@ -163,7 +164,7 @@ def build_fused_graph(decoder: Decoder, io: IONames, *, opset: int = 17) -> onnx
     start = g.op("Unsqueeze", [negated, g.small_constant("const_axis_0", np.array([0]))], "keep/start")
     end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
     x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
-    x = g.norm(x, "final_norm", d.final_norm, d)
+    x = g.norm(x, "final_norm", d.final_norm, d, length="logits_length")
     g.op("MatMul", [x, head], io.logits)
 
     kv_shape = ["batch_size", d.n_kv_head, "past_sequence_length", d.head_dim]
