@@ -10,9 +10,10 @@ torch and transformers); quantizing and generating run in the llama-cpp-python i
 The converter names the tokenizer's pre-tokenizer by hashing how it splits a test string, and refuses
 one it does not know ("BPE pre-tokenizer was not recognized"). The GPT-2 benchmark folder carries a
 small byte-level BPE trained on Shakespeare, GPT-2's own pre-tokenizer with another vocabulary, so
-`convert` can be given the name to fall back on (`gpt-2`); a tokenizer the converter knows
-(SmolLM2's: `smollm`) is named by the converter itself. The benchmark feeds token ids, never text, so the
-vocabulary in the GGUF does not enter the figures.
+`convert` can be given the name to fall back on (`gpt-2`; benchmarks/peer_models.py names one per
+model, `smollm` for SmolLM2's folder in case its rebuilt tokenizer.json hashes differently from the
+Hub's). A tokenizer the converter recognizes keeps its own name. The benchmark feeds token ids, never
+text, so the vocabulary in the GGUF does not enter the figures.
 
     python benchmarks/llamacpp_peer.py convert FOLDER OUT.gguf --outtype f32|q8_0 [--pre-tokenizer gpt-2]
     .venv-llamacpp/bin/python benchmarks/llamacpp_peer.py quantize IN.gguf OUT.gguf --type q4_0

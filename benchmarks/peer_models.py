@@ -35,7 +35,7 @@ class Model:
 MODELS = {
     "gpt2-124m": Model("gpt2", "GPT-2 124M (random weights)", "gpt-2", "gpt2"),
     "gpt2-tiny": Model("gpt2", "GPT-2 tiny (random weights)", "gpt-2", "tiny"),
-    "smollm2-135m": Model("llama", "SmolLM2-135M-Instruct (GGUF weights, dequantized)", None, "smollm2-135m"),
+    "smollm2-135m": Model("llama", "SmolLM2-135M-Instruct (GGUF weights, dequantized)", "smollm", "smollm2-135m"),
     "llama-tiny": Model("llama", "Llama tiny (random weights)", "gpt-2", "llama-tiny"),
 }
 LLAMA_TINY = {
