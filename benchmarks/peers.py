@@ -744,15 +744,9 @@ def add_ratios(rows: list[dict]) -> None:
                 r["same_as_edgelm"] = r["token_ids"] == ours["token_ids"]
 
 
-PEERS = (
-    "transformers",
-    OPTIMUM,
-    GENAI_ON_OPTIMUM,
-    GENAI_BUILDER,
-    LLAMACPP,
-    LLAMACPP_SHIPPED,
-)  # what users would pick instead (genai on edgelm's
-# own package runs edgelm's graph, so it is reported beside them but is not a peer)
+# what users would pick instead (genai on edgelm's own package runs edgelm's graph, so it is reported
+# beside them but is not a peer)
+PEERS = ("transformers", OPTIMUM, GENAI_ON_OPTIMUM, GENAI_BUILDER, LLAMACPP, LLAMACPP_SHIPPED)
 
 
 def best_peers(rows: list[dict], bounds: dict) -> str:
