@@ -45,8 +45,9 @@ else
     start=$(date +%s)
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --upgrade pip
-    # A plain CPU build: no BLAS, no GPU backends, no OpenMP (threads come from n_threads alone).
-    CMAKE_ARGS="-DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_OPENMP=OFF" \
+    # A plain CPU build, as `pip install llama-cpp-python` makes by default: ggml's CPU backend tuned for
+    # this machine (GGML_NATIVE), OpenMP threads where the compiler has it; no BLAS, no GPU backends.
+    CMAKE_ARGS="-DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF" \
         CMAKE_BUILD_PARALLEL_LEVEL=1 \
         nice -n 19 "$venv/bin/pip" install --verbose --no-cache-dir "$sdist"
     echo "build took $(( $(date +%s) - start )) s"
