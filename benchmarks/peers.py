@@ -1,11 +1,16 @@
 """edgelm against the tools a user would pick instead, on one GPT-2 checkpoint, in one run.
 
-    python benchmarks/peers.py [--config gpt2|tiny] [--prompt-tokens 32,512] [--new-tokens 128]
-                               [--threads 2] [--repeats 3] [--out out/peers] [--optimum-python PATH]
+    python benchmarks/peers.py [--model gpt2-124m|gpt2-tiny|smollm2-135m|llama-tiny] [--checkpoint FOLDER]
+                               [--prompt-tokens 32,512] [--new-tokens 128] [--threads 2] [--repeats 3]
+                               [--out out/peers] [--optimum-python PATH] [--llamacpp-python PATH]
+                               [--shipped-gguf FILE]
 
-The checkpoint is Hugging Face's GPT-2 124M (`GPT2LMHeadModel(GPT2Config())`, random weights, seed 0)
-written with `save_pretrained`: no download. Random weights say nothing about accuracy, only about
-speed and size. `--config tiny` (2 layers, width 64) checks the script in seconds.
+The default checkpoint is Hugging Face's GPT-2 124M (`GPT2LMHeadModel(GPT2Config())`, random weights,
+seed 0) written with `save_pretrained`: no download. Random weights say nothing about accuracy, only about
+speed and size. `--model gpt2-tiny` (2 layers, width 64; also `--config tiny`) checks the script in
+seconds. `--model smollm2-135m --checkpoint FOLDER` runs the Llama family on SmolLM2-135M's GGUF weights,
+dequantized into a Hugging Face folder (benchmarks/peer_models.py); `--model llama-tiny` checks the
+Llama-family peers in seconds on a random 2-layer Llama.
 
 Systems, batch 1, greedy, the same random prompt ids for all, every one made to produce exactly
 --new-tokens tokens (EOS does not stop it):
@@ -26,6 +31,14 @@ Systems, batch 1, greedy, the same random prompt ids for all, every one made to 
   past EOS: it masks EOS instead, which is the same greedy output unless EOS itself is the argmax.
 - edgelm: export (the fused graph), then quantize (dynamic int8, static int8, int4 with its default
   8-bit LM head), runtime `generate(ignore_eos=True)`.
+- llama.cpp through llama-cpp-python (benchmarks/llamacpp_peer.py): GGUF files by llama.cpp's converter
+  from the same folder (f32, q8_0) and `llama_model_quantize` (q4_0 from the f32 file), generated in a
+  child of its own interpreter (--llamacpp-python, .venv-llamacpp made by benchmarks/setup_llamacpp.sh);
+  q8_0 sits with the dynamic int8 rows (ggml quantizes activations per block at run time). With
+  --shipped-gguf, also the GGUF file as shipped (SmolLM2's Q4_1), an int4 row.
+- Llama family only: onnxruntime-genai on its own model builder's export, fp32 and int4
+  (benchmarks/genai_builder_peer.py). Optimum's rows are GPT-2's only (the genai_config.json written for
+  its export is GPT-2's).
 
 Optimum runs in a second interpreter: optimum[onnxruntime] (optimum-onnx 0.1.0) needs
 transformers<4.58, and this environment's transformers baseline is 5.x. benchmarks/setup_optimum.sh
@@ -73,7 +86,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import genai_builder_peer
+import llamacpp_peer
 import numpy as np
+import peer_models
 
 REPO = Path(__file__).resolve().parent.parent
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
@@ -90,6 +106,9 @@ OPTIMUM_VERSIONS = ("optimum", "optimum-onnx", "transformers", "torch", "onnxrun
 OPTIMUM = "Optimum ORTModelForCausalLM"
 GENAI_ON_OPTIMUM = "onnxruntime-genai on Optimum export"
 GENAI_ON_EDGELM = "onnxruntime-genai on edgelm package"
+GENAI_BUILDER = "onnxruntime-genai on its model builder's export"
+LLAMACPP = "llama.cpp"
+LLAMACPP_SHIPPED = "llama.cpp on the GGUF as shipped"
 CHILD_TIMEOUT_S = 1800
 CONTENTION_PCT = 5  # other processes' share of the machine's CPU above which a row is reported as contended
 
@@ -107,6 +126,7 @@ def make_checkpoint(folder: Path, config_name: str) -> None:
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(**CONFIGS[config_name])).save_pretrained(folder)
+    add_n_ctx(folder)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -119,6 +139,39 @@ def make_checkpoint(folder: Path, config_name: str) -> None:
     tokenizer.train_from_iterator([CALIBRATION.read_text(encoding="utf-8")], trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "peers-config.json").write_text(json.dumps({"config": config_name}))
+
+
+def add_n_ctx(checkpoint: Path) -> None:
+    """GPT-2's config.json on the Hub carries n_ctx (= n_positions), and llama.cpp's converter reads it;
+    transformers 5 no longer writes it. Added when absent; transformers and edgelm ignore it."""
+    config_file = checkpoint / "config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") == "gpt2" and "n_ctx" not in config:
+        config["n_ctx"] = config["n_positions"]
+        config_file.write_text(json.dumps(config, indent=2))
+
+
+def write_checkpoint(checkpoint: Path, model_name: str, *, given: bool, rebuild: bool) -> None:
+    """The Hugging Face folder every system starts from: checked when given (--checkpoint), else
+    written with random weights unless an earlier run left one (smollm2-135m must be given)."""
+    model = peer_models.MODELS[model_name]
+    if given or model_name == "smollm2-135m":
+        if model.family == "llama":
+            peer_models.llama_checkpoint(checkpoint)
+        elif not (checkpoint / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {checkpoint}")
+        add_n_ctx(checkpoint)
+        return
+    stamp = checkpoint / "peers-config.json"
+    if rebuild or not stamp.is_file():
+        print(f"writing a random checkpoint ({model_name}) with transformers ...", flush=True)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        if model.family == "gpt2":
+            make_checkpoint(checkpoint, model.folder_name)
+        else:
+            peer_models.make_llama_tiny(checkpoint)
+            stamp.write_text(json.dumps({"model": model_name}))
+    add_n_ctx(checkpoint)  # a GPT-2 checkpoint from before the llama.cpp peer
 
 
 def timed_child(command: list[str]) -> float:
@@ -190,6 +243,8 @@ def onnx_file(package: Path) -> Path:
 
 
 def folder_bytes(folder: Path, only: tuple[str, ...] = ()) -> int:
+    if folder.is_file():  # a GGUF file
+        return folder.stat().st_size
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and (not only or f.suffix in only))
 
 
@@ -400,13 +455,13 @@ def matmuls_with_constant_weights(model) -> dict:
 
 def child_transformers(path: str, prompt: list[int], args) -> dict:
     import torch
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    model = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     load_s = time.perf_counter() - started
     runs = _generate_runs(model, prompt, args)
     # untimed: transformers' logits, for the top-1/top-2 gap at any token where another system differs
@@ -541,6 +596,7 @@ CHILDREN = {
     "optimum": child_optimum,
     "onnxruntime-genai": child_genai,
     "edgelm": child_edgelm,
+    "llamacpp": llamacpp_peer.child_llamacpp,
 }
 
 
@@ -688,8 +744,9 @@ def add_ratios(rows: list[dict]) -> None:
                 r["same_as_edgelm"] = r["token_ids"] == ours["token_ids"]
 
 
-PEERS = ("transformers", OPTIMUM, GENAI_ON_OPTIMUM)  # what users would pick instead (genai on edgelm's
-# own package runs edgelm's graph, so it is reported beside them but is not a peer)
+# what users would pick instead (genai on edgelm's own package runs edgelm's graph, so it is reported
+# beside them but is not a peer)
+PEERS = ("transformers", OPTIMUM, GENAI_ON_OPTIMUM, GENAI_BUILDER, LLAMACPP, LLAMACPP_SHIPPED)
 
 
 def best_peers(rows: list[dict], bounds: dict) -> str:
@@ -736,7 +793,8 @@ def markdown(rows: list[dict], bounds: dict) -> str:
         ours = edgelm.get(r["precision"])
         ttft_versus = f"{r['ttft_s'] / ours['ttft_s']:.2f}x" if ours else "-"
         versus = f"{rate / ours['decode_tokens_per_s']:.2f}x" if ours else "-"
-        bound = bounds[r["precision"]]["tokens_per_s"]
+        bound = bounds[r["precision"]]["tokens_per_s"] if r["precision"] in bounds else None
+        of_bound = f"{100 * rate / bound:.0f}%" if bound else "-"
         if r["system"] == "transformers":
             same = "(reference)"
         elif r.get("first_difference") is None:
@@ -746,7 +804,7 @@ def markdown(rows: list[dict], bounds: dict) -> str:
         flag = " ⚠" if r.get("flagged") else ""
         lines.append(
             f"| {r['system']} | {r['precision']} | {r['size_bytes'] / 1e6:.0f} | {r['load_s']:.2f} | "
-            f"{r['ttft_s'] * 1000:.1f} | {ttft_versus} | {rate:.1f}{flag} | {versus} | {100 * rate / bound:.0f}% | "
+            f"{r['ttft_s'] * 1000:.1f} | {ttft_versus} | {rate:.1f}{flag} | {versus} | {of_bound} | "
             f"{r['peak_rss_mb']:.0f} | {same} |"
         )
     return header + "\n".join(lines)
@@ -773,6 +831,8 @@ def plot(results: dict, bounds_by_prompt: dict, path: Path, title: str) -> None:
                 mark = " (ids differ!)" if row.get("flagged") else ""
                 ax.text(x, rate, f"{rate:.0f}{mark}", ha="center", va="bottom", fontsize=7, rotation=90 if mark else 0)
         for p, precision in enumerate(PRECISIONS):
+            if precision not in bounds_by_prompt[prompt]:
+                continue
             bound = bounds_by_prompt[prompt][precision]["tokens_per_s"]
             ax.hlines(bound, p - 0.45, p + 0.45, colors="black", linestyles="dashed", label="memory-bandwidth bound")
         ax.set_xticks(range(len(PRECISIONS)), PRECISIONS)
@@ -792,7 +852,9 @@ def plot(results: dict, bounds_by_prompt: dict, path: Path, title: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="gpt2")
+    parser.add_argument("--model", choices=list(peer_models.MODELS), default="gpt2-124m")
+    parser.add_argument("--config", choices=sorted(CONFIGS), help="the older name: gpt2 = gpt2-124m, tiny = gpt2-tiny")
+    parser.add_argument("--checkpoint", type=Path, help="a Hugging Face folder to start from (needed for smollm2-135m)")
     parser.add_argument("--prompt-tokens", default="32", help="comma-separated prompt lengths, e.g. 32,512")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads (ORT), torch.set_num_threads")
@@ -805,6 +867,14 @@ def main() -> int:
         default=OPTIMUM_PYTHON,
         help="the interpreter that runs Optimum (default: .venv-optimum/bin/python, see benchmarks/setup_optimum.sh)",
     )
+    parser.add_argument(
+        "--llamacpp-python",
+        type=Path,
+        default=llamacpp_peer.LLAMACPP_PYTHON,
+        help="the interpreter that runs llama-cpp-python (default: .venv-llamacpp/bin/python, "
+        "see benchmarks/setup_llamacpp.sh)",
+    )
+    parser.add_argument("--shipped-gguf", type=Path, help="also run llama.cpp on this GGUF file as shipped (int4)")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--build", choices=OPTIMUM_PRECISIONS, help=argparse.SUPPRESS)
     parser.add_argument("--probe-optimum", action="store_true", help=argparse.SUPPRESS)
@@ -829,35 +899,65 @@ def main() -> int:
     if args.repeats < 1 or args.new_tokens < 2 or args.threads < 1:
         parser.error("--repeats and --threads must be at least 1, --new-tokens at least 2")
 
-    if args.optimum_python != OPTIMUM_PYTHON and not args.optimum_python.is_file():
-        parser.error(f"--optimum-python {args.optimum_python} does not exist")
-    optimum = optimum_interpreter(args.optimum_python)
+    for option in ("optimum_python", "llamacpp_python", "shipped_gguf", "checkpoint"):
+        value = getattr(args, option)
+        if value is not None and value != parser.get_default(option) and not value.exists():
+            parser.error(f"--{option.replace('_', '-')} {value} does not exist")
+    if args.config:
+        args.model = {"gpt2": "gpt2-124m", "tiny": "gpt2-tiny"}[args.config]
+    model = peer_models.MODELS[args.model]
+    if model.family == "gpt2":
+        optimum = optimum_interpreter(args.optimum_python)
+    else:  # the genai_config.json written beside Optimum's export is GPT-2's
+        optimum = {"python": str(args.optimum_python), "error": "run on GPT-2 only"}
+    llamacpp = llamacpp_peer.interpreter(args.llamacpp_python)
     missing = missing_systems(optimum)
+    if "error" in llamacpp:
+        missing[LLAMACPP] = llamacpp["error"]
     if "transformers" in missing:
         print(f"error: {missing['transformers']}", file=sys.stderr)
         return 1
-    out = Path(args.out) / args.config
+    out = Path(args.out) / model.folder_name
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint = out / "checkpoint"
-    stamp = checkpoint / "peers-config.json"
-    if args.rebuild or not stamp.is_file():
-        print(f"writing a random GPT-2 checkpoint ({args.config}) with transformers ...", flush=True)
-        shutil.rmtree(checkpoint, ignore_errors=True)
-        make_checkpoint(checkpoint, args.config)
+    checkpoint = args.checkpoint or out / "checkpoint"
+    try:
+        write_checkpoint(checkpoint, args.model, given=args.checkpoint is not None, rebuild=args.rebuild)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     config = json.loads((checkpoint / "config.json").read_text())
+    dims = peer_models.shape(config)
     longest = max(prompt_lengths) + args.new_tokens
-    if longest > config["n_positions"]:
-        parser.error(f"prompt + new tokens ({longest}) exceed the model's context ({config['n_positions']})")
+    if longest > dims.context:
+        parser.error(f"prompt + new tokens ({longest}) exceed the model's context ({dims.context})")
     print("building edgelm packages ...", flush=True)
-    packages = build_edgelm_packages(checkpoint, out, rebuild=args.rebuild)
-    optimum_packages = {}
-    if OPTIMUM not in missing:
+    try:
+        packages = build_edgelm_packages(checkpoint, out, rebuild=args.rebuild)
+    except RuntimeError as e:  # a family edgelm does not export yet
+        packages = {}
+        missing["edgelm"] = missing[GENAI_ON_EDGELM] = f"edgelm's export or quantize failed: {e}"
+    optimum_packages, builder_packages, ggufs = {}, {}, {}
+    if OPTIMUM not in missing and model.family == "gpt2":
         print(f"building Optimum packages with {args.optimum_python} ...", flush=True)
         optimum_packages = build_optimum_packages(checkpoint, out, python=args.optimum_python, rebuild=args.rebuild)
+    if model.family in genai_builder_peer.FAMILIES:
+        print("building onnxruntime-genai model builder packages ...", flush=True)
+        try:
+            builder_packages = genai_builder_peer.build_packages(checkpoint, out, rebuild=args.rebuild)
+        except RuntimeError as e:
+            missing[GENAI_BUILDER] = str(e)
+    if LLAMACPP not in missing:
+        print(f"building GGUF files with llama.cpp's converter and {args.llamacpp_python} ...", flush=True)
+        try:
+            ggufs = llamacpp_peer.build_ggufs(
+                checkpoint, out, python=args.llamacpp_python, pre_tokenizer=model.pre_tokenizer, rebuild=args.rebuild
+            )
+        except (RuntimeError, FileNotFoundError) as e:
+            missing[LLAMACPP] = str(e)
 
     facts = machine()
     print(f"measuring memory bandwidth ({args.threads} threads) ...", flush=True)
-    megabytes = 512 if args.config == "gpt2" else 64
+    megabytes = 64 if args.model.endswith("-tiny") else 512
     bandwidth = memory_bandwidth(args.threads, megabytes)
     bandwidth["one_thread_gb_per_s"] = memory_bandwidth(1, megabytes)["gb_per_s"]
     print(
@@ -879,20 +979,25 @@ def main() -> int:
                 (GENAI_ON_OPTIMUM, "onnxruntime-genai", p, optimum_packages[p]["path"], here)
                 for p in OPTIMUM_PRECISIONS
             ]
+    systems += [(GENAI_BUILDER, "onnxruntime-genai", p, b["path"], here) for p, b in builder_packages.items()]
+    llamacpp_python = str(args.llamacpp_python)
+    systems += [(LLAMACPP, "llamacpp", p, g["path"], llamacpp_python) for p, g in ggufs.items()]
+    if ggufs and args.shipped_gguf:
+        systems.append((LLAMACPP_SHIPPED, "llamacpp", "int4", args.shipped_gguf, llamacpp_python))
     if GENAI_ON_EDGELM not in missing:
-        systems += [(GENAI_ON_EDGELM, "onnxruntime-genai", p, packages[p], here) for p in PRECISIONS]
-    systems += [("edgelm", "edgelm", p, packages[p], here) for p in PRECISIONS]
+        systems += [(GENAI_ON_EDGELM, "onnxruntime-genai", p, packages[p], here) for p in packages]
+    systems += [("edgelm", "edgelm", p, packages[p], here) for p in packages]
     for name, reason in missing.items():
         print(f"MISSING {name}: {reason}", flush=True)
 
     # bytes one decode step reads: every weight (the model file of edgelm's package at that precision;
     # the position table is read one row at a time, 0.6% of GPT-2's) + the KV cache at mean length
-    kv_per_token = 2 * config["n_layer"] * config["n_embd"] * 4
+    kv_per_token = 2 * dims.n_layer * dims.kv_width * 4
     results, bounds_by_prompt = {}, {}
     for prompt_tokens in prompt_lengths:
         rng = np.random.default_rng(prompt_tokens)
-        prompt = rng.integers(0, config["vocab_size"], prompt_tokens)
-        prompt = [int(t) if t != config["eos_token_id"] else 0 for t in prompt]
+        prompt = rng.integers(0, dims.vocab_size, prompt_tokens)
+        prompt = [int(t) if t != dims.eos_token_id else (int(t) + 1) % dims.vocab_size for t in prompt]
         prompt_file = out / f"prompt-{prompt_tokens}.json"
         prompt_file.write_text(json.dumps(prompt))
         mean_context = prompt_tokens + args.new_tokens / 2
@@ -909,7 +1014,7 @@ def main() -> int:
         for system, child, precision, path, python in systems:
             print(f"[{prompt_tokens}-token prompt] {system} {precision} ...", flush=True)
             row = {"system": system, "precision": precision, "prompt_tokens": prompt_tokens}
-            row["eos_token_id"] = config["eos_token_id"]
+            row["eos_token_id"] = dims.eos_token_id
             row["load_average_before"] = os.getloadavg()[0]  # other work on the machine shows here
             row["size_bytes"] = folder_bytes(path)
             row.update(bench_in_child(child, path, prompt_file, args, python=python))
@@ -935,7 +1040,7 @@ def main() -> int:
         if "same_as_edgelm" in r
     ]
     title = (
-        f"GPT-2 {'124M' if args.config == 'gpt2' else args.config} (random weights), CPU, {args.threads} threads, "
+        f"{model.title}, CPU, {args.threads} threads, "
         f"batch 1, greedy, {args.new_tokens} new tokens, median of {args.repeats}"
     )
     print(f"\n{title}")
@@ -952,6 +1057,16 @@ def main() -> int:
             )
     for precision, package in optimum_packages.items():
         print(f"Optimum {precision}: {package['recipe']['summary']}")
+    if "versions" in llamacpp:
+        print(
+            f"llama.cpp interpreter {llamacpp['python']}:",
+            ", ".join(f"{n} {v}" for n, v in llamacpp["versions"].items()),
+        )
+        print(f"llama.cpp system info: {llamacpp['system_info']}")
+    for precision, gguf in ggufs.items():
+        print(f"llama.cpp {precision}: {gguf['path'].name}, {gguf['recipe']}")
+    for precision, package in builder_packages.items():
+        print(f"genai model builder {precision}: {package['recipe']}")
     for prompt_tokens, rows in results.items():
         print(f"\n{prompt_tokens}-token prompt\n")
         print(markdown(rows, bounds_by_prompt[prompt_tokens]))
@@ -996,6 +1111,11 @@ def main() -> int:
         "missing": missing,
         "optimum_interpreter": optimum,
         "optimum_packages": {p: {"path": str(o["path"]), "recipe": o["recipe"]} for p, o in optimum_packages.items()},
+        "llamacpp_interpreter": llamacpp,
+        "ggufs": {p: {"path": str(g["path"]), "recipe": g["recipe"]} for p, g in ggufs.items()},
+        "genai_builder_packages": {
+            p: {"path": str(b["path"]), "recipe": b["recipe"]} for p, b in builder_packages.items()
+        },
     }
     (out / "peers.json").write_text(json.dumps(report, indent=1))
     plot(results, bounds_by_prompt, out / "peers.png", title)
