@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
-from .kvcache import make_cache, plain_feed
-from .package import PackageSpec, check_generation_memory, read_package
+from .kvcache import check_generation_memory, make_cache, plain_feed
+from .package import PackageSpec, read_package
 from .results import GenerationResult, Stream, Timings, make_timings
 from .sampling import SamplingParams, sample
 from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers

@@ -408,53 +408,6 @@ def regular_file(path: Path, what: str) -> None:
         raise PackageError(f"{what} {path.name} is not a regular file (a folder, pipe or device)")
 
 
-# What a generation may allocate for its KV cache and logits: a manifest that lies about its
-# architecture or context length, with a large max_new_tokens, must not make the runtime ask for
-# hundreds of GiB; the limit is the memory the machine has free (or MAX_GENERATION_BYTES where the OS
-# does not say).
-MAX_GENERATION_BYTES = 64 << 30
-
-
-def kv_cache_bytes(spec: PackageSpec, *, batch: int, capacity: int, itemsize: int = 4) -> int:
-    """Bytes of a (batch, n_kv_head, capacity, head_dim) key and value buffer for every layer."""
-    arch = spec.arch
-    return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
-
-
-def available_memory_bytes() -> int:
-    """Memory a new allocation can get: Linux's MemAvailable (free + reclaimable cache), else the free
-    physical pages, else MAX_GENERATION_BYTES."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not every OS names these
-        return MAX_GENERATION_BYTES
-
-
-def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new_tokens: int, kv_dtype=None) -> None:
-    """Raise MemoryError (a clear one, before allocating) when a batch's KV cache plus its prompt
-    logits (batch, longest prompt, vocab) would not fit in the memory available."""
-    batch, width = len(prompt_lengths), max(prompt_lengths)
-    capacity = width + new_tokens
-    itemsize = 4 if kv_dtype is None else kv_dtype().itemsize
-    needed = kv_cache_bytes(spec, batch=batch, capacity=capacity, itemsize=itemsize)
-    needed += batch * width * spec.arch.vocab_size * 4
-    limit = min(available_memory_bytes(), MAX_GENERATION_BYTES)
-    if needed > limit:
-        raise MemoryError(
-            f"this generation needs {needed / 2**30:.1f} GiB for its KV cache and logits (batch {batch}, "
-            f"{capacity} positions, {spec.arch.n_layer} layers x {spec.arch.n_kv_head} KV heads x "
-            f"{spec.arch.head_dim}), more than the {limit / 2**30:.1f} GiB available; lower max_new_tokens or "
-            "the batch size"
-        )
-
-
 def list_files(folder: Path) -> dict:
     """The manifest's "files" entry for a folder: sha256 and size of every file but the manifest."""
     return {

@@ -690,7 +690,7 @@ def test_a_lying_manifest_cannot_make_the_runtime_allocate_without_bound(package
 
 
 def test_kv_cache_bytes_counts_every_layer(model):
-    from edgelm.runtime.package import kv_cache_bytes
+    from edgelm.runtime.kvcache import kv_cache_bytes
 
     spec = model.spec
     expected = 2 * spec.arch.n_layer * 3 * spec.arch.n_kv_head * 50 * spec.arch.head_dim * 4
