@@ -87,7 +87,7 @@ def test_greedy_ids_equal_transformers(fp32, reference, kind):
     ours = fp32.generate(ids, NEW_TOKENS, temperature=0, ignore_eos=True).token_ids
     theirs = reference_greedy(reference, ids, NEW_TOKENS)
     assert len(ours) == NEW_TOKENS
-    first_difference = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    first_difference = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
     assert ours == theirs, f"{kind}: first different token at {first_difference}"
 
 
