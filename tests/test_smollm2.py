@@ -65,7 +65,8 @@ def reference(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    return model.float().eval()
+    assert next(model.parameters()).dtype == torch.float32  # GGUF blocks dequantized to fp32, as our export
+    return model.eval()
 
 
 def reference_greedy(reference, prompt_ids: list[int], new_tokens: int) -> list[int]:
