@@ -99,7 +99,8 @@ def _dynamic_int8(model: onnx.ModelProto | Path, dst: Path, *, nodes: list[str],
         weight_type=QuantType.QInt8,
         op_types_to_quantize=["MatMul"],
         nodes_to_quantize=nodes,
-        extra_options={"MatMulConstBOnly": True},
+        # ONNX's shape inference cannot type contrib ops' outputs (Llama's SimplifiedLayerNormalization)
+        extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
     )
 
 
@@ -158,6 +159,7 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
             calibration_providers=["CPUExecutionProvider"],
             extra_options={
                 "MatMulConstBOnly": True,
+                "DefaultTensorType": onnx.TensorProto.FLOAT,  # as in _dynamic_int8
                 "WeightSymmetric": True,
                 "ActivationSymmetric": False,
                 "CalibTensorRangeSymmetric": False,
