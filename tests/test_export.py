@@ -396,8 +396,13 @@ def test_existing_out_dir_needs_overwrite(checkpoint, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
 
-    export_package(checkpoint, out, overwrite=True, progress=quiet)
-    assert (out / "edgelm.json").is_file() and not (out / "keep.txt").exists()
+    with pytest.raises(ValueError, match="not an edgelm package"):  # overwrite replaces only packages
+        export_package(checkpoint, out, overwrite=True, progress=quiet)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    export_package(checkpoint, out, overwrite=True, progress=quiet)  # an empty folder
+    export_package(checkpoint, out, overwrite=True, progress=quiet)  # a previous package
+    assert (out / "edgelm.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
 
 
