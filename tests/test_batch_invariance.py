@@ -1,10 +1,11 @@
 """Batch composition: a row's greedy output must not depend on the other rows of its batch.
 
-Prompts of 1 to 100 tokens in one batch, greedy, against each prompt run alone. fp32 and
-int8-weight-only (MatMulNBits 8-bit blocks: the kernel quantizes activations per row and block) must
-agree on every row, and so must int4 (the same kernel with 4-bit blocks). Dynamic int8 (DynamicQuantizeMatMul) takes one activation scale over the whole
-batch, and static int8's LM head does the same (its blocks use calibrated, fixed scales): there a row
-can change with its batch, as the README says; those cases count the rows that differ and xfail."""
+Prompts of 1 to 100 tokens in one batch, greedy, against each prompt run alone. fp32,
+int8-weight-only (MatMulNBits 8-bit blocks: the kernel quantizes activations per row and block) and
+int4 (the same kernel, 4-bit blocks) must agree on every row. Dynamic int8 (DynamicQuantizeMatMul)
+takes one activation scale over the whole batch, and static int8's LM head does the same (its blocks
+use calibrated, fixed scales): there a row can change with its batch, as the README says; those cases
+count the rows that differ and xfail."""
 
 from __future__ import annotations
 
