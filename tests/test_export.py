@@ -391,15 +391,14 @@ def test_existing_out_dir_needs_overwrite(checkpoint, tmp_path):
     out = tmp_path / "pkg"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="overwrite"):
-        export_package(checkpoint, out, progress=quiet)
+    for overwrite in (False, True):  # a folder of someone's files is never replaced, overwrite or not
+        with pytest.raises(ValueError, match="not an edgelm package"):
+            export_package(checkpoint, out, overwrite=overwrite, progress=quiet)
     assert (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
-
-    with pytest.raises(ValueError, match="not an edgelm package"):  # overwrite replaces only packages
-        export_package(checkpoint, out, overwrite=True, progress=quiet)
-    assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_package(checkpoint, out, progress=quiet)
     export_package(checkpoint, out, overwrite=True, progress=quiet)  # an empty folder
     export_package(checkpoint, out, overwrite=True, progress=quiet)  # a previous package
     assert (out / "edgelm.json").is_file()
