@@ -13,7 +13,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from edgelm import __version__
@@ -551,8 +553,18 @@ def _silence_stdout() -> None:
         pass
 
 
+_SIGINTS: list[int] = []  # Ctrl-Cs seen: an import interrupted by one can surface as an ImportError
+
+
+def _on_sigint(number, frame) -> None:
+    _SIGINTS.append(number)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     command = "edgelm"
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         args = build_parser().parse_args(argv)
         command = args.command
@@ -570,10 +582,16 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except MemoryError as e:
         _error(command, f"out of memory: {e}" if str(e) else "out of memory")
-    except ModuleNotFoundError as e:
-        extra = EXTRA_FOR.get(command)
-        hint = f"; install it with: pip install 'edgelm[{extra}]'" if extra else ""
-        _error(command, f"missing Python package {e.name!r}{hint}")
+    except ImportError as e:
+        if _SIGINTS:  # numpy, for one, turns a Ctrl-C during its import into an ImportError
+            _error(command, "interrupted")
+            return 130
+        if isinstance(e, ModuleNotFoundError):
+            extra = EXTRA_FOR.get(command)
+            hint = f"; install it with: pip install 'edgelm[{extra}]'" if extra else ""
+            _error(command, f"missing Python package {e.name!r}{hint}")
+        else:
+            _error(command, f"cannot import {e.name or 'a module'}: {str(e).splitlines()[0] if str(e) else e!r}")
     except (ValueError, OSError, RuntimeError) as e:  # EdgelmError subclasses ValueError/FileNotFoundError
         _error(command, str(e) or type(e).__name__)
     except SystemExit as e:  # SIGTERM while a package was being written (runtime/outputs.py), or argparse

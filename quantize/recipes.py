@@ -226,8 +226,8 @@ def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = 
         table = gather.input[0]
         reader = packed.get(f"{table}_Q8") or packed.get(f"{table}_Q4")
         assert reader is not None and len(reader.input) == 3, f"no symmetric MatMulNBits reads the tied {table}"
-        bits = next(a.i for a in reader.attribute if a.name == "bits")
-        gather_from_nbits(quantized, gather, reader.input[1], reader.input[2], bits=bits, block_size=block_size)
+        table_bits = next(a.i for a in reader.attribute if a.name == "bits")
+        gather_from_nbits(quantized, gather, reader.input[1], reader.input[2], bits=table_bits, block_size=block_size)
     drop_unused_initializers(quantized)
     save_model(quantized, dst)
     return {

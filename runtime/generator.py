@@ -308,9 +308,10 @@ class Model:
         truncate_prompt: bool = False,
         ignore_eos: bool = False,
     ) -> list[GenerationResult]:
-        """Generate for several prompts at once (left padding + attention mask). Row r samples with
-        seed + r; greedy output equals running each prompt alone. ignore_eos keeps generating past
-        EOS (for benchmarks)."""
+        """Generate for several prompts at once (padding + attention mask). Row r samples with
+        seed + r; greedy output equals running each prompt alone, except with dynamic/static int8
+        packages, whose activation scale spans the batch (README, "Batches"). ignore_eos keeps
+        generating past EOS (for benchmarks)."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()

@@ -1,10 +1,11 @@
 """Batch composition: a row's greedy output must not depend on the other rows of its batch.
 
-Prompts of 1 to 100 tokens in one batch, greedy, against each prompt run alone. fp32 and
-int8-weight-only (MatMulNBits 8-bit blocks: the kernel quantizes activations per row and block) must
-agree on every row. Dynamic int8 (DynamicQuantizeMatMul) takes one activation scale over the whole
-batch, and static int8's LM head does the same (its blocks use calibrated, fixed scales): there a row
-can change with its batch, as the README says; those cases count the rows that differ and xfail."""
+Prompts of 1 to 100 tokens in one batch, greedy, against each prompt run alone. fp32,
+int8-weight-only (MatMulNBits 8-bit blocks: the kernel quantizes activations per row and block) and
+int4 (the same kernel, 4-bit blocks) must agree on every row. Dynamic int8 (DynamicQuantizeMatMul)
+takes one activation scale over the whole batch, and static int8's LM head does the same (its blocks
+use calibrated, fixed scales): there a row can change with its batch, as the README says; those cases
+count the rows that differ and xfail."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def packages(tmp_path_factory) -> dict[str, Path]:
     quiet = lambda _: None
     out = {"fp32": root / "fp32"}
     export_package(checkpoint, out["fp32"], progress=quiet)
-    for mode in ("int8-weight-only", "dynamic", "static"):
+    for mode in ("int8-weight-only", "int4", "dynamic", "static"):
         out[mode] = root / mode
         quantize_package(
             out["fp32"], out[mode], mode=mode, calibration_text=CALIBRATION, calibration_samples=4, progress=quiet
@@ -53,7 +54,7 @@ def rows_differing(model, batch: list[list[int]]) -> int:
     return sum(t.token_ids != a.token_ids for t, a in zip(together, alone, strict=True))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8-weight-only"])
+@pytest.mark.parametrize("precision", ["fp32", "int8-weight-only", "int4"])
 def test_batch_invariant_precisions(packages, precision):
     model = load(packages[precision], provider="cpu", threads=1)
     assert model.spec.precision == precision

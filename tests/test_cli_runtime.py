@@ -105,3 +105,118 @@ def test_bad_input_is_one_line_on_stderr(package, args, mentions):
 
 def test_missing_package_is_one_line_on_stderr(tmp_path):
     assert_one_error_line(edgelm("generate", str(tmp_path / "no-such-package"), "ROMEO:"), "does not exist")
+
+
+# ---- round 2: every option validated, one exit-code convention, no traceback from any command ---------
+
+
+def assert_error(done: subprocess.CompletedProcess, command: str, mentions: str) -> None:
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    prefix = "edgelm: error:" if command == "edgelm" else f"edgelm {command}: error:"
+    assert len(lines) == 1 and lines[0].startswith(prefix) and mentions in lines[0], done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [
+        (["bench", "PKG", "--repeats", "0"], "--repeats"),
+        (["bench", "PKG", "--batch", "-1"], "--batch"),
+        (["bench", "PKG", "--new-tokens", "1"], "--new-tokens"),
+        (["bench", "PKG", "--prompt-tokens", "zero"], "--prompt-tokens"),
+        (["export", "PKG", "OUT", "--opset", "3"], "--opset"),
+        (["export", "PKG", "OUT", "--tolerance", "nan"], "--tolerance"),
+        (["generate", "PKG", "x", "--threads", "0"], "--threads"),
+        (["generate", "PKG", "x", "--threads", "99999"], "--threads"),
+        (["quantize", "PKG", "OUT", "--mode", "int2"], "--mode"),
+        (["quantize", "PKG", "OUT", "--mode", "int4", "--block-size", "48"], "--block-size"),
+        (["quantize", "PKG", "OUT", "--mode", "static", "--calibration-method", "max"], "--calibration-method"),
+        (["quantize", "PKG", "OUT", "--mode", "static", "--calibration-samples", "0"], "--calibration-samples"),
+        (["quantize", "PKG", "OUT", "--mode", "static"], "--calibration-text"),
+        (["quantize", "PKG", "OUT", "--mode", "dynamic", "--eval-text", "/nonexistent"], "does not exist"),
+        (["eval", "PKG", "--text", "/dev/null"], "not a regular file"),
+        (["eval", "PKG", "--text", "PKG/tokenizer.json", "--max-tokens", "1"], "--max-tokens"),
+        (["generate", "PKG", "x", "--max-new-tokens", "-1"], "max_new_tokens"),
+        (["generate", "PKG", "x", "--seed", "-5"], "seed"),
+        (["generate", "PKG", "x", "--bogus"], "unrecognized"),
+        (["generate"], "required"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v,
+)
+def test_every_bad_option_is_one_line_and_exit_1(package, tmp_path, args, mentions):
+    named = {"OUT": str(tmp_path / "out")}
+    args = [named.get(a, a.replace("PKG", str(package))) for a in args]
+    command = "edgelm" if mentions == "unrecognized" else args[0]  # argparse's top-level parser says it
+    assert_error(edgelm(*args), command, mentions)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsigned_folder_needs_no_verify(package, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(package, tmp_path / "genai")
+    (folder / "edgelm.json").unlink()
+    assert_error(edgelm("info", str(folder)), "info", "--no-verify")
+    done = edgelm("info", str(folder), "--no-verify", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["verified"] is False
+    assert json.loads(edgelm("info", str(package), "--json").stdout)["verified"] is True
+
+
+def shell(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+
+
+def test_closed_stdout_prints_no_traceback(package):
+    run = f"{sys.executable} -m edgelm generate {package} 'ROMEO:' --max-new-tokens 30 --provider cpu"
+    done = shell(f"set -o pipefail; {run} | head -c1; echo; echo rc=${{PIPESTATUS[0]}}")
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert "rc=0" in done.stdout or "rc=141" in done.stdout, done.stdout
+    done = shell(f"{run} >&-; echo rc=$?")
+    assert "Traceback" not in done.stderr and "rc=1" in done.stdout, (done.stdout, done.stderr)
+    assert "standard output is closed" in done.stderr
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0, 1.5])
+def test_an_early_ctrl_c_prints_no_traceback(package, delay):
+    """Ctrl-C while edgelm imports, parses or loads. (One in the interpreter's own start, before any
+    edgelm code runs, is Python's: "Fatal Python error: init_import_site"; such a run is not counted.)"""
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgelm",
+            "generate",
+            str(package),
+            "ROMEO:",
+            "--max-new-tokens",
+            "50",
+            "--provider",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(delay)  # during interpreter start, imports or load
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    if "init_import_site" in stderr:
+        pytest.skip("the signal came during the interpreter's own start, before edgelm's code")
+    assert "Traceback" not in stderr, stderr
+    assert process.returncode in (0, 130, -signal.SIGINT), (process.returncode, stderr)
+
+
+def test_out_of_memory_is_one_line(package, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(package, tmp_path / "liar")
+    manifest = json.loads((folder / "edgelm.json").read_text())
+    manifest["architecture"]["context_length"] = 10**9
+    (folder / "edgelm.json").write_text(json.dumps(manifest))
+    done = edgelm("generate", str(folder), "ROMEO:", "--max-new-tokens", "100000000", "--no-verify")
+    assert_error(done, "generate", "out of memory")

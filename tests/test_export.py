@@ -397,13 +397,17 @@ def test_existing_out_dir_needs_overwrite(checkpoint, tmp_path):
     out = tmp_path / "pkg"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="overwrite"):
-        export_package(checkpoint, out, progress=quiet)
+    for overwrite in (False, True):  # a folder of someone's files is never replaced, overwrite or not
+        with pytest.raises(ValueError, match="not an edgelm package"):
+            export_package(checkpoint, out, overwrite=overwrite, progress=quiet)
     assert (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
-
-    export_package(checkpoint, out, overwrite=True, progress=quiet)
-    assert (out / "edgelm.json").is_file() and not (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_package(checkpoint, out, progress=quiet)
+    export_package(checkpoint, out, overwrite=True, progress=quiet)  # an empty folder
+    export_package(checkpoint, out, overwrite=True, progress=quiet)  # a previous package
+    assert (out / "edgelm.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
 
 
@@ -419,7 +423,7 @@ def test_failed_parity_leaves_nothing(checkpoint, tmp_path):
     parent = tmp_path / "out"
     with pytest.raises(RuntimeError, match="disagree"):
         export_package(checkpoint, parent / "pkg", tolerance=-1.0, progress=quiet)
-    assert list(parent.iterdir()) == []  # no package and no staging folder
+    assert not parent.exists()  # no package, no staging folder, not even the parent export made for it
 
 
 def test_failed_load_leaves_nothing(checkpoint, tmp_path):

@@ -174,7 +174,7 @@ def _snapshot(folder: Path) -> dict:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        (dict(mode="int3"), ValueError, "dynamic, static, int4, fp16"),
+        (dict(mode="int3"), ValueError, "dynamic, static, int4, int8-weight-only, fp16"),
         (dict(mode="static"), ValueError, "calibration text"),
         (dict(mode="static", calibration_text="/nonexistent.txt"), FileNotFoundError, "nonexistent"),
         (dict(mode="static", calibration_method="magic"), ValueError, "minmax, entropy, percentile"),
