@@ -264,3 +264,11 @@ def test_cli_eval_json(fp32_package, quantized):
     assert report["tokens"] == 2000
     assert 0 < report["bits_per_byte"] < 3
     assert report["top1_agreement"] > 0.9
+
+
+def test_cli_lists_every_recipe():
+    """The CLI names the modes without importing quantize/ (onnx, the quantizers): it must not drift."""
+    from edgelm.cli import QUANTIZE_MODES
+    from edgelm.quantize.quantize import MODES
+
+    assert sorted(QUANTIZE_MODES) == sorted(MODES)
