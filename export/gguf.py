@@ -288,7 +288,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         header = read_header(path)
     except (HeaderError, UnicodeDecodeError) as error:
         raise GGUFError(_one_line(path, error)) from None
-    file = np.memmap(path, dtype=np.uint8, mode="r")
+    file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # a plain view: np.memmap slices cost per call
     stored = {}
     for t in header.tensors:
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
