@@ -101,7 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="with --keep-gguf-quantization: MatMulNBits' accuracy_level, 4 (default) int8 activations, 0 float",
     )
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| allowed (default 1e-4)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max |logit difference| allowed (default 1e-4; 1.0 for kept GGUF blocks at accuracy level 4, whose "
+        "activations are int8)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
 
     p = sub.add_parser(

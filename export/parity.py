@@ -34,10 +34,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _session(onnx_path: str | Path) -> ort.InferenceSession:
+def _session(onnx_path: str | Path, *, prepacking: bool = False) -> ort.InferenceSession:
+    """prepacking: as the runtime runs it; needed where a kernel's fast path exists only for prepacked weights
+    (MatMulNBits' int8-activation path, accuracy_level 4). Off, no second copy of the float weights is made."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # not the notice that num_logits_to_keep, an input, is not folded
-    options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
+    if not prepacking:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
 
 
@@ -134,14 +137,17 @@ def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) ->
     return steps
 
 
-def check_parity_shared(model: torch.nn.Module, onnx_path, *, decode_steps: int = 5, seed: int = 0) -> float:
+def check_parity_shared(
+    model: torch.nn.Module, onnx_path, *, decode_steps: int = 5, seed: int = 0, prepacking: bool = False
+) -> float:
     """Max |logit difference| between ONNX Runtime, run the way the runtime runs the fused graph (the
     cache one buffer per layer bound as both past and present, num_logits_to_keep 1 after the prompt), and
     the PyTorch model on the same rows in float64: the exact answer for the weights, so the figure is ONNX
     Runtime's float32 rounding alone, not the sum of two float32 roundings."""
     config, io = model.config, IONames()
     steps = _reference_steps(model, decode_steps=decode_steps, seed=seed)
-    session = _session(onnx_path)  # after the float64 pass: the two copies of the weights are not held at once
+    # after the float64 pass, so the two copies of the weights are not held at once
+    session = _session(onnx_path, prepacking=prepacking)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
     capacity = steps[0]["ids"].shape[1] + decode_steps
     binding = session.io_binding()
