@@ -166,7 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
     p.add_argument(
-        "--tolerance", type=_finite_at_least(0.0), default=1e-4, help="max |logit difference| allowed (default 1e-4)"
+        "--keep-gguf-quantization",
+        action="store_true",
+        help="GGUF files: keep Q4_0 / Q4_1 / Q8_0 linear weights in their own blocks (MatMulNBits) instead of "
+        "dequantizing them to fp32: an int4 package with no second rounding",
+    )
+    p.add_argument(
+        "--accuracy-level",
+        type=int,
+        choices=(0, 4),
+        default=4,
+        help="with --keep-gguf-quantization: MatMulNBits' accuracy_level, 4 (default) int8 activations, 0 float",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=_finite_at_least(0.0),
+        default=None,
+        help="max |logit difference| allowed (default 1e-4; 1.0 for kept GGUF blocks at accuracy level 4, whose "
+        "activations are int8)",
     )
     p.add_argument(
         "--overwrite",
@@ -475,6 +492,8 @@ def _export(args) -> int:
         attention=args.attention,
         last_token_logits=args.last_token_logits,
         untie=args.untied,
+        keep_gguf_quantization=args.keep_gguf_quantization,
+        accuracy_level=args.accuracy_level,
         tolerance=args.tolerance,
         overwrite=args.overwrite,
     )

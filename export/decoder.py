@@ -27,9 +27,31 @@ ACTIVATIONS = ("gelu_new", "gelu", "silu")
 
 
 @dataclass
+class NBits:
+    """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - zero_point) * scale for
+    the block of `block_size` consecutive k in column n; from a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks."""
+
+    bits: int  # 4 or 8
+    packed: np.ndarray  # uint8 (N, K / block_size, block_size * bits / 8): out features first
+    scales: np.ndarray  # float32 (N, K / block_size)
+    zero_points: np.ndarray | None  # (N * K / block_size,): float32 (4 bits), uint8 (8 bits); None: 2^(bits - 1)
+    block_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(in, out), as a Linear's weight."""
+        n_out, n_blocks, _ = self.packed.shape
+        return n_blocks * self.block_size, n_out
+
+
+@dataclass
 class Linear:
-    weight: np.ndarray  # (in, out): MatMul's layout, the transpose of nn.Linear's
+    weight: np.ndarray | None  # (in, out): MatMul's layout, the transpose of nn.Linear's; None when nbits is set
     bias: np.ndarray | None = None  # (out,)
+    nbits: NBits | None = None  # set: the graph multiplies by these blocks (MatMulNBits), not a float weight
+
+    def __post_init__(self) -> None:
+        assert (self.weight is None) != (self.nbits is None), "a Linear has a float weight or nbits blocks"
 
 
 @dataclass
@@ -67,6 +89,7 @@ class Decoder:
     layers: list[Layer]
     final_norm: Norm
     lm_head: np.ndarray | None  # (C, V); None: tied, the embedding's transpose
+    head_nbits: NBits | None = None  # the LM head (and a tied embedding, which then needs zero_points None) as blocks
     position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
     rotary_cos: np.ndarray | None = None  # (P, head_dim / 2): rotary positions inside attention (Llama)
     rotary_sin: np.ndarray | None = None

@@ -17,36 +17,69 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint
-from .decoder import Decoder, Layer, Linear, Norm
+from .decoder import Decoder, Layer, Linear, NBits, Norm
 from .hf_checkpoint import build_llama, llama_config_from_hf, load_llama, read_extras
 from .llama import MODEL_TYPES, Llama, rope_cos_sin
 from .model import GPT
+
+# checkpoint tensor name -> (bits, packed, scales, zero points) for a MatMulNBits node, or None where the
+# tensor has no such blocks (export/gguf.py GGUFModel.matmul_nbits)
+Blocks = Callable[[str], tuple[int, np.ndarray, np.ndarray, np.ndarray] | None]
+
+
+def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
+    """The MatMulNBits blocks of a linear made of the checkpoint weights `names`, packed along its outputs
+    in that order, when every part has blocks of the same bits; None (the linear stays float) otherwise."""
+    parts = [blocks(name) for name in names] if blocks is not None else [None]
+    if any(part is None for part in parts) or len({part[0] for part in parts}) != 1:
+        return None
+    bits = parts[0][0]
+    packed = np.concatenate([part[1] for part in parts])  # (N, K / 32, bytes per block)
+    scales = np.concatenate([part[2] for part in parts]).reshape(packed.shape[:2])  # (N, K / 32)
+    zero_points = np.concatenate([part[3] for part in parts])
+    symmetric = bool(np.all(zero_points == 2 ** (bits - 1)))  # Q8_0, Q4_0: MatMulNBits' default zero point
+    return NBits(bits, packed, scales, None if symmetric else zero_points)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to(torch.float32).cpu().numpy()
 
 
-def _linear(layer: torch.nn.Linear) -> Linear:
-    return Linear(_array(layer.weight).T, None if layer.bias is None else _array(layer.bias))
+def _linear(layer: torch.nn.Linear, nbits: NBits | None = None) -> Linear:
+    bias = None if layer.bias is None else _array(layer.bias)
+    return Linear(None, bias, nbits) if nbits is not None else Linear(_array(layer.weight).T, bias)
+
+
+def _packed(layers: list[torch.nn.Linear], nbits: NBits | None) -> Linear:
+    """Linears with one input packed along their outputs (Q, K, V; gate, up): one MatMul."""
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else _array(torch.cat(biases))
+    if nbits is not None:
+        return Linear(None, bias, nbits)
+    return Linear(_array(torch.cat([layer.weight for layer in layers])).T, bias)
 
 
 def _norm(norm: torch.nn.Module) -> Norm:
     return Norm(_array(norm.weight), None if getattr(norm, "bias", None) is None else _array(norm.bias))
 
 
-def gpt2_decoder(model: GPT) -> Decoder:
+def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
+    """blocks: keep the checkpoint's own quantized blocks where it has them (a GGUF file's)."""
     c, t = model.config, model.transformer
+
+    def linear(layer: torch.nn.Linear, name: str) -> Linear:
+        return _linear(layer, kept_blocks(blocks, [f"{name}.weight"]))
+
     layers = [
         Layer(
             attention_norm=_norm(block.ln_1),
-            qkv=_linear(block.attn.c_attn),
-            attention_out=_linear(block.attn.c_proj),
+            qkv=linear(block.attn.c_attn, f"transformer.h.{i}.attn.c_attn"),
+            attention_out=linear(block.attn.c_proj, f"transformer.h.{i}.attn.c_proj"),
             mlp_norm=_norm(block.ln_2),
-            up=_linear(block.mlp.c_fc),
-            down=_linear(block.mlp.c_proj),
+            up=linear(block.mlp.c_fc, f"transformer.h.{i}.mlp.c_fc"),
+            down=linear(block.mlp.c_proj, f"transformer.h.{i}.mlp.c_proj"),
         )
-        for block in t.h
+        for i, block in enumerate(t.h)
     ]
     positions = t.wpe.weight if c.positional == "learned" else model.sinusoid
     return Decoder(
@@ -67,8 +100,15 @@ def gpt2_decoder(model: GPT) -> Decoder:
         layers=layers,
         final_norm=_norm(t.ln_f),
         lm_head=None if c.tie_word_embeddings else _array(model.lm_head.weight).T,
+        head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "transformer.wte.weight"),
         position_table=_array(positions),
     )
+
+
+def _head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | None:
+    """The LM head's blocks; a tied embedding gathers from them too, which needs a symmetric type."""
+    nbits = kept_blocks(blocks, [embedding if tied else "lm_head.weight"])
+    return None if nbits is not None and tied and nbits.zero_points is not None else nbits
 
 
 def gpt2_details(model: GPT) -> dict:
@@ -96,22 +136,27 @@ def gpt2_tokens(checkpoint: Path, model: GPT) -> dict:
     return checked_tokens(config.vocab_size, bos, [eos], pad)
 
 
-def llama_decoder(model: Llama) -> Decoder:
+def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
+    """blocks: keep the checkpoint's own quantized blocks where it has them (a GGUF file's); a packed linear
+    keeps them when all its parts have blocks of the same bits."""
     c, m = model.config, model.model
     layers = []
-    for block in m.layers:
-        a, mlp = block.self_attn, block.mlp
-        qkv = Linear(_array(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])).T)
-        if c.attention_bias:
-            qkv.bias = _array(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+    for i, block in enumerate(m.layers):
+        a, mlp, p = block.self_attn, block.mlp, f"model.layers.{i}"
+
+        def kept(*names: str) -> NBits | None:
+            return kept_blocks(blocks, [f"{p}.{name}.weight" for name in names])  # noqa: B023  (called at once)
+
         layers.append(
             Layer(
                 attention_norm=_norm(block.input_layernorm),
-                qkv=qkv,
-                attention_out=_linear(a.o_proj),
+                qkv=_packed(
+                    [a.q_proj, a.k_proj, a.v_proj], kept("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+                ),
+                attention_out=_linear(a.o_proj, kept("self_attn.o_proj")),
                 mlp_norm=_norm(block.post_attention_layernorm),
-                up=Linear(_array(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])).T),  # gate first
-                down=_linear(mlp.down_proj),
+                up=_packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
+                down=_linear(mlp.down_proj, kept("mlp.down_proj")),
             )
         )
     cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
@@ -133,6 +178,7 @@ def llama_decoder(model: Llama) -> Decoder:
         layers=layers,
         final_norm=_norm(m.norm),
         lm_head=None if c.tie_word_embeddings else _array(model.lm_head.weight).T,
+        head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
         rotary_cos=_array(cos),
         rotary_sin=_array(sin),
     )
@@ -175,7 +221,7 @@ def checked_tokens(vocab_size: int, bos: int | None, eos: list[int], pad: int | 
 class Family:
     name: str  # the manifest's architecture.type
     load: Callable[[Path], torch.nn.Module]  # a Hugging Face-layout folder -> reference model (eval, fp32)
-    decoder: Callable[[torch.nn.Module], Decoder]  # reference model -> what the fused graph is built from
+    decoder: Callable[..., Decoder]  # (reference model, *, blocks=None) -> what the fused graph is built from
     details: Callable[[torch.nn.Module], dict]  # facts for people, kept in the manifest
     tokens: Callable[[Path, torch.nn.Module], dict]  # folder -> bos_token_id, eos_token_ids, pad_token_id
     build: Callable[[dict, dict], torch.nn.Module]  # (Hugging Face config.json, state dict) -> model (GGUF files)

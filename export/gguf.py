@@ -1,7 +1,8 @@
 """Read a GGUF file (llama.cpp's model format) as a Hugging Face checkpoint: config, tokenizer.json, tensors.
 
-The file is read with llama.cpp's own Python reader (the `gguf` package) and its quantized tensors are
-dequantized with it, one tensor at a time, on demand. Three things differ from a Hugging Face checkpoint:
+The header is read by export/gguf_header.py (bounded, checked), the tensor data memory-mapped, and the
+quantized tensors dequantized with llama.cpp's own Python package (`gguf`), one tensor at a time, on demand.
+Three things differ from a Hugging Face checkpoint:
 - names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight` (the map is below);
 - Llama/Mistral Q and K rows: llama.cpp's converter reorders each head's rows from HF's "first half, second
   half" rotary layout to interleaved pairs (its `LlamaModel.permute`); `_unpermute_rows` puts them back. Qwen2's
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from .gguf_header import HeaderError, check_header
+from .gguf_header import HeaderError, read_header
 from .gguf_tokenizer import build_tokenizer_json
 
 Q = GGMLQuantizationType
@@ -64,6 +65,12 @@ class GGUFError(ValueError):
     """A GGUF file that cannot be read: one line saying what is wrong with which file."""
 
 
+class _Stored(NamedTuple):
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: shape[0] is the row length
+    data: np.ndarray  # uint8 (rows, bytes per row), memory-mapped: what gguf.quants.dequantize takes
+
+
 @dataclass(frozen=True)
 class _Entry:
     gguf_name: str
@@ -90,7 +97,7 @@ class GGUFModel:
     pad_token_id: int | None
     tensor_names: list[str]  # Hugging Face names, in file order
     _entries: dict[str, _Entry] = field(repr=False, default_factory=dict)
-    _stored: dict[str, Any] = field(repr=False, default_factory=dict)  # GGUF name -> gguf.ReaderTensor (memory-mapped)
+    _stored: dict[str, _Stored] = field(repr=False, default_factory=dict)  # GGUF name -> its memory-mapped data
 
     def _lookup(self, name: str):
         if name not in self._entries:
@@ -267,10 +274,6 @@ def _tensor_map(config: dict) -> dict[str, _Entry]:
     return entries
 
 
-def _read_metadata(reader: GGUFReader) -> dict:
-    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-
-
 def _one_line(path: Path, error: Exception) -> str:
     text = " ".join(str(error).split()) or type(error).__name__  # a hostile name may hold newlines
     return f"{path.name}: {text[:300]}"
@@ -282,22 +285,25 @@ def read_gguf(path: str | Path) -> GGUFModel:
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
-        check_header(path)
-        reader = GGUFReader(path)
-        meta = _read_metadata(reader)
-    except (HeaderError, ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as error:
+        header = read_header(path)
+    except (HeaderError, UnicodeDecodeError) as error:
         raise GGUFError(_one_line(path, error)) from None
+    file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # a plain view: np.memmap slices cost per call
+    stored = {}
+    for t in header.tensors:
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        rows = file[t.start : t.start + t.nbytes].reshape(-1, t.dims[0] // block * type_size)
+        stored[t.name] = _Stored(t.tensor_type, t.dims, rows)
     try:
-        return _build(path, reader, meta)
+        return _build(path, stored, header.metadata)
     except GGUFError as error:
         raise GGUFError(_one_line(path, error)) from None
 
 
-def _build(path: Path, reader: GGUFReader, meta: dict) -> GGUFModel:
+def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     arch = meta.get("general.architecture")
     if arch not in (*LLAMA_LIKE, "gpt2"):
-        raise GGUFError(f"architecture {arch!r} is not supported (llama, qwen2, gpt2 are)")
-    stored = {t.name: t for t in reader.tensors}
+        raise GGUFError(f"architecture {arch!r:.60} is not supported (llama, qwen2, gpt2 are)")
     for name, t in stored.items():
         if t.tensor_type not in SUPPORTED_TYPES:
             raise GGUFError(f"tensor {name} has type {t.tensor_type.name}, not supported")
@@ -311,7 +317,7 @@ def _build(path: Path, reader: GGUFReader, meta: dict) -> GGUFModel:
     for hf_name, entry in entries.items():
         if entry.gguf_name not in stored:
             raise GGUFError(f"tensor {entry.gguf_name} ({hf_name}) is missing")
-        shape = tuple(int(d) for d in reversed(stored[entry.gguf_name].shape.tolist()))
+        shape = tuple(reversed(stored[entry.gguf_name].shape))
         if shape != entry.shape:
             raise GGUFError(f"tensor {entry.gguf_name} has shape {shape}, expected {entry.shape}")
     extra = set(stored) - {e.gguf_name for e in entries.values()} - {"rope_freqs.weight"}

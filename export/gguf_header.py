@@ -1,8 +1,9 @@
-"""A bounded walk over a GGUF file's header, before `gguf.GGUFReader` sees it.
+"""A bounded read of a GGUF file's header: its metadata, and where each tensor's data lies.
 
-GGUFReader trusts the counts and lengths it reads: a string array that claims 2**63 entries makes it loop for
-ever, and a tensor past the end of the file is only found when its data is read. This walk checks every count,
-length and offset against the file size first, so a hostile file costs at most one pass over its header.
+Every count, length and offset is checked against the file size as it is read, so a hostile file (a string
+array that claims 2**63 entries, a tensor past the end) costs at most one pass over its header and gives a
+HeaderError. It replaces `gguf.GGUFReader`'s header walk, which trusts what it reads and builds a numpy view
+per metadata element; the `gguf` package still supplies the tensor types and dequantizes.
 Layout (little-endian, version 2 or 3): https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
@@ -19,7 +22,24 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ELEMENTS = 1 << 40  # a dimension product above this is not a model tensor
 # value type id -> byte size of the scalar types; 8 is a string, 9 an array
 SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+SCALAR_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8"}
+SCALAR_DTYPES[12] = "<f8"
 STRING, ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: dims[0] is the contiguous (row) length
+    tensor_type: GGMLQuantizationType
+    start: int  # byte offset of its data in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    metadata: dict  # key -> int, float, bool, str, or a list of them
+    tensors: list[TensorInfo]  # in file order
 
 
 class HeaderError(ValueError):
@@ -52,27 +72,27 @@ def _printable(raw: bytes) -> str:
     return text if text.isprintable() and len(raw) <= 80 else repr(text)
 
 
-def _skip_value(cursor: _Cursor, value_type: int, key: str, depth: int = 0) -> None:
+def _read_value(cursor: _Cursor, value_type: int, key: str, depth: int = 0):
     if value_type in SCALAR_SIZES:
-        cursor.take(SCALAR_SIZES[value_type], f"value of {key}")
-    elif value_type == STRING:
-        cursor.take(cursor.unpack("<Q", f"string length of {key}"), f"string value of {key}")
-    elif value_type == ARRAY and depth == 0:
+        start = cursor.take(SCALAR_SIZES[value_type], f"value of {key}")
+        return np.frombuffer(cursor.data, SCALAR_DTYPES[value_type], 1, start)[0].item()
+    if value_type == STRING:
+        return cursor.string(f"string value of {key}").decode("utf-8")
+    if value_type == ARRAY and depth == 0:
         item_type = cursor.unpack("<I", f"array type of {key}")
         count = cursor.unpack("<Q", f"array length of {key}")
         if item_type in SCALAR_SIZES:
-            cursor.take(count * SCALAR_SIZES[item_type], f"array {key}")
-            return
+            start = cursor.take(count * SCALAR_SIZES[item_type], f"array {key}")
+            return np.frombuffer(cursor.data, SCALAR_DTYPES[item_type], count, start).tolist()
         if item_type != STRING or count * 8 > cursor.size - cursor.offset:
             raise HeaderError(f"array {key} of type {item_type} with {count} entries does not fit the file")
-        for _ in range(count):  # bounded: each entry takes at least 8 bytes of the file
-            _skip_value(cursor, STRING, key, depth + 1)
-    else:
-        raise HeaderError(f"metadata {key} has unsupported value type {value_type}")
+        return [_read_value(cursor, STRING, key, depth + 1) for _ in range(count)]  # each takes >= 8 bytes
+    raise HeaderError(f"metadata {key} has unsupported value type {value_type}")
 
 
-def check_header(path: Path) -> None:
-    """Raise HeaderError when `path` is not a well-formed little-endian GGUF v2/v3 file with in-bounds tensors."""
+def read_header(path: Path) -> Header:
+    """The metadata and tensor layout of `path`; HeaderError when it is not a well-formed little-endian GGUF
+    v2/v3 file with in-bounds tensors (UnicodeDecodeError for a string that is not UTF-8)."""
     size = path.stat().st_size
     if size < 24:
         raise HeaderError(f"{size} bytes is too short for a GGUF header")
@@ -89,29 +109,33 @@ def check_header(path: Path) -> None:
         # Smallest possible entries: a metadata pair is 8 + 4 + 1 bytes, a tensor description 8 + 4 + 4 + 8.
         if kv_count * 13 > size or tensor_count * 24 > size:
             raise HeaderError(f"{kv_count} metadata entries and {tensor_count} tensors cannot fit in {size} bytes")
-        alignment = 32
+        metadata = {}
         for _ in range(kv_count):
-            key = _printable(cursor.string("metadata key"))
+            raw_key = cursor.string("metadata key")
+            key = _printable(raw_key)
             value_type = cursor.unpack("<I", f"type of {key}")
-            if key == "general.alignment":
-                if value_type != 4:
-                    raise HeaderError("general.alignment must be a uint32")
-                alignment = struct.unpack_from("<I", data, cursor.offset)[0] if cursor.offset + 4 <= size else 0
-                if alignment == 0 or alignment & (alignment - 1):
-                    raise HeaderError(f"general.alignment {alignment} is not a power of two")
-            _skip_value(cursor, value_type, key)
+            if raw_key.decode("utf-8") in metadata:
+                raise HeaderError(f"metadata key {key} appears twice")
+            metadata[raw_key.decode("utf-8")] = _read_value(cursor, value_type, key)
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or isinstance(alignment, bool):
+            raise HeaderError("general.alignment must be a uint32")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise HeaderError(f"general.alignment {alignment} is not a power of two")
         tensors = []
         for _ in range(tensor_count):
-            name = _printable(cursor.string("tensor name"))
+            raw_name = cursor.string("tensor name")
+            name = _printable(raw_name)
             n_dims = cursor.unpack("<I", f"dimension count of {name}")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise HeaderError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
             dims = [cursor.unpack("<Q", f"dimensions of {name}") for _ in range(n_dims)]
             raw_type = cursor.unpack("<I", f"type of {name}")
             offset = cursor.unpack("<Q", f"data offset of {name}")
-            tensors.append((name, dims, raw_type, offset))
+            tensors.append((raw_name, name, dims, raw_type, offset))
         data_start = -(-cursor.offset // alignment) * alignment
-    for name, dims, raw_type, offset in tensors:
+    infos, seen = [], set()
+    for raw_name, name, dims, raw_type, offset in tensors:
         try:
             tensor_type = GGMLQuantizationType(raw_type)
         except ValueError:
@@ -122,6 +146,12 @@ def check_header(path: Path) -> None:
         block_size, type_size = GGML_QUANT_SIZES[tensor_type]
         if elements == 0 or elements > MAX_ELEMENTS or dims[0] % block_size:
             raise HeaderError(f"tensor {name} has impossible dimensions {dims} for type {tensor_type.name}")
-        end = data_start + offset + elements // block_size * type_size
+        nbytes = elements // block_size * type_size
+        end = data_start + offset + nbytes
         if end > size:
             raise HeaderError(f"tensor {name} data ends at byte {end}, past the end of the file ({size} bytes)")
+        if raw_name in seen:
+            raise HeaderError(f"tensor {name} appears twice")
+        seen.add(raw_name)
+        infos.append(TensorInfo(raw_name.decode("utf-8"), tuple(dims), tensor_type, data_start + offset, nbytes))
+    return Header(metadata, infos)

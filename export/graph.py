@@ -18,7 +18,12 @@ len_b - 1) and the longest total (the mask's width) from it. Fed as separate arr
 runs with a growing cache, as the standard graph does.
 
 Linear layers are MatMul (+ Add for a bias) with constant weights, so quantize/ finds and quantizes
-them; a tied embedding is one (C, V) matrix read by both the LM head and a Gather along axis 1.
+them; a tied embedding is one (C, V) matrix read by both the LM head and a Gather along axis 1. A Linear
+that carries MatMulNBits blocks (a GGUF file's own quantization, export/decoder.py NBits) becomes a
+com.microsoft MatMulNBits node on them instead, and a tied embedding then gathers from the head's blocks.
+
+The weights are not copied into the graph: its initializers are placeholders and the arrays travel beside
+it, for edgelm.onnxfile.save_model to write one at a time.
 """
 
 from __future__ import annotations
@@ -27,20 +32,30 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from edgelm.nbits_gather import gather_from_nbits
+from edgelm.onnxfile import placeholder
+
 from ..runtime.contract import IONames
-from .decoder import Decoder, Linear, Norm
+from .decoder import Decoder, Linear, NBits, Norm
 
 MS_DOMAIN = "com.microsoft"
 LOGITS_TO_KEEP = "num_logits_to_keep"
 
 
+def _nbits_names(prefix: str, nbits: NBits) -> list[str]:
+    names = [f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales"]
+    return names + ([f"{prefix}.weight_zero_points"] if nbits.zero_points is not None else [])
+
+
 class _GraphBuilder:
     """Collects nodes and initializers; names every node after its output."""
 
-    def __init__(self):
+    def __init__(self, *, accuracy_level: int):
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        self.initializers: list[onnx.TensorProto] = []  # placeholders: the data is in `weights`
+        self.weights: dict[str, np.ndarray] = {}
         self.value_info: list[onnx.ValueInfoProto] = []
+        self.accuracy_level = accuracy_level  # MatMulNBits: 0 float activations, 4 int8 activations
 
     def float_output(self, name: str, shape: list) -> str:
         """Declare a contrib op's output: ONNX shape inference cannot type com.microsoft nodes, and the
@@ -49,9 +64,10 @@ class _GraphBuilder:
         return name
 
     def constant(self, name: str, array: np.ndarray) -> str:
+        """An initializer; floating arrays are written as float32 (by save_model, without a copy here)."""
         array = np.asarray(array)
-        array = array.astype(np.float32, order="C") if array.dtype.kind == "f" else array.copy(order="C")
-        self.initializers.append(numpy_helper.from_array(array, name))  # copy(order="C"): a 0-d array stays 0-d
+        self.initializers.append(placeholder(name, array))
+        self.weights[name] = array
         return name
 
     def small_constant(self, name: str, array: np.ndarray) -> str:
@@ -64,8 +80,34 @@ class _GraphBuilder:
         self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, domain=domain, **attributes))
         return output
 
+    def nbits_weights(self, prefix: str, nbits: NBits) -> list[str]:
+        """MatMulNBits' constant inputs: packed blocks, scales and, unless symmetric, zero points."""
+        arrays = [nbits.packed, nbits.scales, nbits.zero_points]
+        return [self.constant(name, array) for name, array in zip(_nbits_names(prefix, nbits), arrays, strict=False)]
+
+    def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:
+        k, n = nbits.shape
+        self.nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                [x, *self.nbits_weights(prefix, nbits)],
+                [output],
+                name=output,
+                domain=MS_DOMAIN,
+                K=k,
+                N=n,
+                bits=nbits.bits,
+                block_size=nbits.block_size,
+                accuracy_level=self.accuracy_level,
+            )
+        )
+        return self.float_output(output, ["batch_size", "sequence_length", n])
+
     def linear(self, x: str, prefix: str, layer: Linear) -> str:
-        product = self.op("MatMul", [x, self.constant(f"{prefix}.weight", layer.weight)], f"{prefix}/MatMul")
+        if layer.nbits is not None:
+            product = self.matmul_nbits(x, prefix, layer.nbits, f"{prefix}/MatMulNBits")
+        else:
+            product = self.op("MatMul", [x, self.constant(f"{prefix}.weight", layer.weight)], f"{prefix}/MatMul")
         if layer.bias is None:
             return product
         return self.op("Add", [product, self.constant(f"{prefix}.bias", layer.bias)], f"{prefix}/Add")
@@ -102,19 +144,25 @@ class _GraphBuilder:
         return self.float_output(self.op(gelu, [h], f"{prefix}/{gelu}", domain=MS_DOMAIN), shape)
 
 
-def build_fused_graph(decoder: Decoder, io: IONames, *, opset: int = 17) -> onnx.ModelProto:
-    """The decoder as an ONNX graph with fused attention and a shared KV buffer."""
+def build_fused_graph(
+    decoder: Decoder, io: IONames, *, opset: int = 17, accuracy_level: int = 4
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The decoder as an ONNX graph with fused attention and a shared KV buffer, and its weights: initializer
+    name -> array, for edgelm.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only)."""
     d = decoder
-    g = _GraphBuilder()
+    g = _GraphBuilder(accuracy_level=accuracy_level)
     one = g.small_constant("const_one", np.array(1, dtype=np.int64))
     axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
 
     # Token embedding. Tied: one (C, V) matrix; the embedding gathers its columns.
     if d.tied:
-        table = g.constant("lm_head.weight_T", d.embedding.T)  # (C, V)
+        # with head blocks the Gather is a stand-in, rewired below to read them (edgelm/nbits_gather.py)
+        table = "lm_head.weight_T" if d.head_nbits is not None else g.constant("lm_head.weight_T", d.embedding.T)
         columns = g.op("Gather", [table, io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
         x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)
         head = table
+    elif d.head_nbits is not None:
+        x = g.op("Gather", [g.constant("embed.weight", d.embedding), io.input_ids], "embed/Gather", axis=0)
     else:
         x = g.op("Gather", [g.constant("embed.weight", d.embedding), io.input_ids], "embed/Gather", axis=0)
         head = g.constant("lm_head.weight_T", d.lm_head)
@@ -165,7 +213,10 @@ def build_fused_graph(decoder: Decoder, io: IONames, *, opset: int = 17) -> onnx
     end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
     x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
     x = g.norm(x, "final_norm", d.final_norm, d, length="logits_length")
-    g.op("MatMul", [x, head], io.logits)
+    if d.head_nbits is not None:
+        g.matmul_nbits(x, "lm_head", d.head_nbits, io.logits)
+    else:
+        g.op("MatMul", [x, head], io.logits)
 
     kv_shape = ["batch_size", d.n_kv_head, "past_sequence_length", d.head_dim]
     present_shape = ["batch_size", d.n_kv_head, "present_sequence_length", d.head_dim]  # max(buffer, total)
@@ -190,4 +241,10 @@ def build_fused_graph(decoder: Decoder, io: IONames, *, opset: int = 17) -> onnx
         g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    if d.tied and d.head_nbits is not None:
+        assert d.head_nbits.zero_points is None, "a tied embedding gathers symmetric blocks only"
+        gather = next(n for n in model.graph.node if n.name == "embed/Gather")
+        packed, scales = _nbits_names("lm_head", d.head_nbits)  # what the head's MatMulNBits reads
+        gather_from_nbits(model, gather, packed, scales, bits=d.head_nbits.bits, block_size=d.head_nbits.block_size)
+    return model, g.weights

@@ -35,7 +35,8 @@ from ..runtime.contract import (
 from ..runtime.outputs import StagedOutput
 from ..runtime.package import file_sha256, list_files, write_json
 from .checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_hash
-from .families import Family, checked_tokens, family_for
+from .decoder import Decoder
+from .families import Blocks, Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
 from .hf_checkpoint import read_extras
 from .parity import check_parity, check_parity_shared
@@ -43,6 +44,10 @@ from .traced import trace_graph
 
 MODEL_FILE = "model.onnx"
 PARITY_TOLERANCE = 1e-4
+# MatMulNBits at accuracy_level 4 quantizes each block of activations to int8 at run time, which PyTorch does
+# not: on SmolLM2-135M (logits up to ~35) that moved logits by up to 0.46 (docs/results.md). The check then
+# guards against a wrong graph (a wrong weight moves logits by whole units), not against rounding.
+INT8_ACTIVATION_TOLERANCE = 1.0
 DEFAULT_OPSET = 17
 # "fused": ONNX Runtime's GroupQueryAttention and a shared KV buffer (export/graph.py), the fast graph;
 # "standard": the traced graph of standard ONNX ops only, for runtimes other than ONNX Runtime.
@@ -63,6 +68,8 @@ class Source:
     files: dict[str, Path] = field(default_factory=dict)  # package file name -> file to copy (tokenizer)
     texts: dict[str, str] = field(default_factory=dict)  # package file name -> contents to write
     chat_template: str | None = None
+    blocks: Blocks | None = None  # a GGUF file's own MatMulNBits blocks by tensor name (GGUFModel.matmul_nbits)
+    quant_types: dict[str, str] = field(default_factory=dict)  # tensor name -> GGUF type ("Q4_1", "F32", ...)
 
 
 def open_folder(folder: Path) -> Source:
@@ -110,6 +117,8 @@ def open_gguf(path: Path) -> Source:
         sha256=file_sha256(path),
         texts={"tokenizer.json": gguf.tokenizer_json},
         chat_template=gguf.chat_template,
+        blocks=gguf.matmul_nbits,
+        quant_types={name: gguf.quant_type(name) for name in gguf.tensor_names},
     )
 
 
@@ -130,6 +139,28 @@ def _untie(model: torch.nn.Module) -> None:
     """Give the LM head its own copy of the embedding (for runtimes or tools that want two tables)."""
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # tied: the embedding
     model.config.tie_word_embeddings = False
+
+
+def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tuple[str, dict]:
+    """(precision, recipe) of a package whose linears keep the GGUF file's own blocks where they can."""
+    linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.attention_out, layer.up, layer.down)]
+    bits = [linear.nbits.bits for linear in linears if linear.nbits is not None]
+    head = decoder.head_nbits
+    types: dict[str, int] = {}
+    for kind in source.quant_types.values():
+        types[kind] = types.get(kind, 0) + 1
+    recipe = {
+        "mode": "gguf",
+        "op": "MatMulNBits",
+        "block_size": 32,
+        "accuracy_level": accuracy_level,
+        "types": types,  # GGUF tensor type -> number of tensors, over the whole file
+        "kept_linears": len(bits),
+        "float_linears": len(linears) - len(bits),  # a part without blocks, or packed parts of differing bits
+        "lm_head": f"int{head.bits}" if head is not None else "fp32",
+    }
+    precision = "int4" if 4 in bits else "int8" if bits or head is not None else "fp32"
+    return precision, recipe
 
 
 def build_manifest(
@@ -186,23 +217,38 @@ def export_package(
     attention: str = "fused",
     last_token_logits: bool = False,
     untie: bool = False,
-    tolerance: float = PARITY_TOLERANCE,
+    keep_gguf_quantization: bool = False,
+    accuracy_level: int = 4,
+    tolerance: float | None = None,
     overwrite: bool = False,
     progress: Progress = print,
 ) -> dict:
     """Checkpoint folder -> model package folder. Writes to a temporary folder beside `out_dir` and
     renames it into place at the end, so a failed export leaves no half-written package. Returns the
     manifest (as JSON). attention: "fused" (the default) or "standard"; last_token_logits applies to
-    "standard" (the fused graph takes the number of positions to keep as an input)."""
+    "standard" (the fused graph takes the number of positions to keep as an input). keep_gguf_quantization:
+    a GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights stay in their blocks (MatMulNBits nodes, run with
+    `accuracy_level`: 4 quantizes activations to int8, 0 keeps them float) instead of fp32. tolerance: the
+    largest |logit difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept
+    blocks at accuracy_level 4."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     if attention == "fused" and last_token_logits:
         raise ValueError("last_token_logits is for the standard graph; the fused graph takes num_logits_to_keep")
     fused = attention == "fused"
+    if keep_gguf_quantization and not fused:
+        raise ValueError("keeping a GGUF file's quantization needs the fused graph")
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise ValueError(f"accuracy_level must be 0, 1, 2, 3 or 4, got {accuracy_level}")
+    int8_activations = keep_gguf_quantization and accuracy_level == 4
+    if tolerance is None:
+        tolerance = INT8_ACTIVATION_TOLERANCE if int8_activations else PARITY_TOLERANCE
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     progress(f"[1/4] loading checkpoint {checkpoint}")
     source = open_source(checkpoint)
+    if keep_gguf_quantization and source.blocks is None:
+        raise ValueError(f"{checkpoint} is not a GGUF file: there is no GGUF quantization to keep")
     model, config = source.model, source.model.config
     if untie and config.tie_word_embeddings:
         _untie(model)
@@ -211,11 +257,18 @@ def export_package(
         f"      {source.family.name}: {parameters / 1e6:.1f}M parameters, {config.n_layer} layers, "
         f"context {config.n_positions}"
     )
-    decoder = source.family.decoder(model) if fused else None
+    blocks = source.blocks if keep_gguf_quantization else None
+    decoder = source.family.decoder(model, blocks=blocks) if fused else None
     position_ids = not fused or decoder.position_table is not None
     manifest = build_manifest(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
     )
+    if keep_gguf_quantization:
+        manifest.precision, manifest.recipe = kept_recipe(decoder, source, accuracy_level=accuracy_level)
+        progress(
+            f"      kept GGUF blocks: {manifest.recipe['kept_linears']} linears as MatMulNBits, "
+            f"{manifest.recipe['float_linears']} float, LM head {manifest.recipe['lm_head']}"
+        )
 
     with staged as staging:
         progress(
@@ -223,15 +276,16 @@ def export_package(
             f"{', last-token logits' if last_token_logits else ''})"
         )
         if fused:
-            graph = build_fused_graph(decoder, manifest.io, opset=opset)
-            del decoder
+            graph, weights = build_fused_graph(decoder, manifest.io, opset=opset, accuracy_level=accuracy_level)
+            del decoder  # save_model drops each array once written: its float copies go one by one
+            manifest.export["external_data"] = save_model(graph, staging / MODEL_FILE, weights=weights)
         else:
             graph = trace_graph(model, opset=opset, last_token_logits=last_token_logits)
-        manifest.export["external_data"] = save_model(graph, staging / MODEL_FILE)
+            manifest.export["external_data"] = save_model(graph, staging / MODEL_FILE)
         del graph
         progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
         if fused:
-            max_diff = check_parity_shared(model, staging / MODEL_FILE)
+            max_diff = check_parity_shared(model, staging / MODEL_FILE, prepacking=keep_gguf_quantization)
         else:
             max_diff = check_parity(model, staging / MODEL_FILE, last_token_logits=last_token_logits)
         progress(f"      max |logit difference| = {max_diff:.2e} (tolerance {tolerance:.0e})")
@@ -240,6 +294,9 @@ def export_package(
                 f"ONNX Runtime and PyTorch disagree: max |logit difference| {max_diff:.2e} > {tolerance:.0e}"
             )
         manifest.parity = {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2}
+        manifest.parity["reference"] = "PyTorch float64" if fused else "PyTorch float32"
+        if int8_activations:
+            manifest.parity["activations"] = "int8 (MatMulNBits accuracy_level 4)"
 
         progress("[4/4] writing package files")
         write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))

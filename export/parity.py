@@ -9,6 +9,8 @@ vocab_size), which is all these checks use.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +21,26 @@ from ..runtime.contract import IONames
 from .graph import LOGITS_TO_KEEP
 
 
-def _session(onnx_path: str | Path) -> ort.InferenceSession:
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """PyTorch on one thread, no gradients: the checks run a few tokens at a time, where a second thread
+    saves little and its OpenMP barriers spin against every other process on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _session(onnx_path: str | Path, *, prepacking: bool = False) -> ort.InferenceSession:
+    """prepacking: as the runtime runs it; needed where a kernel's fast path exists only for prepacked weights
+    (MatMulNBits' int8-activation path, accuracy_level 4). Off, no second copy of the float weights is made."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # not the notice that num_logits_to_keep, an input, is not folded
-    options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
+    if not prepacking:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
 
 
@@ -55,7 +73,7 @@ def check_parity(
     ort_past = [empty] * (2 * config.n_layer)
     torch_past = None
     worst = 0.0
-    with torch.no_grad():
+    with _one_thread():
         for _step in range(decode_steps + 1):
             torch_logits, torch_present = model(
                 input_ids, attention_mask, position_ids, torch_past, last_token_logits=last_token_logits
@@ -78,24 +96,60 @@ def check_parity(
     return worst
 
 
-def check_parity_shared(model: torch.nn.Module, onnx_path, *, decode_steps: int = 5, seed: int = 0) -> float:
-    """Max |logit difference| between PyTorch and ONNX Runtime for the fused graph, run the way the
-    runtime runs it: a batch of 2 right-padded prompts of different lengths with all-position logits,
-    then one-token steps with num_logits_to_keep = 1, the cache one buffer per layer bound as both
-    past and present. PyTorch gets the same rows with its own (growing, masked) cache."""
-    config, io = model.config, IONames()
-    session = _session(onnx_path)
-    uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
+@contextmanager
+def _float64(model: torch.nn.Module) -> Iterator[None]:
+    """The model in float64 for the duration (fp32 values convert exactly, both ways)."""
+    model.double()
+    try:
+        yield
+    finally:
+        model.float()
+
+
+def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) -> list[dict]:
+    """The runs check_parity_shared compares, with PyTorch's float64 logits: a batch of 2 right-padded prompts
+    of different lengths with all-position logits, then one-token steps (greedy on the reference)."""
+    config = model.config
     generator = torch.Generator().manual_seed(seed)
     lengths = [min(7, config.n_positions - decode_steps), min(5, config.n_positions - decode_steps)]
     width = max(lengths)
-    capacity = width + decode_steps
     input_ids = torch.randint(0, config.vocab_size, (2, width), generator=generator)
     mask = torch.zeros(2, width, dtype=torch.long)
     for row, length in enumerate(lengths):
         mask[row, :length] = 1
     position_ids = torch.arange(width).unsqueeze(0).expand(2, width) * mask  # padding at position 0
+    steps = []
+    with _one_thread(), _float64(model):
+        logits, past = model(input_ids, mask, position_ids)
+        steps.append(dict(ids=input_ids, mask=mask.numpy(), positions=position_ids, keep=0, logits=logits.numpy()))
+        steps[0]["real"] = mask.bool().numpy()  # padded query rows are never read
+        totals = list(lengths)
+        next_ids = torch.stack([logits[row, totals[row] - 1].argmax() for row in range(2)]).unsqueeze(1)
+        torch_mask = mask
+        for _ in range(decode_steps):
+            positions = torch.tensor(totals).unsqueeze(1)  # (2, 1)
+            torch_mask = torch.cat([torch_mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            logits, past = model(next_ids, torch_mask, positions, past)  # its own growing, masked cache
+            totals = [t + 1 for t in totals]
+            ort_mask = (np.arange(max(totals))[None, :] < np.array(totals)[:, None]).astype(np.int64)
+            steps.append(dict(ids=next_ids, mask=ort_mask, positions=positions, keep=1, logits=logits.numpy()))
+            next_ids = logits[:, -1, :].argmax(-1, keepdim=True)
+    return steps
 
+
+def check_parity_shared(
+    model: torch.nn.Module, onnx_path, *, decode_steps: int = 5, seed: int = 0, prepacking: bool = False
+) -> float:
+    """Max |logit difference| between ONNX Runtime, run the way the runtime runs the fused graph (the
+    cache one buffer per layer bound as both past and present, num_logits_to_keep 1 after the prompt), and
+    the PyTorch model on the same rows in float64: the exact answer for the weights, so the figure is ONNX
+    Runtime's float32 rounding alone, not the sum of two float32 roundings."""
+    config, io = model.config, IONames()
+    steps = _reference_steps(model, decode_steps=decode_steps, seed=seed)
+    # after the float64 pass, so the two copies of the weights are not held at once
+    session = _session(onnx_path, prepacking=prepacking)
+    uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
+    capacity = steps[0]["ids"].shape[1] + decode_steps
     binding = session.io_binding()
     binding.bind_output(io.logits)  # first, so it is get_outputs()[0]; allocated by each run
     past, present = io.past_names(config.n_layer), io.present_names(config.n_layer)
@@ -105,34 +159,19 @@ def check_parity_shared(model: torch.nn.Module, onnx_path, *, decode_steps: int 
         binding.bind_ortvalue_input(past_name, buffer)
         binding.bind_ortvalue_output(present_name, buffer)
 
-    def ort_logits(ids, ort_mask, positions, keep):
-        binding.bind_cpu_input(io.input_ids, ids.numpy())
-        binding.bind_cpu_input(io.attention_mask, ort_mask)
+    worst = 0.0
+    for step in steps:
+        binding.bind_cpu_input(io.input_ids, step["ids"].numpy())
+        binding.bind_cpu_input(io.attention_mask, step["mask"])
         if uses_positions:
-            binding.bind_cpu_input(io.position_ids, positions.numpy())
+            binding.bind_cpu_input(io.position_ids, step["positions"].numpy())
         # an overridable initializer: IO binding takes it as an OrtValue, not through bind_cpu_input
-        binding.bind_ortvalue_input(LOGITS_TO_KEEP, ort.OrtValue.ortvalue_from_numpy(np.array(keep, dtype=np.int64)))
+        keep = ort.OrtValue.ortvalue_from_numpy(np.array(step["keep"], dtype=np.int64))
+        binding.bind_ortvalue_input(LOGITS_TO_KEEP, keep)
         binding.bind_output(io.logits)  # unallocated again: its length changes between calls
         session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
-
-    worst = 0.0
-    with torch.no_grad():
-        torch_logits, torch_past = model(input_ids, mask, position_ids)
-        logits = ort_logits(input_ids, mask.numpy(), position_ids, 0)
-        real = mask.bool().numpy()
-        worst = max(worst, float(np.abs(logits - torch_logits.numpy())[real].max()))
-        totals = list(lengths)
-        next_ids = torch.stack([torch_logits[row, totals[row] - 1].argmax() for row in range(2)]).unsqueeze(1)
-        torch_mask = mask
-        for _ in range(decode_steps):
-            positions = torch.tensor(totals).unsqueeze(1)  # (2, 1)
-            torch_mask = torch.cat([torch_mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
-            torch_logits, torch_past = model(next_ids, torch_mask, positions, torch_past)
-            totals = [t + 1 for t in totals]
-            ort_mask = (np.arange(max(totals))[None, :] < np.array(totals)[:, None]).astype(np.int64)
-            logits = ort_logits(next_ids, ort_mask, positions, 1)
-            assert logits.shape == tuple(torch_logits.shape), f"ONNX logits {logits.shape} vs {torch_logits.shape}"
-            worst = max(worst, float(np.abs(logits - torch_logits.numpy()).max()))
-            next_ids = torch_logits[:, -1, :].argmax(-1, keepdim=True)
+        logits = binding.get_outputs()[0].numpy()
+        assert logits.shape == step["logits"].shape, f"ONNX logits {logits.shape} vs {step['logits'].shape}"
+        diff = np.abs(logits - step["logits"])
+        worst = max(worst, float(diff[step["real"]].max() if "real" in step else diff.max()))
     return worst

@@ -29,9 +29,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from edgelm.nbits_gather import gather_from_nbits
 from edgelm.onnxfile import save_model
 
-from .tied_embedding import drop_unused_initializers, gather_from_nbits, share_int8_embedding, tied_gathers
+from .tied_embedding import drop_unused_initializers, share_int8_embedding, tied_gathers
 
 # onnxruntime.quantization logs every node at INFO and advises pre-processing on the root logger
 logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)

@@ -69,60 +69,6 @@ def gather_from_int8(
         graph.node.insert(index + offset, node)
 
 
-def gather_from_nbits(
-    model: onnx.ModelProto, gather: onnx.NodeProto, packed: str, scales: str, *, bits: int, block_size: int
-) -> None:
-    """Rewire a tied-embedding Gather to read MatMulNBits' packed weights (vocab, n_blocks, blob) and
-    dequantize only the gathered rows: symmetric, so the zero point is 2^(bits-1); 4-bit values are
-    packed two to a byte, low nibble first; times the block scale."""
-    assert bits in (4, 8), f"MatMulNBits gather supports 4 or 8 bits, got {bits}"
-    graph = model.graph
-    index = list(graph.node).index(gather)
-    ids, out = gather.input[1], gather.output[0]
-    transpose = next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose")
-    rows_out = transpose.output[0]
-    p = (gather.name or out) + f"_int{bits}"
-    packed_dims = next(i.dims for i in graph.initializer if i.name == packed)  # (vocab, n_blocks, blob)
-    n_blocks = packed_dims[1]
-    constants = {
-        f"{p}_zero_point": np.array(2 ** (bits - 1), dtype=np.float32),
-        f"{p}_last": np.array([-1], dtype=np.int64),
-        f"{p}_row_shape": np.array([0, 0, n_blocks * block_size], dtype=np.int64),
-    }
-    if bits == 4:
-        constants[f"{p}_sixteen"] = np.array(16, dtype=np.int32)
-        constants[f"{p}_block_shape"] = np.array([0, 0, n_blocks, block_size], dtype=np.int64)
-    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in constants.items())
-    n = lambda op, inputs, output, **attrs: helper.make_node(
-        op, inputs, [output], name=f"{p}_{output[len(p) :]}", **attrs
-    )
-    nodes = [n("Gather", [packed, ids], f"{p}_bytes", axis=0)]  # (B, T, n_blocks, blob) uint8
-    values = f"{p}_bytes"  # 8 bits: one byte a value, blob == block
-    if bits == 4:
-        values = f"{p}_nibbles"
-        nodes += [
-            n("Cast", [f"{p}_bytes"], f"{p}_ints", to=onnx.TensorProto.INT32),
-            n("Mod", [f"{p}_ints", f"{p}_sixteen"], f"{p}_low"),
-            n("Div", [f"{p}_ints", f"{p}_sixteen"], f"{p}_high"),
-            n("Unsqueeze", [f"{p}_low", f"{p}_last"], f"{p}_low5"),
-            n("Unsqueeze", [f"{p}_high", f"{p}_last"], f"{p}_high5"),
-            n("Concat", [f"{p}_low5", f"{p}_high5"], f"{p}_pairs", axis=-1),  # (B, T, n_blocks, blob, 2)
-            n("Reshape", [f"{p}_pairs", f"{p}_block_shape"], values),  # (B, T, n_blocks, block)
-        ]
-    nodes += [
-        n("Cast", [values], f"{p}_float", to=onnx.TensorProto.FLOAT),
-        n("Sub", [f"{p}_float", f"{p}_zero_point"], f"{p}_centered"),
-        n("Gather", [scales, ids], f"{p}_scales", axis=0),  # (B, T, n_blocks)
-        n("Unsqueeze", [f"{p}_scales", f"{p}_last"], f"{p}_scales4"),
-        n("Mul", [f"{p}_centered", f"{p}_scales4"], f"{p}_blocks"),
-        helper.make_node("Reshape", [f"{p}_blocks", f"{p}_row_shape"], [rows_out], name=f"{p}_rows"),
-    ]
-    graph.node.remove(transpose)
-    graph.node.remove(gather)
-    for offset, node in enumerate(nodes):
-        graph.node.insert(index + offset, node)
-
-
 def drop_unused_initializers(model: onnx.ModelProto) -> None:
     used = {name for node in model.graph.node for name in node.input}
     used |= {o.name for o in model.graph.output}

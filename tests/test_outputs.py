@@ -240,7 +240,7 @@ def test_quantize_into_the_folder_holding_its_input_is_refused_before_any_work(p
 def test_export_over_its_own_checkpoint_parent_is_refused(hf_checkpoint, tmp_path, monkeypatch):
     from edgelm.export import onnx_export
 
-    monkeypatch.setattr(onnx_export, "load_checkpoint", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(onnx_export, "open_source", lambda *a, **k: pytest.fail("work started"))
     for out in (hf_checkpoint, hf_checkpoint.parent, hf_checkpoint / "pkg"):
         with pytest.raises(ValueError):
             onnx_export.export_package(hf_checkpoint, out, overwrite=True, progress=lambda _: None)

@@ -1,0 +1,131 @@
+"""`edgelm export model.gguf OUT`: small GGUF files written with llama.cpp's own writer (tests/test_gguf.py),
+exported, and run with the runtime against transformers' GGUF loader; --keep-gguf-quantization's
+MatMulNBits blocks against the GGUF's own weights; a hostile file at the command line."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from test_gguf import _unpack, write_gguf  # noqa: E402  (pytest puts tests/ on the path)
+
+from edgelm.cli import main  # noqa: E402
+from edgelm.export.gguf import read_gguf  # noqa: E402
+from edgelm.export.onnx_export import export_package  # noqa: E402
+from edgelm.runtime import load  # noqa: E402
+
+GREEDY_TOKENS = 32
+PROMPT = [5, 17, 300, 42, 9]
+# token_embd Q8_0 (tied: the head MatMulNBits 8 bits, the embedding gathers its blocks); layer 0: Q/K/V all
+# 4-bit (Q4_0 and Q4_1: kept), output Q8_0, gate Q4_0 + up Q4_1 (kept), down F16 (float); layer 1: Q8_0 Q
+# with 4-bit K/V (bits differ: QKV stays float)
+KEEP_KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16)
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def _transformers_greedy(path) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    model.generation_config.eos_token_id = None  # exactly GREEDY_TOKENS tokens
+    prompt = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = model.generate(
+            prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False, attention_mask=torch.ones_like(prompt)
+        )
+    return out[0, len(PROMPT) :].tolist()
+
+
+def _edgelm_greedy(package) -> list[int]:
+    result = load(package).generate(PROMPT, GREEDY_TOKENS, ignore_eos=True)
+    return result.token_ids
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gguf_export_greedy_equals_transformers(tmp_path, tied):
+    path = write_gguf(tmp_path, "llama", kinds=(Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1), tied=tied)
+    manifest = export_package(path, tmp_path / "pkg", progress=quiet)
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1e-4
+    expected = _transformers_greedy(path)
+    assert len(set(expected)) > 3, "a degenerate model would not test much"
+    assert _edgelm_greedy(tmp_path / "pkg") == expected
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kept")
+    path = write_gguf(folder, "llama", kinds=KEEP_KINDS, tied=True)
+    manifest = export_package(path, folder / "pkg", keep_gguf_quantization=True, accuracy_level=0, progress=quiet)
+    return path, folder / "pkg", manifest
+
+
+def test_kept_blocks_dequantize_to_the_gguf_weights(kept):
+    path, package, manifest = kept
+    weights = read_gguf(path)
+    graph = onnx.load(str(package / "model.onnx")).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    nodes = {n.name: n for n in graph.node if n.op_type == "MatMulNBits"}
+    parts = {
+        "layers.0.qkv/MatMulNBits": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        "layers.0.attention_out/MatMulNBits": ["self_attn.o_proj"],
+        "layers.0.mlp.up/MatMulNBits": ["mlp.gate_proj", "mlp.up_proj"],
+        "layers.1.attention_out/MatMulNBits": ["self_attn.o_proj"],
+    }
+    for name, hf in parts.items():
+        node = nodes[name]
+        bits = next(a.i for a in node.attribute if a.name == "bits")
+        packed, scales = inits[node.input[1]], inits[node.input[2]]
+        zero_points = inits[node.input[3]] if len(node.input) > 3 else np.full(scales.size, 2 ** (bits - 1))
+        layer = name.split(".")[1]
+        expected = np.concatenate([weights.tensor(f"model.layers.{layer}.{part}.weight") for part in hf])
+        np.testing.assert_allclose(_unpack(bits, packed, scales, zero_points), expected, rtol=1e-6, atol=1e-7)
+    head = nodes["logits"]
+    assert next(a.i for a in head.attribute if a.name == "bits") == 8 and len(head.input) == 3  # symmetric Q8_0
+    packed, scales = inits[head.input[1]], inits[head.input[2]]
+    table = _unpack(8, packed, scales, np.full(scales.size, 128))
+    np.testing.assert_array_equal(table, weights.tensor("model.embed_tokens.weight"))
+    # layer 1's Q (Q8_0) and K/V (4 bits) cannot share one node; its down projection is F16: float MatMuls
+    matmuls = {n.name for n in graph.node if n.op_type == "MatMul"}
+    assert {"layers.1.qkv/MatMul", "layers.0.mlp.down/MatMul"} <= matmuls
+    assert not any(i.name == "lm_head.weight_T" for i in graph.initializer), "the tied table is stored once, as blocks"
+    assert manifest["precision"] == "int4"
+    assert manifest["recipe"]["mode"] == "gguf" and manifest["recipe"]["lm_head"] == "int8"
+
+
+def test_kept_package_greedy_equals_transformers(kept):
+    path, package, manifest = kept
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1e-4  # accuracy_level 0: float activations
+    assert _edgelm_greedy(package) == _transformers_greedy(path)
+
+
+def test_kept_at_accuracy_level_4_stays_close(tmp_path):
+    path = write_gguf(tmp_path, "llama", kinds=KEEP_KINDS, tied=True)
+    manifest = export_package(path, tmp_path / "pkg", keep_gguf_quantization=True, progress=quiet)
+    assert manifest["parity"]["tolerance"] == 1.0 and "int8" in manifest["parity"]["activations"]
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1.0
+
+
+def test_hostile_gguf_cli_one_line_error_writes_nothing(tmp_path, capsys):
+    data = write_gguf(tmp_path, "llama").read_bytes()
+    hostile = tmp_path / "hostile.gguf"
+    hostile.write_bytes(data[: len(data) // 2])  # tensor data past the end
+    out = tmp_path / "out"
+    before = set(tmp_path.iterdir())
+    assert main(["export", str(hostile), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hostile.gguf" in err and "past the end" in err, err
+    assert set(tmp_path.iterdir()) == before, "nothing written"
+
+
+def test_keep_quantization_needs_a_gguf_file(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "no-such-folder"), str(tmp_path / "out"), "--keep-gguf-quantization"]) == 1
+    assert not (tmp_path / "out").exists()
