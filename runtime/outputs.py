@@ -128,11 +128,11 @@ class StagedOutput:
     def __enter__(self) -> Path:
         parent = self.out_dir.parent.absolute()
         self._made = [p for p in [parent, *parent.parents] if not os.path.lexists(p)]  # removed again on failure
-        parent.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{self.out_dir.name}-", dir=self.out_dir.parent))
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():  # before the folder exists: no window
             for number in _SIGNALS:
                 self._handlers[number] = signal.signal(number, self._terminate)
+        parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{self.out_dir.name}-", dir=self.out_dir.parent))
         return self.path
 
     def _terminate(self, number, frame) -> None:
