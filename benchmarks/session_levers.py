@@ -20,6 +20,7 @@ import sys
 import time
 
 SESSION_VARIANTS = {
+    "same-options": {"session.intra_op.allow_spinning": "1"},  # ORT's default: a control for the session swap
     "no-spinning": {"session.intra_op.allow_spinning": "0"},
     "extended-opt": {"graph_optimization_level": "extended"},
     "no-mem-pattern": {"enable_mem_pattern": "0"},
