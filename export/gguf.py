@@ -121,7 +121,8 @@ class GGUFModel:
         """(bits, B, scales, zero_points, offsets) for an ONNX Runtime com.microsoft MatMulNBits node (block_size 32)
         that computes x @ W with W the (in, out) matrix of linear weight `name`, from its Q4_0/Q4_1/Q8_0 blocks
         without requantizing; None for other types. B: uint8 (N, K/32, 32*bits/8); scales: float32 (N*K/32,);
-        zero_points: uint8 (N*K/32,), one per block, unpacked; offsets: float32 (N*K/32,) for Q4_1, else None.
+        zero_points: uint8 (N*K/32,), one per block, unpacked (8 for 4 bits, 128 for 8: ONNX Runtime's integer
+        defaults, which keep it on its fast kernels); offsets: float32 (N*K/32,) for Q4_1, else None.
         N = out features, K = in features; w = (q - zero_point) * scale + offset.
         """
         entry, stored = self._lookup(name)
@@ -141,11 +142,11 @@ class GGUFModel:
             nibbles = blocks[..., 2:18] if kind == Q.Q4_0 else blocks[..., 4:20]  # (N, K/32, 16)
             # GGUF: element j in the low nibble of byte j, element j + 16 in its high nibble
             values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (N, K/32, 32)
-            if kind == Q.Q4_0:  # w = d * (q - 8)
-                zero_points = np.full(scales.shape, 8, np.uint8)
-            else:  # w = d * q + m: integer zero point 0 (ORT's fast kernels), m added by the graph (block sums of x)
-                zero_points = np.zeros(scales.shape, np.uint8)
-                offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
+            zero_points = np.full(scales.shape, 8, np.uint8)  # Q4_0: w = d * (q - 8)
+            if kind == Q.Q4_1:  # w = d * q + m = d * (q - 8) + (m + 8 d): the graph adds the offsets (block sums
+                # of x times them); centred on 8, the two terms cancel less than d * q and m would
+                minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
+                offsets = minimum + 8 * scales  # exact in float32 unless |m| and |8 d| lie 2^13 apart
             # MatMulNBits: element 2i in the low nibble of byte i, element 2i + 1 in its high nibble
             packed = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)  # (N, K/32, 16)
         arrays = [packed, scales, zero_points] + ([offsets] if offsets is not None else [])

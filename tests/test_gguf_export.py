@@ -119,8 +119,8 @@ def test_kept_package_greedy_equals_transformers(kept):
 def test_kept_at_accuracy_level_4_stays_close(tmp_path):
     path = write_gguf(tmp_path, "llama", kinds=KEEP_KINDS, tied=True)
     manifest = export_package(path, tmp_path / "pkg", keep_gguf_quantization=True, progress=quiet)
-    assert manifest["parity"]["tolerance"] == 1.0 and "int8" in manifest["parity"]["activations"]
-    assert manifest["parity"]["max_abs_logit_diff"] <= 1.0
+    assert manifest["parity"]["tolerance"] == 4.0 and "int8" in manifest["parity"]["activations"]
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1.0  # a tiny model: well inside the tolerance
 
 
 def test_hostile_gguf_cli_one_line_error_writes_nothing(tmp_path, capsys):
