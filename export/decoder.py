@@ -28,13 +28,15 @@ ACTIVATIONS = ("gelu_new", "gelu", "silu")
 
 @dataclass
 class NBits:
-    """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - zero_point) * scale for
-    the block of `block_size` consecutive k in column n; from a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks."""
+    """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - zero_point) * scale
+    + offset for the block of `block_size` consecutive k in column n; from a GGUF file's own Q4_0 / Q4_1 / Q8_0
+    blocks. The graph adds the offsets as (block sums of x) @ block_offsets beside the MatMulNBits node."""
 
     bits: int  # 4 or 8
     packed: np.ndarray  # uint8 (N, K / block_size, block_size * bits / 8): out features first
     scales: np.ndarray  # float32 (N, K / block_size)
-    zero_points: np.ndarray | None  # (N * K / block_size,): float32 (4 bits), uint8 (8 bits); None: 2^(bits - 1)
+    zero_points: np.ndarray | None  # uint8 (N, K / block_size), one per block, unpacked; None: all 2^(bits - 1)
+    block_offsets: np.ndarray | None = None  # float32 (K / block_size, N): Q4_1's minimums; None: all 0
     block_size: int = 32
 
     @property

@@ -22,9 +22,9 @@ from .hf_checkpoint import build_llama, llama_config_from_hf, load_llama, read_e
 from .llama import MODEL_TYPES, Llama, rope_cos_sin
 from .model import GPT
 
-# checkpoint tensor name -> (bits, packed, scales, zero points) for a MatMulNBits node, or None where the
-# tensor has no such blocks (export/gguf.py GGUFModel.matmul_nbits)
-Blocks = Callable[[str], tuple[int, np.ndarray, np.ndarray, np.ndarray] | None]
+# checkpoint tensor name -> (bits, packed, scales, zero points, offsets or None) for a MatMulNBits node, or None
+# where the tensor has no such blocks (export/gguf.py GGUFModel.matmul_nbits)
+Blocks = Callable[[str], tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None]
 
 
 def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
@@ -36,9 +36,13 @@ def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
     bits = parts[0][0]
     packed = np.concatenate([part[1] for part in parts])  # (N, K / 32, bytes per block)
     scales = np.concatenate([part[2] for part in parts]).reshape(packed.shape[:2])  # (N, K / 32)
-    zero_points = np.concatenate([part[3] for part in parts])
+    zero_points = np.concatenate([part[3] for part in parts]).reshape(packed.shape[:2])  # (N, K / 32)
     symmetric = bool(np.all(zero_points == 2 ** (bits - 1)))  # Q8_0, Q4_0: MatMulNBits' default zero point
-    return NBits(bits, packed, scales, None if symmetric else zero_points)
+    offsets = None
+    if any(part[4] is not None for part in parts):  # Q4_1 parts; the others' blocks have offset 0
+        pieces = [part[4] if part[4] is not None else np.zeros_like(part[2]) for part in parts]
+        offsets = np.ascontiguousarray(np.concatenate(pieces).reshape(packed.shape[:2]).T)  # (K / 32, N)
+    return NBits(bits, packed, scales, None if symmetric else zero_points, offsets)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
@@ -108,7 +112,8 @@ def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
 def _head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | None:
     """The LM head's blocks; a tied embedding gathers from them too, which needs a symmetric type."""
     nbits = kept_blocks(blocks, [embedding if tied else "lm_head.weight"])
-    return None if nbits is not None and tied and nbits.zero_points is not None else nbits
+    asymmetric = nbits is not None and (nbits.zero_points is not None or nbits.block_offsets is not None)
+    return None if tied and asymmetric else nbits
 
 
 def gpt2_details(model: GPT) -> dict:

@@ -117,12 +117,13 @@ class GGUFModel:
             weight = _unpermute_rows(weight, entry.heads)
         return np.ascontiguousarray(weight.T) if entry.transpose else weight
 
-    def matmul_nbits(self, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
-        """(bits, B, scales, zero_points) for an ONNX Runtime com.microsoft MatMulNBits node (block_size 32) that
-        computes x @ W with W the (in, out) matrix of linear weight `name`, from its Q4_0/Q4_1/Q8_0 blocks without
-        requantizing; None for other types. B: uint8 (N, K/32, 32*bits/8); scales: float32 (N*K/32,); zero_points
-        (N*K/32,): float32 for 4 bits, uint8 (all 128) for 8 bits. N = out features, K = in features;
-        w = (q - zero_point) * scale.
+    def matmul_nbits(self, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """(bits, B, scales, zero_points, offsets) for an ONNX Runtime com.microsoft MatMulNBits node (block_size 32)
+        that computes x @ W with W the (in, out) matrix of linear weight `name`, from its Q4_0/Q4_1/Q8_0 blocks
+        without requantizing; None for other types. B: uint8 (N, K/32, 32*bits/8); scales: float32 (N*K/32,);
+        zero_points: uint8 (N*K/32,), one per block, unpacked (8 for 4 bits, 128 for 8: ONNX Runtime's integer
+        defaults, which keep it on its fast kernels); offsets: float32 (N*K/32,) for Q4_1, else None.
+        N = out features, K = in features; w = (q - zero_point) * scale + offset.
         """
         entry, stored = self._lookup(name)
         kind = stored.tensor_type
@@ -131,29 +132,29 @@ class GGUFModel:
         n_out, n_in = entry.shape
         blocks = np.asarray(stored.data).reshape(n_out, n_in // BLOCK, -1)  # (N, K/32, bytes per block)
         scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
+        offsets = None
         if kind == Q.Q8_0:  # w = d * q, q int8 -> stored q + 128 with zero point 128
             bits = 8
             packed = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-            zero_points = np.full(scales.shape, 128, np.uint8)  # ORT CPU takes no float zero points with 8 bits
+            zero_points = np.full(scales.shape, 128, np.uint8)
         else:
             bits = 4
             nibbles = blocks[..., 2:18] if kind == Q.Q4_0 else blocks[..., 4:20]  # (N, K/32, 16)
             # GGUF: element j in the low nibble of byte j, element j + 16 in its high nibble
             values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (N, K/32, 32)
-            if kind == Q.Q4_0:  # w = d * (q - 8)
-                zero_points = np.full_like(scales, 8.0)
-            else:  # w = d * q + m = d * (q - (-m / d))
-                minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-                flat = scales == 0  # every weight of the block is m: q = 0, zero point -1, scale m
-                values[flat] = 0
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    zero_points = np.where(flat, -1.0, -minimum / scales).astype(np.float32)
-                scales = np.where(flat, minimum, scales)
+            zero_points = np.full(scales.shape, 8, np.uint8)  # Q4_0: w = d * (q - 8)
+            if kind == Q.Q4_1:  # w = d * q + m = d * (q - 8) + (m + 8 d): the graph adds the offsets (block sums
+                # of x times them); centred on 8, the two terms cancel less than d * q and m would
+                minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
+                offsets = minimum + 8 * scales  # exact in float32 unless |m| and |8 d| lie 2^13 apart
             # MatMulNBits: element 2i in the low nibble of byte i, element 2i + 1 in its high nibble
             packed = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)  # (N, K/32, 16)
+        arrays = [packed, scales, zero_points] + ([offsets] if offsets is not None else [])
         if entry.heads:
-            packed, scales, zero_points = (_unpermute_rows(a, entry.heads) for a in (packed, scales, zero_points))
-        return bits, np.ascontiguousarray(packed), scales.reshape(-1), zero_points.reshape(-1)
+            arrays = [_unpermute_rows(a, entry.heads) for a in arrays]
+        packed, scales, zero_points, *rest = arrays
+        offsets = rest[0].reshape(-1) if rest else None
+        return bits, np.ascontiguousarray(packed), scales.reshape(-1), zero_points.reshape(-1), offsets
 
 
 def _number(meta: dict, key: str, default: Any = None, *, kind: type = int) -> Any:

@@ -20,7 +20,8 @@ runs with a growing cache, as the standard graph does.
 Linear layers are MatMul (+ Add for a bias) with constant weights, so quantize/ finds and quantizes
 them; a tied embedding is one (C, V) matrix read by both the LM head and a Gather along axis 1. A Linear
 that carries MatMulNBits blocks (a GGUF file's own quantization, export/decoder.py NBits) becomes a
-com.microsoft MatMulNBits node on them instead, and a tied embedding then gathers from the head's blocks.
+com.microsoft MatMulNBits node on them instead (plus a MatMul of x's block sums by the blocks' offsets for
+Q4_1's w = d * q + m), and a tied embedding then gathers from the head's blocks.
 
 The weights are not copied into the graph: its initializers are placeholders and the arrays travel beside
 it, for edgelm.onnxfile.save_model to write one at a time.
@@ -45,6 +46,17 @@ LOGITS_TO_KEEP = "num_logits_to_keep"
 def _nbits_names(prefix: str, nbits: NBits) -> list[str]:
     names = [f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales"]
     return names + ([f"{prefix}.weight_zero_points"] if nbits.zero_points is not None else [])
+
+
+def _packed_zero_points(zero_points: np.ndarray, bits: int) -> np.ndarray:
+    """MatMulNBits' zero point input from one uint8 per (N, K / block_size) block: 4 bits pack two blocks a
+    byte (even block in the low nibble), each column padded to whole bytes; 8 bits, one a byte."""
+    if bits == 8:
+        return zero_points.reshape(-1)
+    n, blocks = zero_points.shape
+    padded = np.zeros((n, blocks + blocks % 2), np.uint8)
+    padded[:, :blocks] = zero_points
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
 
 
 class _GraphBuilder:
@@ -82,17 +94,22 @@ class _GraphBuilder:
 
     def nbits_weights(self, prefix: str, nbits: NBits) -> list[str]:
         """MatMulNBits' constant inputs: packed blocks, scales and, unless symmetric, zero points."""
-        arrays = [nbits.packed, nbits.scales, nbits.zero_points]
-        return [self.constant(name, array) for name, array in zip(_nbits_names(prefix, nbits), arrays, strict=False)]
+        arrays = [nbits.packed, nbits.scales]
+        if nbits.zero_points is not None:
+            arrays.append(_packed_zero_points(nbits.zero_points, nbits.bits))
+        return [self.constant(name, array) for name, array in zip(_nbits_names(prefix, nbits), arrays, strict=True)]
 
     def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:
+        """x @ W on the blocks; with block offsets (Q4_1's w = d * q + m) the integer-zero-point product
+        plus (block sums of x) @ offsets, which keeps ONNX Runtime on its fast kernels."""
         k, n = nbits.shape
+        product = output if nbits.block_offsets is None else f"{output}/blocks"
         self.nodes.append(
             helper.make_node(
                 "MatMulNBits",
                 [x, *self.nbits_weights(prefix, nbits)],
-                [output],
-                name=output,
+                [product],
+                name=product,
                 domain=MS_DOMAIN,
                 K=k,
                 N=n,
@@ -101,7 +118,17 @@ class _GraphBuilder:
                 accuracy_level=self.accuracy_level,
             )
         )
-        return self.float_output(output, ["batch_size", "sequence_length", n])
+        self.float_output(product, ["batch_size", "sequence_length", n])
+        if nbits.block_offsets is None:
+            return product
+        split = np.array([0, 0, k // nbits.block_size, nbits.block_size], dtype=np.int64)
+        shape = self.small_constant(f"{prefix}/block_shape", split)
+        blocks = self.op("Reshape", [x, shape], f"{prefix}/Reshape")  # (B, S, K / block_size, block_size)
+        axis = self.small_constant(f"{prefix}/block_axis", np.array([-1], dtype=np.int64))
+        sums = self.op("ReduceSum", [blocks, axis], f"{prefix}/ReduceSum", keepdims=0)  # (B, S, K / block_size)
+        offsets = self.constant(f"{prefix}.weight_block_offsets", nbits.block_offsets)  # (K / block_size, N)
+        correction = self.op("MatMul", [sums, offsets], f"{prefix}/offsets")  # (B, S, N)
+        return self.op("Add", [product, correction], output)
 
     def linear(self, x: str, prefix: str, layer: Linear) -> str:
         if layer.nbits is not None:
@@ -243,7 +270,8 @@ def build_fused_graph(
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     if d.tied and d.head_nbits is not None:
-        assert d.head_nbits.zero_points is None, "a tied embedding gathers symmetric blocks only"
+        symmetric = d.head_nbits.zero_points is None and d.head_nbits.block_offsets is None
+        assert symmetric, "a tied embedding gathers symmetric blocks only"
         gather = next(n for n in model.graph.node if n.name == "embed/Gather")
         packed, scales = _nbits_names("lm_head", d.head_nbits)  # what the head's MatMulNBits reads
         gather_from_nbits(model, gather, packed, scales, bits=d.head_nbits.bits, block_size=d.head_nbits.block_size)

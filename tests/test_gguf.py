@@ -173,8 +173,9 @@ def test_tokenizer_matches_transformers(tmp_path):
         assert (model.bos_token_id, model.eos_token_ids) == (0, [0])
 
 
-def _unpack(bits: int, packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray) -> np.ndarray:
-    """MatMulNBits' (N, K/32, blob) blocks back to an (N, K) weight: element 2i low nibble, 2i+1 high."""
+def _unpack(bits: int, packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, offsets=None) -> np.ndarray:
+    """MatMulNBits' (N, K/32, blob) blocks back to an (N, K) weight: element 2i low nibble, 2i+1 high;
+    (q - zero point) * scale + offset, one zero point, scale and offset (Q4_1's minimum) per block."""
     if bits == 4:
         values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:2], 32)
     else:
@@ -183,14 +184,22 @@ def _unpack(bits: int, packed: np.ndarray, scales: np.ndarray, zero_points: np.n
     weight = (values.astype(np.float32) - zero_points.reshape(n, blocks, 1).astype(np.float32)) * scales.reshape(
         n, blocks, 1
     )
+    if offsets is not None:
+        weight = weight + offsets.reshape(n, blocks, 1)
     return weight.reshape(n, blocks * 32).astype(np.float32)
 
 
-def _matmul_nbits(x: np.ndarray, bits: int, packed, scales, zero_points) -> np.ndarray:
+def _matmul_nbits(x: np.ndarray, bits: int, packed, scales, zero_points, offsets=None) -> np.ndarray:
+    """ONNX Runtime's MatMulNBits on the blocks with uint8 zero points (packed two a byte for 4 bits), plus
+    the block sums of x times the offsets where there are any."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     n, blocks, _ = packed.shape
+    if bits == 4:  # even block in the low nibble, each column padded to whole bytes
+        padded = np.zeros((n, blocks + blocks % 2), np.uint8)
+        padded[:, :blocks] = zero_points.reshape(n, blocks)
+        zero_points = (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
     node = helper.make_node(
         "MatMulNBits",
         ["x", "B", "scales", "zp"],
@@ -213,7 +222,10 @@ def _matmul_nbits(x: np.ndarray, bits: int, packed, scales, zero_points) -> np.n
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     )
     session = ort.InferenceSession(onnx_model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})[0]
+    y = session.run(None, {"x": x})[0]
+    if offsets is not None:
+        y = y + x.reshape(len(x), blocks, 32).sum(-1) @ offsets.reshape(n, blocks).T
+    return y
 
 
 def test_matmul_nbits_matches_dequantized_weights(case):
@@ -382,8 +394,8 @@ def test_smollm2_rotary_rows_are_unpermuted(smollm2):
         ours = smollm2.tensor(f"model.layers.3.self_attn.{hf}.weight")
         np.testing.assert_array_equal(_permute(ours, heads) if heads else ours, raw)
         assert not heads or not np.array_equal(ours, raw)
-        bits, packed, scales, zero_points = smollm2.matmul_nbits(f"model.layers.3.self_attn.{hf}.weight")
-        np.testing.assert_allclose(_unpack(bits, packed, scales, zero_points), ours, rtol=1e-5, atol=1e-6)
+        blocks = smollm2.matmul_nbits(f"model.layers.3.self_attn.{hf}.weight")
+        np.testing.assert_allclose(_unpack(*blocks), ours, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -81,13 +81,22 @@ def test_kept_blocks_dequantize_to_the_gguf_weights(kept):
         "layers.1.attention_out/MatMulNBits": ["self_attn.o_proj"],
     }
     for name, hf in parts.items():
-        node = nodes[name]
+        node = nodes.get(name) or nodes[f"{name}/blocks"]  # with Q4_1 parts: the integer-zero-point product
         bits = next(a.i for a in node.attribute if a.name == "bits")
         packed, scales = inits[node.input[1]], inits[node.input[2]]
-        zero_points = inits[node.input[3]] if len(node.input) > 3 else np.full(scales.size, 2 ** (bits - 1))
+        n, blocks = packed.shape[:2]
+        zero_points = np.full(scales.size, 2 ** (bits - 1))
+        if len(node.input) > 3:
+            stored = inits[node.input[3]]
+            assert stored.dtype == np.uint8, "integer zero points: ONNX Runtime has no fast kernel for float ones"
+            zero_points = np.stack([stored & 0x0F, stored >> 4], -1).reshape(n, -1)[:, :blocks] if bits == 4 else stored
+        offsets = inits.get(node.input[1].rsplit(".", 1)[0] + ".weight_block_offsets")  # (K/32, N): Q4_1's minimums
         layer = name.split(".")[1]
+        q4_1 = any(weights.quant_type(f"model.layers.{layer}.{part}.weight") == "Q4_1" for part in hf)
+        assert (offsets is not None) == q4_1, name
         expected = np.concatenate([weights.tensor(f"model.layers.{layer}.{part}.weight") for part in hf])
-        np.testing.assert_allclose(_unpack(bits, packed, scales, zero_points), expected, rtol=1e-6, atol=1e-7)
+        unpacked = _unpack(bits, packed, scales, zero_points, None if offsets is None else offsets.T)
+        np.testing.assert_allclose(unpacked, expected, rtol=1e-6, atol=1e-7)
     head = nodes["logits"]
     assert next(a.i for a in head.attribute if a.name == "bits") == 8 and len(head.input) == 3  # symmetric Q8_0
     packed, scales = inits[head.input[1]], inits[head.input[2]]
@@ -110,8 +119,8 @@ def test_kept_package_greedy_equals_transformers(kept):
 def test_kept_at_accuracy_level_4_stays_close(tmp_path):
     path = write_gguf(tmp_path, "llama", kinds=KEEP_KINDS, tied=True)
     manifest = export_package(path, tmp_path / "pkg", keep_gguf_quantization=True, progress=quiet)
-    assert manifest["parity"]["tolerance"] == 1.0 and "int8" in manifest["parity"]["activations"]
-    assert manifest["parity"]["max_abs_logit_diff"] <= 1.0
+    assert manifest["parity"]["tolerance"] == 4.0 and "int8" in manifest["parity"]["activations"]
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1.0  # a tiny model: well inside the tolerance
 
 
 def test_hostile_gguf_cli_one_line_error_writes_nothing(tmp_path, capsys):
