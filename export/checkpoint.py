@@ -126,6 +126,11 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def load_checkpoint(folder: str | Path) -> GPT:
     """Load a GPT-2-layout checkpoint folder into the reference model (eval mode, fp32)."""
     folder = Path(folder)
+    return build_gpt(config_from_hf(read_config(folder)), _read_state_dict(folder))
+
+
+def read_config(folder: Path) -> dict:
+    """A checkpoint folder's config.json, as a dict; a missing folder or file, or bad JSON, is a clear error."""
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     config_path = folder / CONFIG_FILE
@@ -137,7 +142,7 @@ def load_checkpoint(folder: str | Path) -> GPT:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object")
-    return build_gpt(config_from_hf(hf_config), _read_state_dict(folder))
+    return hf_config
 
 
 def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:

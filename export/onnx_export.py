@@ -10,7 +10,6 @@ export proves the graph (export/parity.py) and fails above the tolerance.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from ..runtime.contract import (
 )
 from ..runtime.outputs import StagedOutput
 from ..runtime.package import file_sha256, list_files, write_json
-from .checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, checkpoint_hash
+from .checkpoint import TOKENIZER_FILES, CheckpointError, checkpoint_hash, read_config
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
@@ -77,17 +76,7 @@ class Source:
 
 def open_folder(folder: Path) -> Source:
     """A Hugging Face-layout checkpoint folder: config.json names the family."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}")
-    try:
-        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
-    if not isinstance(hf_config, dict):
-        raise CheckpointError(f"{config_path} is not a JSON object")
+    hf_config = read_config(folder)
     family = family_for(hf_config.get("model_type"))
     model = family.load(folder)
     return Source(
