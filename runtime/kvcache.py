@@ -11,7 +11,8 @@ Both drivers have one interface (gpt-fast's KVCache has one job too):
 
 The cache never goes through numpy between steps and, with CUDA, stays on the device. `plain_feed`
 builds the feed of an unbound run (a prompt with an empty cache, or a step with a growing one), for
-code that runs the session itself: calibration and evaluation.
+code that runs the session itself: calibration and evaluation. `check_generation_memory` refuses, before
+anything is allocated, a generation whose cache and logits would not fit in the memory available.
 """
 
 from __future__ import annotations
