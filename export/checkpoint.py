@@ -107,20 +107,23 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
     if (folder / PICKLE_FILE).is_file():
-        path = folder / PICKLE_FILE
-        try:
-            # weights_only: tensors and plain containers only; a pickle that names any other
-            # callable is refused instead of executed.
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else "refused"
-            raise CheckpointError(f"{path} is not a plain weights file (refused to unpickle: {first_line})") from None
-        except (RuntimeError, EOFError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"{path} does not hold a state dict of tensors")
-        return state
+        return read_pickle(folder / PICKLE_FILE)
     raise FileNotFoundError(f"{folder} has no {SAFETENSORS_FILE} or {PICKLE_FILE}")
+
+
+def read_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin state dict, loaded with weights_only: tensors and plain containers only; a
+    pickle that names any other callable is refused instead of executed."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else "refused"
+        raise CheckpointError(f"{path} is not a plain weights file (refused to unpickle: {first_line})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} does not hold a state dict of tensors")
+    return state
 
 
 def load_checkpoint(folder: str | Path) -> GPT:

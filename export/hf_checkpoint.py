@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, read_pickle
 from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq
 
 CONFIG_FILE = "config.json"
@@ -101,17 +100,7 @@ def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
         return state
     if (folder / PICKLE_FILE).is_file():
         path = folder / PICKLE_FILE
-        try:
-            # weights_only: tensors and plain containers only; a pickle naming any other callable is refused.
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else "refused"
-            raise CheckpointError(f"{path} is not a plain weights file (refused to unpickle: {first_line})") from None
-        except (RuntimeError, EOFError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"{path} does not hold a state dict of tensors")
-        return {name: _to_float32(name, tensor, path) for name, tensor in state.items()}
+        return {name: _to_float32(name, tensor, path) for name, tensor in read_pickle(path).items()}
     raise FileNotFoundError(f"{folder} has no {SAFETENSORS_FILE}, {SAFETENSORS_INDEX_FILE} or {PICKLE_FILE}")
 
 
