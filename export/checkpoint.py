@@ -136,16 +136,20 @@ def read_config(folder: Path) -> dict:
     """A checkpoint folder's config.json, as a dict; a missing folder or file, or bad JSON, is a clear error."""
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
+    if not (folder / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}")
+    return read_json(folder / CONFIG_FILE)
+
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file (config, index, tokenizer config) as a dict, or a CheckpointError."""
     try:
-        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
-    if not isinstance(hf_config, dict):
-        raise CheckpointError(f"{config_path} is not a JSON object")
-    return hf_config
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return data
 
 
 def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:

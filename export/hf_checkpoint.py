@@ -11,12 +11,11 @@ and the 5.x form (`rope_parameters`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, read_pickle
+from .checkpoint import CheckpointError, read_config, read_json, read_pickle
 from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq
 
 CONFIG_FILE = "config.json"
@@ -27,16 +26,6 @@ PICKLE_FILE = "pytorch_model.bin"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; recomputed from the config
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return data
 
 
 def _to_float32(name: str, tensor: torch.Tensor, source: Path) -> torch.Tensor:
@@ -68,7 +57,7 @@ def _read_safetensors(path: Path, state: dict[str, torch.Tensor]) -> list[str]:
 
 def _read_sharded(folder: Path) -> dict[str, torch.Tensor]:
     index_path = folder / SAFETENSORS_INDEX_FILE
-    weight_map = _read_json(index_path).get("weight_map")
+    weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path} has no weight_map")
     shards = sorted(set(weight_map.values()))
@@ -221,7 +210,7 @@ def read_extras(folder: str | Path) -> dict:
     merged: dict = {}
     for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
         if (folder / name).is_file():
-            data = _read_json(folder / name)
+            data = read_json(folder / name)
             merged.update(
                 {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if data.get(k) is not None}
             )
@@ -231,7 +220,7 @@ def read_extras(folder: str | Path) -> dict:
     if (folder / CHAT_TEMPLATE_FILE).is_file():
         chat_template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     elif (folder / TOKENIZER_CONFIG_FILE).is_file():
-        template = _read_json(folder / TOKENIZER_CONFIG_FILE).get("chat_template")
+        template = read_json(folder / TOKENIZER_CONFIG_FILE).get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             template = next(
                 (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
@@ -251,11 +240,7 @@ def load_llama(folder: str | Path) -> Llama:
     """Load a Hugging Face llama / mistral / qwen2 folder into the reference model (eval mode, fp32).
     The config's BOS/EOS ids are those of read_extras (generation_config.json first)."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    if not (folder / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}")
-    config = llama_config_from_hf(_read_json(folder / CONFIG_FILE))
+    config = llama_config_from_hf(read_config(folder))
     extras = read_extras(folder)
     config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
     return build_llama(config, read_safetensors_folder(folder))
