@@ -53,9 +53,14 @@ class Model:
             raise InvalidParameterError(f"threads must be an integer from 1 to {MAX_THREADS} or None, got {threads!r}")
         started = time.perf_counter()
         providers = resolve_providers(provider)
-        self.spec: PackageSpec = read_package(path, verify=verify)
-        self.tokenizer = Tokenizer(self.spec.tokenizer_path) if self.spec.tokenizer_path else None
-        self.session = open_session(self.spec.model_path, providers, threads)
+        # the model file's sha256 is computed while ONNX Runtime builds the session (it releases the GIL);
+        # nothing runs on the session before the hash matched, and a mismatch wins over a build error
+        self.spec: PackageSpec = read_package(path, verify=verify, background_hashes=True)
+        try:
+            self.tokenizer = Tokenizer(self.spec.tokenizer_path) if self.spec.tokenizer_path else None
+            self.session = open_session(self.spec.model_path, providers, threads)
+        finally:
+            self.spec.finish_verification()
         if provider == "cuda" and PROVIDERS["cuda"] not in self.session.get_providers():
             raise ProviderError("the CUDA provider is installed but failed to start (check the CUDA/cuDNN libraries)")
         self.device = "cuda" if PROVIDERS["cuda"] in self.session.get_providers() else "cpu"

@@ -19,6 +19,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,14 @@ class PackageSpec:
     manifest: Manifest | None = None  # edgelm packages only
     chat_template_path: Path | None = None
     verified: bool = False  # every file the runtime reads was checked against the manifest's sha256
+    pending_hashes: PendingHashes | None = None  # read_package(background_hashes=True): finish_verification()
+
+    def finish_verification(self) -> None:
+        """Wait for the hashes read_package left running; raise PackageError on a mismatch."""
+        if self.pending_hashes is not None:
+            pending, self.pending_hashes = self.pending_hashes, None
+            pending.wait()
+            self.verified = True
 
 
 def file_sha256(path: str | Path) -> str:
@@ -206,11 +215,45 @@ def _from_hf_config(folder: Path, config: dict) -> PackageSpec:
     )
 
 
-def verify_files(folder: Path, manifest: dict) -> None:
-    """Check every file the manifest lists against its size and sha256."""
+# Files at least this large are hashed in a background thread when the caller asks (Model: the ONNX
+# Runtime session is built meanwhile, and ONNX Runtime releases the GIL while it builds).
+BACKGROUND_HASH_BYTES = 8 << 20
+
+
+class PendingHashes:
+    """The sha256 checks still running in the background; wait() raises the first mismatch."""
+
+    def __init__(self, checks: list[tuple[str, Path, str]]):
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, args=(checks,), name="edgelm-sha256", daemon=True)
+        self.thread.start()
+
+    def _run(self, checks: list[tuple[str, Path, str]]) -> None:
+        for name, path, expected in checks:
+            try:
+                if file_sha256(path) != expected:
+                    self.errors.append(_mismatch(name))
+            except OSError as e:
+                self.errors.append(f"cannot read package file {name}: {e.strerror or e}")
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.errors:
+            raise PackageError(self.errors[0])
+
+
+def _mismatch(name: str) -> str:
+    return f"package file {name} does not match its sha256 in {MANIFEST_FILE} (corrupt or tampered)"
+
+
+def verify_files(folder: Path, manifest: dict, *, background: bool = False) -> PendingHashes | None:
+    """Check every file the manifest lists against its size and sha256. With background, files of
+    BACKGROUND_HASH_BYTES or more are hashed in a thread: the caller must wait() on what is returned
+    before it uses anything read from them."""
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise PackageError(f"{MANIFEST_FILE}: 'files' must list the package's files with their sha256")
+    later = []
     for name, entry in files.items():
         path = inside(folder, name, "listed file")
         regular_file(path, "package file")
@@ -221,10 +264,11 @@ def verify_files(folder: Path, manifest: dict) -> None:
             raise PackageError(
                 f"package file {name} is {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
             )
-        if file_sha256(path) != entry["sha256"]:
-            raise PackageError(
-                f"package file {name} does not match its sha256 in {MANIFEST_FILE} (corrupt or tampered)"
-            )
+        if background and size >= BACKGROUND_HASH_BYTES:
+            later.append((name, path, entry["sha256"]))
+        elif file_sha256(path) != entry["sha256"]:
+            raise PackageError(_mismatch(name))
+    return PendingHashes(later) if later else None
 
 
 # ---- external data in model.onnx -------------------------------------------------------------------
@@ -334,8 +378,10 @@ def _check_listed(folder: Path, manifest: Manifest, paths: list[Path]) -> None:
             )
 
 
-def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
-    """Read a package folder's JSON; with verify, check file hashes first (edgelm packages)."""
+def read_package(path: str | Path, *, verify: bool = True, background_hashes: bool = False) -> PackageSpec:
+    """Read a package folder's JSON; with verify, check file hashes first (edgelm packages). With
+    background_hashes, the large files' hashes are still running on return: spec.pending_hashes.wait()
+    finishes them (and sets spec.verified) before anything read from those files may be used."""
     if not isinstance(path, (str, os.PathLike)) or "\x00" in str(path):
         raise PackageError(f"a package path must be a str or Path without NUL characters, got {path!r}")
     folder = Path(path)
@@ -353,9 +399,15 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
         raise PackageError(_unsigned_reason(folder, manifest_path))
     if manifest_path.is_file():
         manifest = _read_json(inside(folder, MANIFEST_FILE, "manifest"))
-        if verify:
-            verify_files(folder, manifest)
-        spec = _from_manifest(folder, manifest)
+        pending = verify_files(folder, manifest, background=background_hashes) if verify else None
+        try:
+            spec = _from_manifest(folder, manifest)
+            spec.pending_hashes = pending
+            return _check_files(folder, spec, verify=verify)
+        except PackageError:
+            if pending is not None:
+                pending.wait()  # a file that fails its sha256 explains any other error best
+            raise
     elif (folder / GENAI_CONFIG_FILE).is_file():
         spec = _from_genai(folder, _read_json(inside(folder, GENAI_CONFIG_FILE, "genai config")))
     elif (folder / HF_CONFIG_FILE).is_file() and (folder / "model.onnx").is_file():
@@ -365,6 +417,12 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
             f"{folder} is not a model package: it has no {MANIFEST_FILE}, no {GENAI_CONFIG_FILE}, "
             f"and no {HF_CONFIG_FILE} + model.onnx"
         )
+    return _check_files(folder, spec, verify=verify)
+
+
+def _check_files(folder: Path, spec: PackageSpec, *, verify: bool) -> PackageSpec:
+    """What every kind of package must pass: regular files, special tokens inside the vocabulary, external
+    data inside the folder and, with verification, listed in the manifest."""
     regular_file(spec.model_path, "model file")
     for path in (spec.tokenizer_path, spec.chat_template_path):
         if path is not None:
@@ -383,7 +441,7 @@ def read_package(path: str | Path, *, verify: bool = True) -> PackageSpec:
         optional = [p for p in (spec.tokenizer_path, spec.chat_template_path) if p is not None]
         read = [spec.model_path, *external, *optional]
         _check_listed(folder, spec.manifest, read)
-        spec.verified = True
+        spec.verified = spec.pending_hashes is None
     return spec
 
 

@@ -30,6 +30,7 @@ from edgelm.runtime import (
     PackageNotFoundError,
     load,
 )
+from edgelm.runtime import package as package_module
 from edgelm.runtime import session as session_module
 from edgelm.runtime.package import external_data_locations, list_files
 
@@ -122,6 +123,24 @@ def test_damaged_file_is_named_before_onnx_runtime_opens_anything(package, tmp_p
     message = refused(folder)
     assert name in message and says in message, message
     assert sessions == [], "ONNX Runtime was handed a package that failed verification"
+
+
+@pytest.mark.parametrize("damage", [flip_middle_byte, lambda p: p.write_bytes(b"\x08" * p.stat().st_size)])
+def test_a_large_file_hashed_while_the_session_builds_still_fails_the_load(package, tmp_path, monkeypatch, damage):
+    """Files of BACKGROUND_HASH_BYTES or more (model.onnx, its weights) are hashed while ONNX Runtime builds
+    the session: load() still raises the mismatch, whether or not the build itself failed on the bytes."""
+    monkeypatch.setattr(package_module, "BACKGROUND_HASH_BYTES", 0)  # the tiny model's files count as large
+    folder = copy_package(package, tmp_path)
+    damage(folder / "model.onnx")
+    message = refused(folder)
+    assert "model.onnx" in message and "sha256" in message, message
+
+
+def test_background_hashes_pass_for_an_intact_package(package, tmp_path, monkeypatch):
+    monkeypatch.setattr(package_module, "BACKGROUND_HASH_BYTES", 0)
+    model = load(copy_package(package, tmp_path), provider="cpu", threads=1)
+    assert model.spec.verified and model.info()["verified"]
+    assert model.generate([1, 2, 3], 4, ignore_eos=True).token_ids
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "genai_config.json", "tokenizer_config.json"])
