@@ -229,6 +229,7 @@ class Model:
         eos = set() if ignore_eos else set(self.spec.tokens.eos_token_ids)
         finish = state.finish
         next_ids = np.empty((batch, 1), dtype=np.int64)
+        argmax_only = params.greedy and not penalize  # then one pass over the logits is all a step needs
         for step in range(max_new_tokens):
             if cancel is not None and cancel.is_set():
                 for row in range(batch):
@@ -236,11 +237,23 @@ class Model:
                 break
             logits = first() if step == 0 else cache.next(next_ids)  # (B, V): each row's newest position
             live = [row for row in range(batch) if not finish[row]]
-            if not np.isfinite(logits[live] if batch > 1 else logits).all():
+            rows = logits[live] if batch > 1 else logits
+            if argmax_only:
+                # argmax returns a NaN's index if there is one, and +inf's before any finite value, so the
+                # chosen logits are finite exactly when the pick is sound (a -inf beside finite logits
+                # cannot change it); this replaces a second pass over the vocabulary for the check
+                picks = rows.argmax(axis=-1)
+                checked = rows[np.arange(len(rows)), picks]
+            else:
+                checked = rows
+            if not np.isfinite(checked).all():
                 raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
             next_ids.fill(self.spec.tokens.pad_token_id)  # rows that have ended feed padding
-            for row in live:
-                token = sample(logits[row], params, rngs[row], seen[row] if penalize else None)
+            for i, row in enumerate(live):
+                if argmax_only:
+                    token = int(picks[i])
+                else:
+                    token = sample(logits[row], params, rngs[row], seen[row] if penalize else None)
                 if step == 0 and not state.first_token_time:
                     state.first_token_time = time.perf_counter()
                 if token in eos:
@@ -333,7 +346,9 @@ class Model:
             truncate_prompt,
             cancel,
         )
-        assemblers = [TextAssembler(self.tokenizer, stops) if self.tokenizer else None for _ in encoded]
+        # text is assembled token by token only to find stop strings; without them it is decoded once at the end
+        watch = self.tokenizer is not None and bool(stops)
+        assemblers = [TextAssembler(self.tokenizer, stops) if watch else None for _ in encoded]
         generated: list[list[int]] = [[] for _ in encoded]
         state = _DecodeState(finish=[""] * len(encoded))
         for row, token in self._decode(
@@ -350,10 +365,14 @@ class Model:
                 assemblers[row].add(token)
                 if assemblers[row].stopped:
                     state.finish[row] = "stop"
+        if watch:
+            texts = [assembler.text for assembler in assemblers]
+        else:
+            texts = [self.tokenizer.decode(ids) if self.tokenizer else "" for ids in generated]
         ended = time.perf_counter()
         return [
             GenerationResult(
-                assemblers[row].text if assemblers[row] is not None else "",
+                texts[row],
                 generated[row],
                 state.finish[row],
                 ids,

@@ -597,3 +597,47 @@ def test_manifest_that_is_not_json(package, tmp_path):
 def test_a_file_instead_of_a_folder(package):
     with pytest.raises(PackageError, match="not a folder"):
         load(package / "model.onnx", provider="cpu")
+
+
+class _Poisoned:
+    """A KV-cache driver whose logits get one bad value: NaN, +inf or -inf at `where` (every id for "all")."""
+
+    def __init__(self, cache, value: float, where):
+        self.cache, self.value, self.where = cache, value, where
+
+    def _poison(self, logits: np.ndarray) -> np.ndarray:
+        logits = logits.copy()
+        logits[..., self.where] = self.value
+        return logits
+
+    def prompt(self):
+        return self._poison(self.cache.prompt())
+
+    def next(self, next_ids):
+        return self._poison(self.cache.next(next_ids))
+
+
+POISONS = {"NaN": (float("nan"), 7), "+inf": (float("inf"), 7), "all -inf": (float("-inf"), slice(None))}
+DECODING = {"greedy": {}, "sampled": {"temperature": 0.8, "seed": 1}, "penalized": {"repetition_penalty": 1.3}}
+
+
+@pytest.mark.parametrize("decoding", DECODING)
+@pytest.mark.parametrize("poison", POISONS)
+def test_non_finite_logits_from_the_model_are_a_package_error(model, monkeypatch, poison, decoding):
+    from edgelm.runtime import generator
+
+    real = generator.make_cache
+    monkeypatch.setattr(generator, "make_cache", lambda *a, **k: _Poisoned(real(*a, **k), *POISONS[poison]))
+    with pytest.raises(PackageError, match="non-finite logits"):
+        model.generate([1, 2, 3], 4, ignore_eos=True, **DECODING[decoding])
+
+
+def test_a_minus_inf_logit_beside_finite_ones_leaves_greedy_unchanged(model, monkeypatch):
+    from edgelm.runtime import generator
+
+    clean = model.generate([1, 2, 3], 6, ignore_eos=True).token_ids
+    real = generator.make_cache
+    # -inf on a token greedy never picks here: the pick is the same, and nothing is refused
+    unused = next(i for i in range(model.spec.arch.vocab_size) if i not in clean)
+    monkeypatch.setattr(generator, "make_cache", lambda *a, **k: _Poisoned(real(*a, **k), float("-inf"), unused))
+    assert model.generate([1, 2, 3], 6, ignore_eos=True).token_ids == clean
