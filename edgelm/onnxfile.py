@@ -9,8 +9,9 @@ session builds faster and with a lower peak of memory. Its rule (onnxruntime/cor
 `MapViewOfFile` needs the offset to be a multiple of the allocation granularity, 64 KiB, and releases before
 1.23 refused other offsets there and fell back to the copy (microsoft/onnxruntime#25833, onnx/onnx#6247). So
 each tensor of at least `ALIGNMENT` bytes starts at a multiple of 64 KiB (a multiple of the page size
-everywhere); smaller ones, whose copy costs little, are packed at `SMALL_ALIGNMENT` to keep the padding
-small. ONNX Runtime's own writer (ModelSavingOptions.align_offset) pads the same way, above a threshold.
+everywhere); smaller ones, whose copy costs little, fill the gaps this leaves (`_layout`), so the file is
+barely larger than its tensors. ONNX Runtime's own writer (ModelSavingOptions.align_offset) pads large
+tensors the same way, and leaves the gaps empty.
 
 Export hands its weights over as numpy arrays beside a model whose initializers are placeholders (name,
 type and dims, no data), and `save_model` writes each array's bytes straight into the data file, one
@@ -57,50 +58,83 @@ def save_model(model: onnx.ModelProto, path: str | Path, *, weights: dict[str, n
     model.producer_name = "edgelm"
     model.producer_version = __version__
     weights = weights if weights is not None else {}
+    for tensor in model.graph.initializer:  # small placeholders (shape constants) are filled in inline
+        if tensor.name in weights and _nbytes(weights[tensor.name]) < INLINE_LIMIT:
+            tensor.raw_data = _take_data(tensor, weights).tobytes()
+    moved = [(t, _size(t, weights)) for t in model.graph.initializer]
+    moved = [(t, size) for t, size in moved if size is not None]
+    unplaced = set(weights) - {t.name for t in model.graph.initializer}
+    assert not unplaced, f"no placeholder initializer for {sorted(unplaced)[:5]}"
     target = data_file(path)
-    location, offset = target.name, 0
-    with open(target, "wb") as f:
-        for tensor in model.graph.initializer:
-            data = _take_data(tensor, weights)
-            if data is None:
-                continue
-            start = _aligned(offset, data.nbytes)
-            f.write(bytes(start - offset))  # zero padding up to the aligned offset
-            f.write(data)
-            offset = start + data.nbytes
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            for key, value in (("location", location), ("offset", start), ("length", data.nbytes)):
-                tensor.external_data.add(key=key, value=str(value))
-    assert not weights, f"no placeholder initializer for {sorted(weights)[:5]}"
-    if offset == 0:
-        target.unlink()
-        location = None
+    location = target.name if moved else None
+    if moved:
+        offsets = _layout([size for _, size in moved])
+        with open(target, "wb") as f:
+            for (tensor, size), offset in zip(moved, offsets, strict=True):
+                f.seek(offset)  # a gap left behind reads as zeros
+                f.write(_take_data(tensor, weights))
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                del tensor.external_data[:]
+                for key, value in (("location", location), ("offset", offset), ("length", size)):
+                    tensor.external_data.add(key=key, value=str(value))
+            f.truncate(max(o + s for o, (_, s) in zip(offsets, moved, strict=True)))
+    elif target.exists():
+        target.unlink()  # an old one from an earlier save
     onnx.save_model(model, str(path))
     return location
 
 
-def _take_data(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> np.ndarray | None:
-    """The bytes of `tensor` to move into the data file (uint8, flat), cleared from the tensor; None to keep
-    it inline. A placeholder's bytes come from `weights` (popped); another tensor's from its raw_data."""
+def _size(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> int | None:
+    """Bytes `tensor` will take in the data file, or None when it stays inline."""
     if tensor.name in weights:
-        array = weights.pop(tensor.name)
-        assert not tensor.raw_data and tuple(tensor.dims) == array.shape, f"{tensor.name} is not its placeholder"
-        return _contiguous(array).reshape(-1).view(np.uint8)
+        return _nbytes(weights[tensor.name])
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         raise ValueError(f"initializer {tensor.name} still points at external data: load the model with its data")
     if not tensor.HasField("raw_data"):  # typed fields (float_data, ...): small constants in our graphs
         return None
+    size = len(tensor.raw_data)
+    return size if size >= INLINE_LIMIT else None
+
+
+def _take_data(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> np.ndarray | bytes:
+    """The bytes of `tensor`, cleared from it: a placeholder's from `weights` (popped), another's raw_data."""
+    if tensor.name in weights:
+        array = weights.pop(tensor.name)
+        assert not tensor.raw_data and tuple(tensor.dims) == array.shape, f"{tensor.name} is not its placeholder"
+        return _contiguous(array).reshape(-1).view(np.uint8)
     raw = tensor.raw_data
-    if len(raw) < INLINE_LIMIT:
-        return None
     tensor.ClearField("raw_data")  # the proto's copy goes; `raw` is the one copy of this tensor now
-    return np.frombuffer(raw, dtype=np.uint8)
+    return raw
 
 
-def _aligned(offset: int, size: int) -> int:
-    step = ALIGNMENT if size >= ALIGNMENT else SMALL_ALIGNMENT
+def _layout(sizes: list[int]) -> list[int]:
+    """Each tensor's offset: tensors of at least ALIGNMENT bytes at multiples of it, in order; the smaller ones
+    fill the gaps this leaves before them (first fit, at SMALL_ALIGNMENT), and the rest go after the last."""
+    offsets: list[int] = [0] * len(sizes)
+    small = [i for i, size in enumerate(sizes) if size < ALIGNMENT]
+    end = 0
+    for i, size in enumerate(sizes):
+        if size < ALIGNMENT:
+            continue
+        start = _round_up(end, ALIGNMENT)
+        for j in list(small):
+            if _round_up(end, SMALL_ALIGNMENT) + sizes[j] <= start:
+                offsets[j] = _round_up(end, SMALL_ALIGNMENT)
+                end = offsets[j] + sizes[j]
+                small.remove(j)
+        offsets[i], end = start, start + size
+    for j in small:
+        offsets[j] = _round_up(end, SMALL_ALIGNMENT)
+        end = offsets[j] + sizes[j]
+    return offsets
+
+
+def _round_up(offset: int, step: int) -> int:
     return -(-offset // step) * step
+
+
+def _nbytes(array: np.ndarray) -> int:
+    return array.size * (4 if array.dtype.kind == "f" else array.dtype.itemsize)
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
