@@ -77,7 +77,6 @@ def save_model(model: onnx.ModelProto, path: str | Path, *, weights: dict[str, n
                 del tensor.external_data[:]
                 for key, value in (("location", location), ("offset", offset), ("length", size)):
                     tensor.external_data.add(key=key, value=str(value))
-            f.truncate(max(o + s for o, (_, s) in zip(offsets, moved, strict=True)))
     elif target.exists():
         target.unlink()  # an old one from an earlier save
     onnx.save_model(model, str(path))
