@@ -9,9 +9,9 @@ session builds faster and with a lower peak of memory. Its rule (onnxruntime/cor
 `MapViewOfFile` needs the offset to be a multiple of the allocation granularity, 64 KiB, and releases before
 1.23 refused other offsets there and fell back to the copy (microsoft/onnxruntime#25833, onnx/onnx#6247). So
 each tensor of at least `ALIGNMENT` bytes starts at a multiple of 64 KiB (a multiple of the page size
-everywhere); smaller ones, whose copy costs little, fill the gaps this leaves (`_layout`), so the file is
-barely larger than its tensors. ONNX Runtime's own writer (ModelSavingOptions.align_offset) pads large
-tensors the same way, and leaves the gaps empty.
+everywhere); smaller ones, whose copy costs little, fill the gaps this leaves where they fit (`_layout`),
+the rest of each gap is zeros. ONNX Runtime's own writer (ModelSavingOptions.align_offset) also pads only
+the tensors above a size threshold, and leaves its gaps empty.
 
 Export hands its weights over as numpy arrays beside a model whose initializers are placeholders (name,
 type and dims, no data), and `save_model` writes each array's bytes straight into the data file, one
