@@ -22,8 +22,7 @@ def arrays(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def chain(initializers: list[TensorProto]) -> onnx.ModelProto:
-    """x (1, 96) -> MatMul w0 -> Add b0[:200]... kept simple: y = ((x @ w0) @ w1 + b1) @ w2, and the rest unused
-    but kept as outputs' inputs so no optimizer drops them."""
+    """y = ((x @ w0) @ w1 + b1) @ w2 for x (1, 96); b0 and s0 are passed through to outputs of their own."""
     nodes = [
         helper.make_node("MatMul", ["x", "w0"], ["h0"]),
         helper.make_node("MatMul", ["h0", "w1"], ["h1"]),
