@@ -1,12 +1,21 @@
-"""Saving an ONNX model, for export and quantize alike: weights go to a side file past protobuf's
-2 GB limit (ONNX's external data), and the model file alone below it.
+"""Saving an ONNX model, for export and quantize alike: the graph in `model.onnx`, every initializer of at
+least `INLINE_LIMIT` bytes in one side file beside it, `model.onnx.data` (ONNX's external data), small ones
+(shape constants) inline.
+
+ONNX Runtime memory-maps external data instead of parsing it out of the protobuf and copying it, so a
+session builds faster and with a lower peak of memory. Its rule (onnxruntime/core/framework/tensorprotoutils.cc
+`GetFileContent`: map the tensor's byte range, read it into a buffer if mapping fails): on POSIX
+`Env::MapFileIntoMemory` rounds the offset down to a page itself, so any offset maps; on Windows releases
+before 1.23 mapped only offsets at a multiple of the allocation granularity, 64 KiB, and copied the others
+(microsoft/onnxruntime#25833, onnx/onnx#6247). Aligning every large tensor to 64 KiB cost 6% of an int4
+package in padding, so each tensor of at least `ALIGNMENT` bytes starts on a page of its own (4 KiB): its
+pages are never shared with a neighbour's, and the padding is under 1%. Smaller ones fill the gaps this
+leaves where they fit (`_layout`); the rest of each gap is zeros.
 
 Export hands its weights over as numpy arrays beside a model whose initializers are placeholders (name,
-type and dims, no data), and `save_model` writes each array's bytes straight into the file, one tensor at a
-time, so no second full copy of the weights (a TensorProto per array, then the serialized model) is ever
-held. This works because protobuf fields may come in any order and repeated fields may be split: a
-GraphProto is its nodes and inputs followed by `initializer` entries appended one by one, and a
-ModelProto is its other fields followed by the `graph` entry (https://protobuf.dev/programming-guides/encoding/).
+type and dims, no data), and `save_model` writes each array's bytes straight into the data file, one
+tensor at a time; a whole model (quantize) has its tensors' bytes moved out one at a time. So no second
+full copy of the weights is ever held.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ from onnx import helper
 
 from edgelm import __version__
 
-EXTERNAL_DATA_LIMIT = 1_800_000_000  # bytes of serialized model above which weights go to <model>.data
-_GRAPH_FIELD, _INITIALIZER_FIELD, _RAW_DATA_FIELD = 7, 5, 9  # ModelProto.graph, GraphProto.initializer, raw_data
+INLINE_LIMIT = 1024  # bytes: initializers smaller than this stay inside model.onnx
+ALIGNMENT = 1 << 12  # offset of every tensor of at least this many bytes: a page
+SMALL_ALIGNMENT = 64  # offset of the smaller ones (a cache line)
+PROTOBUF_LIMIT = 1_800_000_000  # bytes: past this a whole model cannot be serialized as one protobuf (2 GB)
 
 
 def placeholder(name: str, array: np.ndarray) -> onnx.TensorProto:
@@ -29,37 +40,95 @@ def placeholder(name: str, array: np.ndarray) -> onnx.TensorProto:
     return onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=array.shape)
 
 
+def data_file(model_path: str | Path) -> Path:
+    """Where `save_model` puts the weights of the model at model_path."""
+    model_path = Path(model_path)
+    return model_path.parent / (model_path.name + ".data")
+
+
 def save_model(model: onnx.ModelProto, path: str | Path, *, weights: dict[str, np.ndarray] | None = None) -> str | None:
-    """Write `model` to `path`; returns the external-data file's name, or None when there is none.
+    """Write `model` to `path` and its initializers of at least INLINE_LIMIT bytes to `<path>.data`; returns
+    that file's name, or None when no initializer is that large (then no data file is left behind).
     weights: initializer name -> array for the placeholder initializers (see `placeholder`); floating arrays
     are written as float32, C order, converted one at a time; each is removed from `weights` once written,
-    so the caller's other references decide when its memory goes."""
+    so the caller's other references decide when its memory goes. The model's initializers are changed in
+    place to point into the data file."""
     path = Path(path)
     model.producer_name = "edgelm"
     model.producer_version = __version__
-    if not weights:
-        return _save_whole(model, path)
-    data_bytes = sum(_nbytes(a) for a in weights.values())
-    if model.ByteSize() + data_bytes <= EXTERNAL_DATA_LIMIT:
-        _stream(model, path, weights)
-        return None
-    return _stream_external(model, path, weights)
-
-
-def _save_whole(model: onnx.ModelProto, path: Path) -> str | None:
-    if model.ByteSize() <= EXTERNAL_DATA_LIMIT:
-        onnx.save_model(model, str(path))
-        return None
-    location = path.name + ".data"
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=location,
-        size_threshold=1024,
-    )
+    weights = weights if weights is not None else {}
+    for tensor in model.graph.initializer:  # small placeholders (shape constants) are filled in inline
+        if tensor.name in weights and _nbytes(weights[tensor.name]) < INLINE_LIMIT:
+            tensor.raw_data = _take_data(tensor, weights).tobytes()
+    moved = [(t, _size(t, weights)) for t in model.graph.initializer]
+    moved = [(t, size) for t, size in moved if size is not None]
+    unplaced = set(weights) - {t.name for t in model.graph.initializer}
+    assert not unplaced, f"no placeholder initializer for {sorted(unplaced)[:5]}"
+    target = data_file(path)
+    location = target.name if moved else None
+    if moved:
+        offsets = _layout([size for _, size in moved])
+        with open(target, "wb") as f:
+            for (tensor, size), offset in zip(moved, offsets, strict=True):
+                f.seek(offset)  # a gap left behind reads as zeros
+                f.write(_take_data(tensor, weights))
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                del tensor.external_data[:]
+                for key, value in (("location", location), ("offset", offset), ("length", size)):
+                    tensor.external_data.add(key=key, value=str(value))
+    elif target.exists():
+        target.unlink()  # an old one from an earlier save
+    onnx.save_model(model, str(path))
     return location
+
+
+def _size(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> int | None:
+    """Bytes `tensor` will take in the data file, or None when it stays inline."""
+    if tensor.name in weights:
+        return _nbytes(weights[tensor.name])
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        raise ValueError(f"initializer {tensor.name} still points at external data: load the model with its data")
+    if not tensor.HasField("raw_data"):  # typed fields (float_data, ...): small constants in our graphs
+        return None
+    size = len(tensor.raw_data)
+    return size if size >= INLINE_LIMIT else None
+
+
+def _take_data(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> np.ndarray | bytes:
+    """The bytes of `tensor`, cleared from it: a placeholder's from `weights` (popped), another's raw_data."""
+    if tensor.name in weights:
+        array = weights.pop(tensor.name)
+        assert not tensor.raw_data and tuple(tensor.dims) == array.shape, f"{tensor.name} is not its placeholder"
+        return _contiguous(array).reshape(-1).view(np.uint8)
+    raw = tensor.raw_data
+    tensor.ClearField("raw_data")  # the proto's copy goes; `raw` is the one copy of this tensor now
+    return raw
+
+
+def _layout(sizes: list[int]) -> list[int]:
+    """Each tensor's offset: tensors of at least ALIGNMENT bytes at multiples of it, in order; the smaller ones
+    fill the gaps this leaves before them (first fit, at SMALL_ALIGNMENT), and the rest go after the last."""
+    offsets: list[int] = [0] * len(sizes)
+    small = [i for i, size in enumerate(sizes) if size < ALIGNMENT]
+    end = 0
+    for i, size in enumerate(sizes):
+        if size < ALIGNMENT:
+            continue
+        start = _round_up(end, ALIGNMENT)
+        for j in list(small):
+            if _round_up(end, SMALL_ALIGNMENT) + sizes[j] <= start:
+                offsets[j] = _round_up(end, SMALL_ALIGNMENT)
+                end = offsets[j] + sizes[j]
+                small.remove(j)
+        offsets[i], end = start, start + size
+    for j in small:
+        offsets[j] = _round_up(end, SMALL_ALIGNMENT)
+        end = offsets[j] + sizes[j]
+    return offsets
+
+
+def _round_up(offset: int, step: int) -> int:
+    return -(-offset // step) * step
 
 
 def _nbytes(array: np.ndarray) -> int:
@@ -69,68 +138,3 @@ def _nbytes(array: np.ndarray) -> int:
 def _contiguous(array: np.ndarray) -> np.ndarray:
     """The bytes to write: float32 for floating arrays, C order; no copy when it already is."""
     return np.ascontiguousarray(array, dtype=np.float32 if array.dtype.kind == "f" else array.dtype)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _key(field: int) -> bytes:
-    return _varint(field << 3 | 2)  # wire type 2: length-delimited
-
-
-def _split(model: onnx.ModelProto) -> tuple[bytes, bytes, list[onnx.TensorProto]]:
-    """(the model without its graph, the graph without its initializers, the initializers): all small while
-    the weights are placeholders."""
-    shell = onnx.ModelProto()
-    shell.CopyFrom(model)
-    shell.ClearField("graph")
-    graph = onnx.GraphProto()
-    graph.CopyFrom(model.graph)
-    initializers = list(graph.initializer)
-    graph.ClearField("initializer")
-    return shell.SerializeToString(), graph.SerializeToString(), initializers
-
-
-def _stream(model: onnx.ModelProto, path: Path, weights: dict[str, np.ndarray]) -> None:
-    """One file: each placeholder's serialized header followed by its raw_data field, written from the array."""
-    shell, graph, initializers = _split(model)
-    entries = []  # (name, header bytes, data bytes)
-    for tensor in initializers:
-        header, data_size = tensor.SerializeToString(), 0
-        if tensor.name in weights:
-            array = weights[tensor.name]
-            assert not tensor.raw_data and tuple(tensor.dims) == array.shape, f"{tensor.name} is not its placeholder"
-            data_size = _nbytes(array)
-            header += _key(_RAW_DATA_FIELD) + _varint(data_size)
-        entries.append((tensor.name, header, data_size))
-    sizes = [len(header) + data_size for _, header, data_size in entries]
-    graph_size = len(graph) + sum(len(_key(_INITIALIZER_FIELD)) + len(_varint(s)) + s for s in sizes)
-    with open(path, "wb") as f:
-        f.write(shell + _key(_GRAPH_FIELD) + _varint(graph_size) + graph)
-        for (name, header, data_size), size in zip(entries, sizes, strict=True):
-            f.write(_key(_INITIALIZER_FIELD) + _varint(size) + header)
-            if data_size:
-                f.write(_contiguous(weights.pop(name)).reshape(-1).view(np.uint8))  # dropped once written
-
-
-def _stream_external(model: onnx.ModelProto, path: Path, weights: dict[str, np.ndarray]) -> str:
-    """Past the limit: the arrays go to <model>.data one by one, and the placeholders point at them."""
-    location, offset = path.name + ".data", 0
-    placeholders = {t.name: t for t in model.graph.initializer if t.name in weights}
-    with open(path.parent / location, "wb") as f:
-        for name, tensor in placeholders.items():
-            data = _contiguous(weights.pop(name)).reshape(-1).view(np.uint8)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            for key, value in (("location", location), ("offset", offset), ("length", data.nbytes)):
-                tensor.external_data.add(key=key, value=str(value))
-            f.write(data)
-            offset += data.nbytes
-    onnx.save_model(model, str(path))
-    return location

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from edgelm import __version__
+from edgelm.onnxfile import PROTOBUF_LIMIT
 
 from ..runtime import PackageError, load
 from ..runtime.contract import MANIFEST_FILE
 from ..runtime.outputs import StagedOutput
-from ..runtime.package import list_files, read_package, write_json
+from ..runtime.package import external_data_locations, list_files, read_package, write_json
 from .calibration import DecoderCalibrationReader
 from .evaluate import evaluate_package
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options
@@ -70,8 +71,9 @@ def quantize_package(
         raise PackageError(f"{package} is not an edgelm package (no {MANIFEST_FILE}); export it with edgelm first")
     if spec.precision != "fp32":
         raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
-    if spec.manifest.export.get("external_data"):
-        raise PackageError("quantizing packages with external data (> 2 GB) is not supported yet")
+    weights = sorted(set(external_data_locations(spec.model_path)))  # model.onnx.data; none in older packages
+    if sum((spec.model_path.parent / n).stat().st_size for n in [spec.model_path.name, *weights]) > PROTOBUF_LIMIT:
+        raise PackageError("quantizing models over 2 GB is not supported yet (the quantizers serialize whole models)")
     source = load(package, provider="cpu")
     options = Options(
         per_channel=True if per_channel is None else per_channel,
@@ -87,8 +89,8 @@ def quantize_package(
     with staged as staging:
         model_file = spec.model_path.name
         facts = recipe.run(spec.model_path, staging / model_file, options)
-        for name in spec.manifest.files:
-            if name != model_file and not (staging / name).exists():
+        for name in spec.manifest.files:  # the source's weights are not copied: the recipe wrote its own
+            if name != model_file and name not in weights and not (staging / name).exists():
                 shutil.copyfile(package / name, staging / name)
         manifest = spec.manifest.derive(
             precision=recipe.precision,

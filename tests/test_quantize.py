@@ -97,6 +97,29 @@ def test_quantized_package_generates_and_records_its_recipe(mode, quantized):
     assert result.text.strip()
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "static", "int4", "fp16"])
+def test_quantized_package_keeps_its_own_weights_in_model_onnx_data(mode, quantized, fp32_package):
+    """The quantizers read the source's model.onnx.data; the new package has its own, aligned, listed one,
+    and the source folder is left as it was (nothing written beside its model)."""
+    import onnx
+
+    from edgelm.onnxfile import ALIGNMENT, INLINE_LIMIT
+    from edgelm.runtime.package import external_data_locations
+
+    package = quantized[mode]
+    assert set(external_data_locations(package / "model.onnx")) == {"model.onnx.data"}
+    assert "model.onnx.data" in json.loads((package / "edgelm.json").read_text())["files"]
+    for tensor in onnx.load(str(package / "model.onnx"), load_external_data=False).graph.initializer:
+        entry = {e.key: int(e.value) for e in tensor.external_data if e.key != "location"}
+        if not entry:
+            assert len(tensor.raw_data) < INLINE_LIMIT, f"{tensor.name} stayed inline"
+        elif entry["length"] >= ALIGNMENT:
+            assert entry["offset"] % ALIGNMENT == 0, tensor.name
+    source_files = json.loads((fp32_package / "edgelm.json").read_text())["files"]
+    assert sorted(p.name for p in fp32_package.iterdir()) == sorted([*source_files, "edgelm.json"])
+    assert source_files == list_files(fp32_package)
+
+
 def test_static_recipe_keeps_attention_in_float_and_the_head_dynamic(quantized):
     import onnx
 

@@ -112,6 +112,8 @@ DAMAGE = {
     "genai_config.json edited": ("genai_config.json", change_genai_config, "bytes"),
     "model.onnx truncated": ("model.onnx", lambda p: p.write_bytes(p.read_bytes()[:1000]), "truncated"),
     "model.onnx emptied": ("model.onnx", lambda p: p.write_bytes(b""), "truncated"),
+    "model.onnx.data tampered": ("model.onnx.data", flip_middle_byte, "sha256"),  # a weight, same size
+    "model.onnx.data truncated": ("model.onnx.data", lambda p: p.write_bytes(p.read_bytes()[:1000]), "truncated"),
 }
 
 
@@ -125,15 +127,18 @@ def test_damaged_file_is_named_before_onnx_runtime_opens_anything(package, tmp_p
     assert sessions == [], "ONNX Runtime was handed a package that failed verification"
 
 
+@pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data"])
 @pytest.mark.parametrize("damage", [flip_middle_byte, lambda p: p.write_bytes(b"\x08" * p.stat().st_size)])
-def test_a_large_file_hashed_while_the_session_builds_still_fails_the_load(package, tmp_path, monkeypatch, damage):
+def test_a_large_file_hashed_while_the_session_builds_still_fails_the_load(
+    package, tmp_path, monkeypatch, damage, name
+):
     """Files of BACKGROUND_HASH_BYTES or more (model.onnx, its weights) are hashed while ONNX Runtime builds
     the session: load() still raises the mismatch, whether or not the build itself failed on the bytes."""
     monkeypatch.setattr(package_module, "BACKGROUND_HASH_BYTES", 0)  # the tiny model's files count as large
     folder = copy_package(package, tmp_path)
-    damage(folder / "model.onnx")
+    damage(folder / name)
     message = refused(folder)
-    assert "model.onnx" in message and "sha256" in message, message
+    assert name in message and "sha256" in message, message
 
 
 def test_background_hashes_pass_for_an_intact_package(package, tmp_path, monkeypatch):
@@ -143,7 +148,7 @@ def test_background_hashes_pass_for_an_intact_package(package, tmp_path, monkeyp
     assert model.generate([1, 2, 3], 4, ignore_eos=True).token_ids
 
 
-@pytest.mark.parametrize("name", ["tokenizer.json", "genai_config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("name", ["tokenizer.json", "genai_config.json", "tokenizer_config.json", "model.onnx.data"])
 def test_missing_listed_file_is_named(package, tmp_path, sessions, name):
     folder = copy_package(package, tmp_path)
     (folder / name).unlink()
@@ -244,6 +249,7 @@ def test_symlinks_inside_the_folder_are_fine(package, model, tmp_path):
     folder = genai_only(package, tmp_path)
     (folder / "weights").mkdir()
     (folder / "model.onnx").rename(folder / "weights" / "model.onnx")
+    (folder / "model.onnx.data").rename(folder / "weights" / "model.onnx.data")  # found beside the real file
     (folder / "model.onnx").symlink_to(folder / "weights" / "model.onnx")
     linked = load(folder, provider="cpu", threads=1, verify=False)
     assert linked.generate("ROMEO:", 6).token_ids == model.generate("ROMEO:", 6).token_ids
@@ -285,7 +291,7 @@ def test_external_weights_inside_the_folder_load(package, model, tmp_path):
     locations = external_data_locations(folder / "model.onnx")
     initializers = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.initializer
     assert len(locations) == len(initializers) > 10 and set(locations) == {"weights.bin"}
-    assert (folder / "model.onnx").stat().st_size < (package / "model.onnx").stat().st_size / 2, "weights moved out"
+    assert (folder / "model.onnx").stat().st_size < (package / "model.onnx.data").stat().st_size / 2, "weights out"
     external = load(folder, provider="cpu", threads=1, verify=False)
     assert external.generate("ROMEO:", 8).token_ids == model.generate("ROMEO:", 8).token_ids
 
@@ -304,6 +310,39 @@ def test_external_data_outside_the_folder_is_refused(package, tmp_path, sessions
     message = refused(folder, verify=False)
     assert "external data" in message and ("outside the package folder" in message or "absolute" in message)
     assert sessions == [], "the runtime, not ONNX Runtime, must refuse it"
+
+
+def test_a_package_with_its_weights_inside_model_onnx_still_runs(package, model, tmp_path):
+    """Packages written before model.onnx.data keep every weight in model.onnx: they load and run the same."""
+    import onnx
+
+    folder = copy_package(package, tmp_path)
+    onnx.save_model(onnx.load(str(folder / "model.onnx")), str(folder / "model.onnx"))  # data loaded, saved inline
+    (folder / "model.onnx.data").unlink()
+    relist(folder)
+    assert external_data_locations(folder / "model.onnx") == []
+    assert (folder / "model.onnx").stat().st_size > (package / "model.onnx.data").stat().st_size / 2
+    inline = load(folder, provider="cpu", threads=1)
+    assert inline.generate("ROMEO:", 8).token_ids == model.generate("ROMEO:", 8).token_ids
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "fifo", "folder"])
+def test_a_damaged_data_file_is_a_package_error_without_verification(package, tmp_path, sessions, damage):
+    """verify=False skips the hashes, not the checks that keep ONNX Runtime from crashing or blocking."""
+    folder = genai_only(package, tmp_path)
+    data = folder / "model.onnx.data"
+    if damage == "truncated":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    else:
+        data.unlink()
+        if damage == "fifo":
+            os.mkfifo(data)
+        elif damage == "folder":
+            data.mkdir()
+    message = refused(folder, verify=False)
+    assert "model.onnx" in message, message
+    if damage != "truncated":  # the runtime refuses before ONNX Runtime opens the model
+        assert "model.onnx.data" in message and sessions == [], message
 
 
 def test_external_data_in_an_edgelm_package_must_be_listed(package, model, tmp_path, sessions):

@@ -387,6 +387,7 @@ def test_optimum_style_folder_gives_the_same_tokens(long_checkpoint, long_packag
     folder = tmp_path / "optimum"
     folder.mkdir()
     shutil.copy(long_package / "model.onnx", folder)
+    shutil.copy(long_package / "model.onnx.data", folder)  # its weights, as ONNX external data
     shutil.copy(long_checkpoint / "config.json", folder)  # the Hugging Face config, as Optimum writes it
     shutil.copy(long_checkpoint / "tokenizer.json", folder)
     model = load(folder, provider="cpu", threads=1, verify=False)  # unsigned: loaded on purpose
@@ -558,12 +559,13 @@ def test_package_without_model_onnx(package, tmp_path, verify):
         load(folder, provider="cpu", verify=verify)
 
 
-def test_tampered_model_onnx(package, tmp_path):
+@pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data"])
+def test_tampered_model_onnx(package, tmp_path, name):
     folder = copy_package(package, tmp_path)
-    data = bytearray((folder / "model.onnx").read_bytes())
-    data[len(data) // 2] ^= 0x01  # one bit, in the weights: ONNX Runtime would load it without complaint
-    (folder / "model.onnx").write_bytes(bytes(data))
-    with pytest.raises(PackageError, match="model.onnx.*sha256"):
+    data = bytearray((folder / name).read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit (in model.onnx.data, a weight): ONNX Runtime would load it without complaint
+    (folder / name).write_bytes(bytes(data))
+    with pytest.raises(PackageError, match=f"{name} does not match its sha256"):
         load(folder, provider="cpu")
 
 
