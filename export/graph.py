@@ -12,6 +12,10 @@ position into it, in place (onnxruntime-genai's builder makes the same choice, p
              every position, k = the last k
     outputs  logits (B, T or k, vocab), present keys / values (B, n_kv_head, max(capacity, total), head_dim)
 
+With RMSNorm (Llama, Qwen2, Mistral) each residual Add and the norm after it are one com.microsoft
+SkipSimplifiedLayerNormalization node, whose extra output is the residual sum; ONNX Runtime does not fuse
+them itself (the sum has two readers). GPT-2 keeps Add + LayerNormalization.
+
 Padding is on the right: row b's tokens fill positions 0 .. len_b - 1 of the buffer and attention_mask
 row b is len_b ones followed by zeros; GroupQueryAttention reads each row's length (seqlens_k =
 len_b - 1) and the longest total (the mask's width) from it. Fed as separate arrays, the graph also
@@ -149,11 +153,35 @@ class _GraphBuilder:
         inputs = [x, self.constant(f"{prefix}.weight", norm.weight), self.constant(f"{prefix}.bias", norm.bias)]
         return self.op("LayerNormalization", inputs, f"{prefix}/LayerNorm", axis=-1, epsilon=decoder.norm_eps)
 
+    def residual_norm(
+        self, x: str, skip: str, prefix: str, norm: Norm, decoder: Decoder, *, residual: str | None
+    ) -> tuple[str, str | None]:
+        """(norm(x + skip), x + skip named `residual`; None: the sum is not needed). RMSNorm: one
+        SkipSimplifiedLayerNormalization node, whose output 3 is the sum (onnxruntime-genai's builder does the
+        same); LayerNorm: an Add, then the norm."""
+        if decoder.norm != "rms":
+            assert residual is not None, "a LayerNorm family's residual sum is an Add: name it"
+            total = self.op("Add", [x, skip], residual)
+            return self.norm(total, prefix, norm, decoder), total
+        normalized = f"{prefix}/SkipRMSNorm"
+        self.nodes.append(
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                [x, skip, self.constant(f"{prefix}.weight", norm.weight)],
+                [normalized] if residual is None else [normalized, "", "", residual],  # no mean, inverse std
+                name=normalized,
+                domain=MS_DOMAIN,
+                epsilon=decoder.norm_eps,
+            )
+        )
+        shape = ["batch_size", "sequence_length", decoder.n_embd]
+        return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
+
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         h = self.linear(x, f"{prefix}.up", up)
         shape = ["batch_size", "sequence_length", decoder.inner_dim]
         if decoder.activation == "silu":
-            if decoder.gated_mlp:  # one MatMul for gate and up, split after it
+            if decoder.gated_mlp:  # one MatMul for gate and up, split after it (two MatMulNBits measured slower)
                 sizes = self.small_constant(f"{prefix}/split_sizes", np.array([decoder.inner_dim] * 2, dtype=np.int64))
                 self.nodes.append(
                     helper.make_node(
@@ -208,9 +236,9 @@ def build_fused_graph(
     total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
     total_length = g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)
 
+    h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
         p = f"layers.{i}"
-        h = g.norm(x, f"{p}.attention_norm", layer.attention_norm, d)
         qkv = g.linear(h, f"{p}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
         past_key, past_value = io.past(i)
         present_key, present_value = io.present(i)
@@ -228,18 +256,27 @@ def build_fused_graph(
             )
         )
         attention = g.float_output(f"{p}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
-        x = g.op("Add", [x, g.linear(attention, f"{p}.attention_out", layer.attention_out)], f"{p}/attention_residual")
-        h = g.mlp(g.norm(x, f"{p}.mlp_norm", layer.mlp_norm, d), f"{p}.mlp", layer.up, d)
-        x = g.op("Add", [x, g.linear(h, f"{p}.mlp.down", layer.down)], f"{p}/mlp_residual")
+        out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+        h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
+        down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
+        if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
+            nxt = f"layers.{i + 1}.attention_norm"
+            h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")
 
-    # Keep the last k positions before the final norm and LM head: Slice(x, -k:) is every position
-    # for k = 0 (the default, for evaluation) and the last one for k = 1 (generation).
+    # Keep the last k positions before the LM head: Slice(x, -k:) is every position for k = 0 (the default,
+    # for evaluation) and the last one for k = 1 (generation).
     g.constant(LOGITS_TO_KEEP, np.array(0, dtype=np.int64))
     negated = g.op("Neg", [LOGITS_TO_KEEP], "keep/Neg")
     start = g.op("Unsqueeze", [negated, g.small_constant("const_axis_0", np.array([0]))], "keep/start")
     end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
-    x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
-    x = g.norm(x, "final_norm", d.final_norm, d, length="logits_length")
+    if d.norm == "rms":  # the last residual and the final norm in one node over every position, then the Slice:
+        # normalizing T rows of C is cheap beside the LM head, and one Slice after is a node fewer than two before
+        x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
+        x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
+    else:  # Add, Slice, then the norm over the kept positions only
+        x = g.op("Add", [x, down], f"layers.{d.n_layer - 1}/mlp_residual")
+        x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
+        x = g.norm(x, "final_norm", d.final_norm, d, length="logits_length")
     if d.head_nbits is not None:
         g.matmul_nbits(x, "lm_head", d.head_nbits, io.logits)
     else:
