@@ -12,9 +12,10 @@ position into it, in place (onnxruntime-genai's builder makes the same choice, p
              every position, k = the last k
     outputs  logits (B, T or k, vocab), present keys / values (B, n_kv_head, max(capacity, total), head_dim)
 
-With RMSNorm (Llama, Qwen2, Mistral) each residual Add and the norm after it are one com.microsoft
-SkipSimplifiedLayerNormalization node, whose extra output is the residual sum; ONNX Runtime does not fuse
-them itself (the sum has two readers). GPT-2 keeps Add + LayerNormalization.
+Each residual Add and the norm after it are one com.microsoft node, SkipSimplifiedLayerNormalization
+(RMSNorm: Llama, Qwen2, Mistral) or SkipLayerNormalization (GPT-2), whose extra output is the residual sum;
+ONNX Runtime does not fuse them itself (the sum has two readers), and then folds a Linear's bias into
+SkipLayerNormalization's bias input.
 
 Padding is on the right: row b's tokens fill positions 0 .. len_b - 1 of the buffer and attention_mask
 row b is len_b ones followed by zeros; GroupQueryAttention reads each row's length (seqlens_k =
@@ -143,31 +144,32 @@ class _GraphBuilder:
             return product
         return self.op("Add", [product, self.constant(f"{prefix}.bias", layer.bias)], f"{prefix}/Add")
 
-    def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder, *, length: str = "sequence_length") -> str:
+    def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder) -> str:
         if decoder.norm == "rms":  # x / sqrt(mean(x^2) + eps) * weight: ONNX Runtime's contrib op
             inputs = [x, self.constant(f"{prefix}.weight", norm.weight)]
             output = self.op(
                 "SimplifiedLayerNormalization", inputs, f"{prefix}/RMSNorm", axis=-1, epsilon=decoder.norm_eps
             )
-            return self.float_output(output, ["batch_size", length, decoder.n_embd])  # a contrib op: declare its type
+            return self.float_output(output, ["batch_size", "sequence_length", decoder.n_embd])  # contrib op: typed
         inputs = [x, self.constant(f"{prefix}.weight", norm.weight), self.constant(f"{prefix}.bias", norm.bias)]
         return self.op("LayerNormalization", inputs, f"{prefix}/LayerNorm", axis=-1, epsilon=decoder.norm_eps)
 
     def residual_norm(
         self, x: str, skip: str, prefix: str, norm: Norm, decoder: Decoder, *, residual: str | None
     ) -> tuple[str, str | None]:
-        """(norm(x + skip), x + skip named `residual`; None: the sum is not needed). RMSNorm: one
-        SkipSimplifiedLayerNormalization node, whose output 3 is the sum (onnxruntime-genai's builder does the
-        same); LayerNorm: an Add, then the norm."""
-        if decoder.norm != "rms":
-            assert residual is not None, "a LayerNorm family's residual sum is an Add: name it"
-            total = self.op("Add", [x, skip], residual)
-            return self.norm(total, prefix, norm, decoder), total
-        normalized = f"{prefix}/SkipRMSNorm"
+        """(norm(x + skip), x + skip named `residual`; None: the sum is not needed), as one com.microsoft node:
+        SkipSimplifiedLayerNormalization (RMSNorm) or SkipLayerNormalization, whose output 3 is the sum
+        (onnxruntime-genai's builder does the same)."""
+        inputs = [x, skip, self.constant(f"{prefix}.weight", norm.weight)]
+        if decoder.norm == "rms":
+            op_type, normalized = "SkipSimplifiedLayerNormalization", f"{prefix}/SkipRMSNorm"
+        else:
+            op_type, normalized = "SkipLayerNormalization", f"{prefix}/SkipLayerNorm"
+            inputs.append(self.constant(f"{prefix}.bias", norm.bias))
         self.nodes.append(
             helper.make_node(
-                "SkipSimplifiedLayerNormalization",
-                [x, skip, self.constant(f"{prefix}.weight", norm.weight)],
+                op_type,
+                inputs,
                 [normalized] if residual is None else [normalized, "", "", residual],  # no mean, inverse std
                 name=normalized,
                 domain=MS_DOMAIN,
@@ -269,14 +271,10 @@ def build_fused_graph(
     negated = g.op("Neg", [LOGITS_TO_KEEP], "keep/Neg")
     start = g.op("Unsqueeze", [negated, g.small_constant("const_axis_0", np.array([0]))], "keep/start")
     end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
-    if d.norm == "rms":  # the last residual and the final norm in one node over every position, then the Slice:
-        # normalizing T rows of C is cheap beside the LM head, and one Slice after is a node fewer than two before
-        x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
-        x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
-    else:  # Add, Slice, then the norm over the kept positions only
-        x = g.op("Add", [x, down], f"layers.{d.n_layer - 1}/mlp_residual")
-        x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
-        x = g.norm(x, "final_norm", d.final_norm, d, length="logits_length")
+    # The last residual and the final norm in one node over every position, then the Slice: normalizing T rows
+    # of C is cheap beside the LM head, and one Slice after it is a node fewer than one on each input.
+    x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
+    x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
     if d.head_nbits is not None:
         g.matmul_nbits(x, "lm_head", d.head_nbits, io.logits)
     else:
