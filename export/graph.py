@@ -12,6 +12,11 @@ position into it, in place (onnxruntime-genai's builder makes the same choice, p
              every position, k = the last k
     outputs  logits (B, T or k, vocab), present keys / values (B, n_kv_head, max(capacity, total), head_dim)
 
+Each residual Add and the norm after it are one com.microsoft node, SkipSimplifiedLayerNormalization
+(RMSNorm: Llama, Qwen2, Mistral) or SkipLayerNormalization (GPT-2), whose extra output is the residual sum;
+ONNX Runtime does not fuse them itself (the sum has two readers), and then folds a Linear's bias into
+SkipLayerNormalization's bias input.
+
 Padding is on the right: row b's tokens fill positions 0 .. len_b - 1 of the buffer and attention_mask
 row b is len_b ones followed by zeros; GroupQueryAttention reads each row's length (seqlens_k =
 len_b - 1) and the longest total (the mask's width) from it. Fed as separate arrays, the graph also
@@ -139,21 +144,46 @@ class _GraphBuilder:
             return product
         return self.op("Add", [product, self.constant(f"{prefix}.bias", layer.bias)], f"{prefix}/Add")
 
-    def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder, *, length: str = "sequence_length") -> str:
+    def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder) -> str:
         if decoder.norm == "rms":  # x / sqrt(mean(x^2) + eps) * weight: ONNX Runtime's contrib op
             inputs = [x, self.constant(f"{prefix}.weight", norm.weight)]
             output = self.op(
                 "SimplifiedLayerNormalization", inputs, f"{prefix}/RMSNorm", axis=-1, epsilon=decoder.norm_eps
             )
-            return self.float_output(output, ["batch_size", length, decoder.n_embd])  # a contrib op: declare its type
+            return self.float_output(output, ["batch_size", "sequence_length", decoder.n_embd])  # contrib op: typed
         inputs = [x, self.constant(f"{prefix}.weight", norm.weight), self.constant(f"{prefix}.bias", norm.bias)]
         return self.op("LayerNormalization", inputs, f"{prefix}/LayerNorm", axis=-1, epsilon=decoder.norm_eps)
+
+    def residual_norm(
+        self, x: str, skip: str, prefix: str, norm: Norm, decoder: Decoder, *, residual: str | None
+    ) -> tuple[str, str | None]:
+        """(norm(x + skip), x + skip named `residual`; None: the sum is not needed), as one com.microsoft node:
+        SkipSimplifiedLayerNormalization (RMSNorm) or SkipLayerNormalization, whose output 3 is the sum
+        (onnxruntime-genai's builder does the same)."""
+        inputs = [x, skip, self.constant(f"{prefix}.weight", norm.weight)]
+        if decoder.norm == "rms":
+            op_type, normalized = "SkipSimplifiedLayerNormalization", f"{prefix}/SkipRMSNorm"
+        else:
+            op_type, normalized = "SkipLayerNormalization", f"{prefix}/SkipLayerNorm"
+            inputs.append(self.constant(f"{prefix}.bias", norm.bias))
+        self.nodes.append(
+            helper.make_node(
+                op_type,
+                inputs,
+                [normalized] if residual is None else [normalized, "", "", residual],  # no mean, inverse std
+                name=normalized,
+                domain=MS_DOMAIN,
+                epsilon=decoder.norm_eps,
+            )
+        )
+        shape = ["batch_size", "sequence_length", decoder.n_embd]
+        return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
 
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         h = self.linear(x, f"{prefix}.up", up)
         shape = ["batch_size", "sequence_length", decoder.inner_dim]
         if decoder.activation == "silu":
-            if decoder.gated_mlp:  # one MatMul for gate and up, split after it
+            if decoder.gated_mlp:  # one MatMul for gate and up, split after it (two MatMulNBits: no clear win)
                 sizes = self.small_constant(f"{prefix}/split_sizes", np.array([decoder.inner_dim] * 2, dtype=np.int64))
                 self.nodes.append(
                     helper.make_node(
@@ -208,9 +238,9 @@ def build_fused_graph(
     total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
     total_length = g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)
 
+    h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
         p = f"layers.{i}"
-        h = g.norm(x, f"{p}.attention_norm", layer.attention_norm, d)
         qkv = g.linear(h, f"{p}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
         past_key, past_value = io.past(i)
         present_key, present_value = io.present(i)
@@ -228,18 +258,23 @@ def build_fused_graph(
             )
         )
         attention = g.float_output(f"{p}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
-        x = g.op("Add", [x, g.linear(attention, f"{p}.attention_out", layer.attention_out)], f"{p}/attention_residual")
-        h = g.mlp(g.norm(x, f"{p}.mlp_norm", layer.mlp_norm, d), f"{p}.mlp", layer.up, d)
-        x = g.op("Add", [x, g.linear(h, f"{p}.mlp.down", layer.down)], f"{p}/mlp_residual")
+        out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+        h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
+        down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
+        if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
+            nxt = f"layers.{i + 1}.attention_norm"
+            h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")
 
-    # Keep the last k positions before the final norm and LM head: Slice(x, -k:) is every position
-    # for k = 0 (the default, for evaluation) and the last one for k = 1 (generation).
+    # Keep the last k positions before the LM head: Slice(x, -k:) is every position for k = 0 (the default,
+    # for evaluation) and the last one for k = 1 (generation).
     g.constant(LOGITS_TO_KEEP, np.array(0, dtype=np.int64))
     negated = g.op("Neg", [LOGITS_TO_KEEP], "keep/Neg")
     start = g.op("Unsqueeze", [negated, g.small_constant("const_axis_0", np.array([0]))], "keep/start")
     end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
+    # The last residual and the final norm in one node over every position, then the Slice: normalizing T rows
+    # of C is cheap beside the LM head, and one Slice after it is a node fewer than one on each input.
+    x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
     x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
-    x = g.norm(x, "final_norm", d.final_norm, d, length="logits_length")
     if d.head_nbits is not None:
         g.matmul_nbits(x, "lm_head", d.head_nbits, io.logits)
     else:
