@@ -97,7 +97,13 @@ CONFIGS = {
     "gpt2": {},  # GPT2Config() itself: 12 layers, width 768, 12 heads, vocab 50257, context 1024 (124M)
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4},  # 3.4M parameters (most of them the embedding)
 }
-EDGELM_MODES = {"fp32": None, "int8-dynamic": "dynamic", "int8-static": "static", "int4": "int4"}
+EDGELM_MODES = {
+    "fp32": None,
+    "int8-dynamic": "dynamic",
+    "int8-static": "static",
+    "int8-weight-only": "int8-weight-only",  # the int8 edgelm recommends for Llama-family models
+    "int4": "int4",
+}
 PRECISIONS = tuple(EDGELM_MODES)
 OPTIMUM_PRECISIONS = ("fp32", "int8-dynamic", "int4")  # the Optimum export, ORTQuantizer's int8, MatMulNBits int4
 OPTIMUM_PYTHON = REPO / ".venv-optimum" / "bin" / "python"  # made by benchmarks/setup_optimum.sh
@@ -222,18 +228,28 @@ def build_optimum_packages(checkpoint: Path, out: Path, *, python: Path, rebuild
 
 
 def write_genai_config(package: Path, checkpoint_config: dict) -> None:
-    """edgelm's genai_config.json (export/onnx_export.py), pointed at Optimum's model file: its "phi"
+    """edgelm's genai_config.json (runtime/contract.py), pointed at Optimum's model file: its "phi"
     decoder type with separate past/present key and value names is the I/O contract of Optimum's
     GPT-2 graph too (checked when the export is built)."""
-    from edgelm.export.model import GPTConfig
-    from edgelm.export.onnx_export import genai_config
+    from edgelm.runtime.contract import Architecture, IONames, Manifest, Tokens, genai_config
 
     c = checkpoint_config
-    sizes = {key: c[key] for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
-    tokens = {"eos_token_id": c["eos_token_id"], "bos_token_id": c["bos_token_id"], "pad_token_id": c["eos_token_id"]}
-    genai = genai_config(GPTConfig(**sizes), **tokens)
-    genai["model"]["decoder"]["filename"] = onnx_file(package).name
-    (package / "genai_config.json").write_text(json.dumps(genai, indent=1))
+    n_embd, n_head = c["n_embd"], c["n_head"]
+    architecture = Architecture(
+        type="gpt2",
+        vocab_size=c["vocab_size"],
+        context_length=c["n_positions"],
+        n_layer=c["n_layer"],
+        n_head=n_head,
+        n_kv_head=n_head,
+        head_dim=n_embd // n_head,
+        details={"n_embd": n_embd},
+    )
+    tokens = Tokens(
+        file=None, bos_token_id=c["bos_token_id"], eos_token_ids=[c["eos_token_id"]], pad_token_id=c["eos_token_id"]
+    )
+    manifest = Manifest(architecture=architecture, io=IONames(), tokenizer=tokens, model_file=onnx_file(package).name)
+    (package / "genai_config.json").write_text(json.dumps(genai_config(manifest), indent=1))
 
 
 def onnx_file(package: Path) -> Path:
@@ -750,8 +766,8 @@ PEERS = ("transformers", OPTIMUM, GENAI_ON_OPTIMUM, GENAI_BUILDER, LLAMACPP, LLA
 
 
 def best_peers(rows: list[dict], bounds: dict) -> str:
-    """edgelm at each precision against the best peer at that precision (int8-static against the best
-    int8 peer, which is dynamic: no peer has a static recipe): decode tokens/s (higher is better), first
+    """edgelm at each precision against the best peer at that precision (each edgelm int8 against the best
+    int8 peer: the peers' int8 is one recipe, labelled int8-dynamic): decode tokens/s (higher is better), first
     token, load time and peak RSS (lower is better), and edgelm's fraction of the bandwidth bound."""
     measured = [r for r in rows if "decode_tokens_per_s" in r]
     lines = [
@@ -760,7 +776,7 @@ def best_peers(rows: list[dict], bounds: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for ours in (r for r in measured if r["system"] == "edgelm"):
-        kind = "int8-dynamic" if ours["precision"] == "int8-static" else ours["precision"]
+        kind = "int8-dynamic" if ours["precision"].startswith("int8") else ours["precision"]
         peers = [r for r in measured if r["system"] in PEERS and r["precision"] == kind]
         if not peers:
             continue
