@@ -1,0 +1,84 @@
+"""edgelm's runtime against onnxruntime-genai on the very same package, in one process, alternating.
+
+    python benchmarks/same_package.py PACKAGE [--rounds 6] [--prompt-tokens 32] [--new-tokens 128] [--threads 2]
+
+Both load the package once; each round generates greedily from the same random prompt with edgelm's
+`generate`, with genai, and with a loop of bare KV-cache steps (`cache.next` with a fixed token: the
+cache grows as in generation, nothing is sampled), the floor for any Python driver of that session. Prints decode tokens/s per round and the median
+of the per-round ratios, which holds on a machine whose speed drifts between rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import onnxruntime_genai as og
+
+from edgelm.runtime import load
+from edgelm.runtime.kvcache import make_cache
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("package")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    length, new = args.prompt_tokens, args.new_tokens
+    model = load(args.package, provider="cpu", threads=args.threads)
+    prompt = np.random.default_rng(0).integers(100, model.spec.arch.vocab_size, length).tolist()
+    config = og.Config(args.package)
+    config.clear_providers()
+    options = {"intra_op_num_threads": args.threads, "inter_op_num_threads": 1}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    genai_model = og.Model(config)
+
+    def edgelm() -> float:
+        return model.generate(prompt, new, ignore_eos=True).timings.decode_tokens_per_s
+
+    def genai() -> float:
+        params = og.GeneratorParams(genai_model)
+        params.set_search_options(do_sample=False, max_length=length + new, min_length=length + new, batch_size=1)
+        generator = og.Generator(genai_model, params)
+        generator.append_tokens(np.array(prompt, dtype=np.int32))
+        generator.generate_next_token()  # the prompt and the first token: decode is timed from here
+        started = time.perf_counter()
+        while not generator.is_done():
+            generator.generate_next_token()
+        return (new - 1) / (time.perf_counter() - started)
+
+    def bare() -> float:
+        cache = make_cache(model, [prompt], capacity=length + new)
+        cache.prompt()
+        token = np.array([[prompt[-1]]])
+        cache.next(token)
+        started = time.perf_counter()
+        for _ in range(new - 1):
+            cache.next(token)  # the cache grows as in generation; no logits are read, nothing is sampled
+        return (new - 1) / (time.perf_counter() - started)
+
+    systems = {"edgelm": edgelm, "onnxruntime-genai": genai, "cache steps only": bare}
+    for run in systems.values():
+        run()  # warm-up
+    rates = {name: [] for name in systems}
+    for round_ in range(1, args.rounds + 1):
+        for name, run in systems.items():
+            rates[name].append(run())
+        print(f"round {round_}: " + ", ".join(f"{name} {r[-1]:.1f}" for name, r in rates.items()), flush=True)
+    base = rates["edgelm"]
+    print(f"\n{args.package}: {length}-token prompt, {new} new tokens, {args.threads} threads, {args.rounds} rounds")
+    print("| system | decode tokens/s (median) | per-round ratio to edgelm (median) |\n|---|---|---|")
+    for name, r in rates.items():
+        ratio = statistics.median(x / b for x, b in zip(r, base, strict=True))
+        print(f"| {name} | {statistics.median(r):.1f} | {ratio:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
