@@ -4,8 +4,9 @@
 
 Both load the package once; each round generates greedily from the same random prompt with edgelm's
 `generate`, with genai, and with a loop of bare KV-cache steps (`cache.next` with a fixed token: the
-cache grows as in generation, nothing is sampled), the floor for any Python driver of that session. Prints decode tokens/s per round and the median
-of the per-round ratios, which holds on a machine whose speed drifts between rounds.
+cache grows as in generation, nothing is sampled), the floor for any Python driver of that session.
+Prints decode tokens/s per round and the median of the per-round ratios, which holds on a machine whose
+speed drifts between rounds.
 """
 
 from __future__ import annotations
