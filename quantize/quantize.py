@@ -99,6 +99,8 @@ def quantize_package(
                 "tool": f"edgelm {__version__}",
                 "source_package": package.name,
                 "source_model_sha256": spec.manifest.files[model_file]["sha256"],
+                # the source's weights (model.onnx.data): the graph file alone no longer identifies them
+                "source_weights_sha256": {name: spec.manifest.files[name]["sha256"] for name in weights},
             },
             evaluation=None,
         )

@@ -118,6 +118,8 @@ def test_quantized_package_keeps_its_own_weights_in_model_onnx_data(mode, quanti
     source_files = json.loads((fp32_package / "edgelm.json").read_text())["files"]
     assert sorted(p.name for p in fp32_package.iterdir()) == sorted([*source_files, "edgelm.json"])
     assert source_files == list_files(fp32_package)
+    recipe = json.loads((package / "edgelm.json").read_text())["recipe"]  # the source's weights are named
+    assert recipe["source_weights_sha256"] == {"model.onnx.data": source_files["model.onnx.data"]["sha256"]}
 
 
 def test_static_recipe_keeps_attention_in_float_and_the_head_dynamic(quantized):
