@@ -221,25 +221,30 @@ BACKGROUND_HASH_BYTES = 8 << 20
 
 
 class PendingHashes:
-    """The sha256 checks still running in the background; wait() raises the first mismatch."""
+    """The sha256 checks still running in the background; wait() raises what stopped them (the first
+    mismatch, an unreadable file, or anything else: a check that did not finish never passes)."""
 
     def __init__(self, checks: list[tuple[str, Path, str]]):
-        self.errors: list[str] = []
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(checks,), name="edgelm-sha256", daemon=True)
         self.thread.start()
 
     def _run(self, checks: list[tuple[str, Path, str]]) -> None:
-        for name, path, expected in checks:
-            try:
-                if file_sha256(path) != expected:
-                    self.errors.append(_mismatch(name))
-            except OSError as e:
-                self.errors.append(f"cannot read package file {name}: {e.strerror or e}")
+        try:
+            for name, path, expected in checks:
+                try:
+                    digest = file_sha256(path)
+                except OSError as e:
+                    raise PackageError(f"cannot read package file {name}: {e.strerror or e}") from None
+                if digest != expected:
+                    raise PackageError(_mismatch(name))
+        except BaseException as e:  # handed to the waiting thread
+            self.error = e
 
     def wait(self) -> None:
         self.thread.join()
-        if self.errors:
-            raise PackageError(self.errors[0])
+        if self.error is not None:
+            raise self.error
 
 
 def _mismatch(name: str) -> str:
@@ -380,7 +385,7 @@ def _check_listed(folder: Path, manifest: Manifest, paths: list[Path]) -> None:
 
 def read_package(path: str | Path, *, verify: bool = True, background_hashes: bool = False) -> PackageSpec:
     """Read a package folder's JSON; with verify, check file hashes first (edgelm packages). With
-    background_hashes, the large files' hashes are still running on return: spec.pending_hashes.wait()
+    background_hashes, the large files' hashes are still running on return: spec.finish_verification()
     finishes them (and sets spec.verified) before anything read from those files may be used."""
     if not isinstance(path, (str, os.PathLike)) or "\x00" in str(path):
         raise PackageError(f"a package path must be a str or Path without NUL characters, got {path!r}")

@@ -141,6 +141,17 @@ def test_a_large_file_hashed_while_the_session_builds_still_fails_the_load(
     assert name in message and "sha256" in message, message
 
 
+def test_a_background_hash_that_does_not_finish_never_passes(package, tmp_path, monkeypatch):
+    monkeypatch.setattr(package_module, "BACKGROUND_HASH_BYTES", 0)
+
+    def broken(path):
+        raise RuntimeError("hashing stopped")
+
+    monkeypatch.setattr(package_module, "file_sha256", broken)
+    with pytest.raises(RuntimeError, match="hashing stopped"):
+        load(copy_package(package, tmp_path), provider="cpu", threads=1)
+
+
 def test_background_hashes_pass_for_an_intact_package(package, tmp_path, monkeypatch):
     monkeypatch.setattr(package_module, "BACKGROUND_HASH_BYTES", 0)
     model = load(copy_package(package, tmp_path), provider="cpu", threads=1)
