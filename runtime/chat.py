@@ -213,13 +213,13 @@ class Conversation:
         stream: Stream
 
         def pieces() -> Iterator[str]:
-            from .generator import _DecodeState
+            from .generator import _DecodeState, text_pieces
 
             cache = self._prepare_cache(reused, len(ids) + max_new_tokens)
             assembler = TextAssembler(model.tokenizer, stops)
             state = _DecodeState(finish=[""])
             try:
-                for _, token in model._decode(
+                decoding = model._decode(
                     [ids],
                     state,
                     max_new_tokens=max_new_tokens,
@@ -228,12 +228,8 @@ class Conversation:
                     cancel=values["cancel"],
                     cache=cache,
                     feed=ids[reused:],
-                ):
-                    piece = assembler.add(token)
-                    if piece:
-                        yield piece
-                    if assembler.stopped:
-                        state.finish[0] = "stop"
+                )
+                yield from text_pieces(decoding, assembler, state)
                 tail = assembler.flush()
             except GeneratorExit:  # the stream was closed before its end: a cancelled reply
                 state.finish[0] = "cancelled"

@@ -418,7 +418,7 @@ class Model:
             # of token n, so a slow consumer slows generation and nothing piles up
             assembler = TextAssembler(self.tokenizer, stops)
             state = _DecodeState(finish=[""])
-            for _, token in self._decode(
+            decoding = self._decode(
                 [ids],
                 state,
                 max_new_tokens=int(max_new_tokens),
@@ -426,12 +426,8 @@ class Model:
                 seed=values["seed"],
                 cancel=values["cancel"],
                 ignore_eos=ignore_eos,
-            ):
-                piece = assembler.add(token)
-                if piece:
-                    yield piece
-                if assembler.stopped:
-                    state.finish[0] = "stop"
+            )
+            yield from text_pieces(decoding, assembler, state)
             tail = assembler.flush()
             if tail:
                 yield tail
@@ -445,6 +441,17 @@ class Model:
 
         stream = Stream(pieces())
         return stream
+
+
+def text_pieces(decoding: Iterator[tuple[int, int]], assembler: TextAssembler, state: _DecodeState) -> Iterator[str]:
+    """The final text pieces of a batch-1 decode (Model._decode's (row, token) pairs); a stop string ends
+    the row (state.finish[0] = "stop"). The caller flushes the assembler at the end."""
+    for _, token in decoding:
+        piece = assembler.add(token)
+        if piece:
+            yield piece
+        if assembler.stopped:
+            state.finish[0] = "stop"
 
 
 @dataclass
