@@ -25,6 +25,7 @@ from ..runtime.contract import (
     CHAT_TEMPLATE_FILE,
     GENAI_CONFIG_FILE,
     MANIFEST_FILE,
+    TOKENIZER_CONFIG_FILE,
     Architecture,
     IONames,
     Manifest,
@@ -39,6 +40,7 @@ from .families import Blocks, Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
 from .hf_checkpoint import read_extras
 from .parity import check_parity, check_parity_shared
+from .tokenizer_config import tokenizer_config
 from .traced import trace_graph
 
 MODEL_FILE = "model.onnx"
@@ -85,7 +87,8 @@ def open_folder(folder: Path) -> Source:
         tokens=family.tokens(folder, model),
         name=folder.resolve().name,
         sha256=checkpoint_hash(folder),
-        files={name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()},
+        # the package writes its own tokenizer_config.json (export/tokenizer_config.py)
+        files={n: folder / n for n in TOKENIZER_FILES if n != TOKENIZER_CONFIG_FILE and (folder / n).is_file()},
         chat_template=read_extras(folder)["chat_template"],
     )
 
@@ -300,6 +303,10 @@ def export_package(
             (staging / name).write_text(text, encoding="utf-8")
         if source.chat_template:
             (staging / CHAT_TEMPLATE_FILE).write_text(source.chat_template, encoding="utf-8")
+        if manifest.tokenizer.file is not None:  # what onnxruntime-genai's tokenizer needs beside tokenizer.json
+            tokenizer_json = (staging / manifest.tokenizer.file).read_text(encoding="utf-8")
+            config = tokenizer_config(tokenizer_json, manifest, chat_template=source.chat_template)
+            write_json(staging / TOKENIZER_CONFIG_FILE, config)
         manifest.files = list_files(staging)
         write_json(staging / MANIFEST_FILE, manifest.to_json())
     size = sum(f["bytes"] for f in manifest.files.values())

@@ -2,7 +2,8 @@
 
 A package is a folder: the ONNX model, `edgelm.json` (the manifest below, with the sha256 of every
 file), `genai_config.json` (the same facts in onnxruntime-genai's words, so genai runs the folder as
-it is), the tokenizer and, for instruct models, the chat template. This module is the one place that
+it is), the tokenizer (`tokenizer.json`, and `tokenizer_config.json` for genai's and transformers'
+tokenizers) and, for instruct models, the chat template. This module is the one place that
 defines those JSON files and the graph's I/O names; everything else goes through it.
 
 The runtime knows no model family: heads, KV heads, head size, context, special tokens, I/O names and
@@ -22,6 +23,7 @@ MANIFEST_VERSION = 2  # 2 added architecture.n_kv_head and tokenizer.chat_templa
 READABLE_VERSIONS = (1, 2)
 GENAI_CONFIG_FILE = "genai_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # special tokens and chat template for transformers and genai
 KV_CACHE_KINDS = ("concat", "shared_buffer")
 KV_DTYPES = ("float32", "float16")
 
