@@ -198,15 +198,37 @@ def save_checkpoint(model: GPT, folder: str | Path) -> None:
     (folder / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n", encoding="utf-8")
 
 
-def checkpoint_hash(folder: str | Path) -> str:
-    """sha256 over config.json and the weights file: identifies the source of an export."""
+def source_files(folder: str | Path) -> list[str]:
+    """The files of a checkpoint folder that export reads, by name: config.json, generation_config.json, the
+    weights as the loaders pick them (the safetensors index and every shard it lists; else model.safetensors;
+    else pytorch_model.bin), the tokenizer files and the chat template."""
+    from .hf_checkpoint import CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE, SAFETENSORS_INDEX_FILE
+
     folder = Path(folder)
-    digest = hashlib.sha256()
-    for name in (CONFIG_FILE, SAFETENSORS_FILE, PICKLE_FILE):
-        path = folder / name
-        if path.is_file():
-            digest.update(name.encode())
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-    return digest.hexdigest()
+    if (folder / SAFETENSORS_INDEX_FILE).is_file():
+        weight_map = read_json(folder / SAFETENSORS_INDEX_FILE).get("weight_map")
+        shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        weights = [SAFETENSORS_INDEX_FILE, *sorted(s for s in shards if isinstance(s, str) and Path(s).name == s)]
+    else:
+        weights = [SAFETENSORS_FILE] if (folder / SAFETENSORS_FILE).is_file() else [PICKLE_FILE]
+    names = [CONFIG_FILE, GENERATION_CONFIG_FILE, *weights, *TOKENIZER_FILES, CHAT_TEMPLATE_FILE]
+    return [name for name in dict.fromkeys(names) if (folder / name).is_file()]
+
+
+def source_hashes(folder: str | Path) -> dict[str, str]:
+    """sha256 of every file export reads from a checkpoint folder (source_files), by name."""
+    from ..runtime.package import file_sha256
+
+    folder = Path(folder)
+    return {name: file_sha256(folder / name) for name in source_files(folder)}
+
+
+def combined_hash(hashes: dict[str, str]) -> str:
+    """One sha256 for a set of files: over their "name sha256" lines, sorted by name."""
+    lines = "".join(f"{name} {digest}\n" for name, digest in sorted(hashes.items()))
+    return hashlib.sha256(lines.encode("utf-8")).hexdigest()
+
+
+def checkpoint_hash(folder: str | Path) -> str:
+    """sha256 identifying the source of an export: combined_hash over every file export reads (source_hashes)."""
+    return combined_hash(source_hashes(folder))

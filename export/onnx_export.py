@@ -34,7 +34,7 @@ from ..runtime.contract import (
 )
 from ..runtime.outputs import StagedOutput
 from ..runtime.package import file_sha256, list_files, write_json
-from .checkpoint import TOKENIZER_FILES, CheckpointError, checkpoint_hash, read_config
+from .checkpoint import TOKENIZER_FILES, CheckpointError, combined_hash, read_config, source_hashes
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
@@ -68,7 +68,8 @@ class Source:
     family: Family
     tokens: dict  # bos_token_id, eos_token_ids, pad_token_id
     name: str  # the checkpoint's name, for the manifest
-    sha256: str  # identifies what was exported
+    sha256: str  # identifies what was exported: the file's, or combined_hash over a folder's files
+    hashes: dict[str, str]  # sha256 of every file export read, by name in the folder (or the GGUF file's name)
     files: dict[str, Path] = field(default_factory=dict)  # package file name -> file to copy (tokenizer)
     texts: dict[str, str] = field(default_factory=dict)  # package file name -> contents to write
     chat_template: str | None = None
@@ -81,12 +82,14 @@ def open_folder(folder: Path) -> Source:
     hf_config = read_config(folder)
     family = family_for(hf_config.get("model_type"))
     model = family.load(folder)
+    hashes = source_hashes(folder)
     return Source(
         model=model,
         family=family,
         tokens=family.tokens(folder, model),
         name=folder.resolve().name,
-        sha256=checkpoint_hash(folder),
+        sha256=combined_hash(hashes),
+        hashes=hashes,
         # the package writes its own tokenizer_config.json (export/tokenizer_config.py)
         files={n: folder / n for n in TOKENIZER_FILES if n != TOKENIZER_CONFIG_FILE and (folder / n).is_file()},
         chat_template=read_extras(folder)["chat_template"],
@@ -104,12 +107,14 @@ def open_gguf(path: Path) -> Source:
     model = family.build(gguf.hf_config, state)
     del state
     tokens = checked_tokens(model.config.vocab_size, gguf.bos_token_id, gguf.eos_token_ids, gguf.pad_token_id)
+    sha256 = file_sha256(path)
     return Source(
         model=model,
         family=family,
         tokens=tokens,
         name=path.name,
-        sha256=file_sha256(path),
+        sha256=sha256,
+        hashes={path.name: sha256},
         texts={"tokenizer.json": gguf.tokenizer_json},
         chat_template=gguf.chat_template,
         blocks=gguf.matmul_nbits,
@@ -199,7 +204,7 @@ def build_manifest(
             "torch": torch.__version__,
             "onnx": onnx.__version__,
         },
-        source={"checkpoint": source.name, "sha256": source.sha256},
+        source={"checkpoint": source.name, "sha256": source.sha256, "files": source.hashes},
         created_by=f"edgelm {__version__}",
     )
 
