@@ -183,6 +183,19 @@ def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
     return model
 
 
+def check_finite(model: torch.nn.Module, source: str) -> None:
+    """Refuse NaN or inf in any weight, naming the tensor: such a model can never generate, and an export of
+    it would fail only later, with a less useful message (or, before this check, not at all)."""
+    for name, tensor in model.named_parameters():
+        finite = torch.isfinite(tensor)
+        if not finite.all():
+            bad = tensor.numel() - int(finite.sum())
+            raise CheckpointError(
+                f"tensor {name!r} in {source} holds {bad} NaN or inf value(s) of {tensor.numel()}; "
+                "a model with them cannot generate"
+            )
+
+
 def save_checkpoint(model: GPT, folder: str | Path) -> None:
     """Write config.json + model.safetensors in Hugging Face GPT-2's layout (loads in transformers)."""
     from safetensors.torch import save_file

@@ -34,7 +34,7 @@ from ..runtime.contract import (
 )
 from ..runtime.outputs import StagedOutput
 from ..runtime.package import file_sha256, list_files, write_json
-from .checkpoint import TOKENIZER_FILES, CheckpointError, combined_hash, read_config, source_hashes
+from .checkpoint import TOKENIZER_FILES, CheckpointError, check_finite, combined_hash, read_config, source_hashes
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
@@ -252,6 +252,7 @@ def export_package(
     if keep_gguf_quantization and source.blocks is None:
         raise ValueError(f"{checkpoint} is not a GGUF file: there is no GGUF quantization to keep")
     model, config = source.model, source.model.config
+    check_finite(model, source.name)
     if untie and config.tie_word_embeddings:
         _untie(model)
     parameters = sum(p.numel() for p in model.parameters())
@@ -290,6 +291,11 @@ def export_package(
             max_diff = check_parity_shared(model, staging / MODEL_FILE, prepacking=keep_gguf_quantization)
         else:
             max_diff = check_parity(model, staging / MODEL_FILE, last_token_logits=last_token_logits)
+        if max_diff == float("inf"):  # PyTorch's were finite (parity.py raises otherwise): float32 overflowed
+            raise RuntimeError(
+                "ONNX Runtime's logits are not finite (NaN or inf) on the export check's prompt while PyTorch's "
+                "are: the package could not generate"
+            )
         progress(f"      max |logit difference| = {max_diff:.2e} (tolerance {tolerance:.0e})")
         if not max_diff <= tolerance:
             raise RuntimeError(

@@ -18,7 +18,22 @@ import onnxruntime as ort
 import torch
 
 from ..runtime.contract import IONames
+from .checkpoint import CheckpointError
 from .graph import LOGITS_TO_KEEP
+
+
+def _worst(worst: float, ort_logits: np.ndarray, torch_logits: np.ndarray) -> float:
+    """The running max |difference| over compared logits. max() drops a NaN (every comparison with one is
+    false), so non-finite values are looked at first: the reference's are the checkpoint's fault (it cannot
+    generate), ONNX Runtime's alone count as an infinite difference."""
+    if not np.isfinite(torch_logits).all():
+        raise CheckpointError(
+            "the model's logits are not finite (NaN or inf) on the export check's prompt: this checkpoint cannot "
+            "generate text"
+        )
+    if not np.isfinite(ort_logits).all():
+        return float("inf")
+    return max(worst, float(np.abs(ort_logits - torch_logits).max(initial=0.0)))
 
 
 @contextmanager
@@ -86,8 +101,7 @@ def check_parity(
             assert outputs[0].shape == tuple(torch_logits.shape), (
                 f"ONNX logits {outputs[0].shape} vs PyTorch {tuple(torch_logits.shape)}: compared without broadcasting"
             )
-            diff = np.abs(outputs[0] - torch_logits.numpy())[real]
-            worst = max(worst, float(diff.max()))
+            worst = _worst(worst, outputs[0][real], torch_logits.numpy()[real])
             torch_past, ort_past = torch_present, outputs[1:]
             next_ids = torch_logits[:, -1, :].argmax(-1, keepdim=True)
             input_ids = next_ids
@@ -172,6 +186,6 @@ def check_parity_shared(
         session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()
         assert logits.shape == step["logits"].shape, f"ONNX logits {logits.shape} vs {step['logits'].shape}"
-        diff = np.abs(logits - step["logits"])
-        worst = max(worst, float(diff[step["real"]].max() if "real" in step else diff.max()))
+        real = step.get("real", np.ones(logits.shape[:2], dtype=bool))
+        worst = _worst(worst, logits[real], step["logits"][real])
     return worst

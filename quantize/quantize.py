@@ -5,8 +5,10 @@ recipe recorded) and, given held-out text, the accuracy report against the fp32 
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -42,6 +44,52 @@ def _calibration_ids(path: str | Path | None, tokenizer) -> np.ndarray:
     return ids
 
 
+SMOKE_TOKENS = 16  # the prompt on which every quantized package must give finite logits
+
+
+def _finite_logits(model) -> bool:
+    """Whether a package's logits are finite on a short fixed prompt: the least a package must do to generate."""
+    ids = np.random.default_rng(0).integers(0, model.vocab_size, (1, min(SMOKE_TOKENS, model.context_length)))
+    return bool(np.isfinite(model.forward(ids)[0]).all())
+
+
+def _check_weights(model_path: Path) -> None:
+    """Refuse NaN or inf in a float weight of the source, naming it: the package cannot generate, and ONNX
+    Runtime's quantizers stop on it with an assertion. Reads the weights file through a memory map."""
+    import onnx
+    from onnx import numpy_helper
+
+    for tensor in onnx.load(str(model_path), load_external_data=False).graph.initializer:
+        if tensor.data_type != onnx.TensorProto.FLOAT:
+            continue
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # the location was checked by read_package
+            info = {entry.key: entry.value for entry in tensor.external_data}
+            count = int(np.prod(tensor.dims, dtype=np.int64))
+            path, offset = model_path.parent / info["location"], int(info.get("offset", 0))
+            values = np.memmap(path, dtype=np.float32, mode="r", offset=offset, shape=(count,)) if count else []
+        else:
+            values = numpy_helper.to_array(tensor)
+        if not np.isfinite(values).all():
+            raise PackageError(
+                f"weight {tensor.name!r} of {model_path.parent.name} holds NaN or inf values: the package cannot "
+                "generate; re-export it from a checkpoint without them"
+            )
+
+
+def _non_finite(report: dict) -> list[str]:
+    """The accuracy report's figures that are NaN or inf, as "name value"."""
+    return [f"{key} {value}" for key, value in report.items() if isinstance(value, float) and not math.isfinite(value)]
+
+
+def _refuse(package: Path, source, figures: list[str]) -> NoReturn:
+    """Quantize never leaves a package whose logits are not finite; a source that already gives them is named."""
+    if any(figure.startswith("reference_") for figure in figures) or not _finite_logits(source):
+        raise PackageError(f"{package} gives logits that are not finite (NaN or inf): it cannot generate; re-export it")
+    raise RuntimeError(
+        f"the quantized model's logits are not finite ({', '.join(figures)}): this mode does not work for this model"
+    )
+
+
 def quantize_package(
     package: str | Path,
     out_dir: str | Path,
@@ -74,6 +122,7 @@ def quantize_package(
     weights = sorted(set(external_data_locations(spec.model_path)))  # model.onnx.data; none in older packages
     if sum((spec.model_path.parent / n).stat().st_size for n in [spec.model_path.name, *weights]) > PROTOBUF_LIMIT:
         raise PackageError("quantizing models over 2 GB is not supported yet (the quantizers serialize whole models)")
+    _check_weights(spec.model_path)
     source = load(package, provider="cpu")
     options = Options(
         per_channel=True if per_channel is None else per_channel,
@@ -107,9 +156,13 @@ def quantize_package(
         manifest.io.kv_dtype = recipe.kv_dtype
         manifest.files = list_files(staging)
         write_json(staging / MANIFEST_FILE, manifest.to_json())
+        if recipe.evaluated and not _finite_logits(load(staging, provider="cpu", verify=False)):  # fp16: GPUs only
+            _refuse(package, source, [f"NaN or inf on a {SMOKE_TOKENS}-token prompt"])
         if evaluate and eval_text is not None and recipe.evaluated:
             progress(f"evaluating on {eval_text} against {package}")
             report = evaluate_package(staging, eval_text, reference=source)
+            if _non_finite(report):
+                _refuse(package, source, _non_finite(report))
             report["package"] = out_dir.name
             report["reference"] = package.name
             manifest.evaluation = report
