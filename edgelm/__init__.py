@@ -1,3 +1,4 @@
-"""edgelm: GPT-style models from PyTorch to a small, fast ONNX package, and a thin runtime."""
+"""edgelm: GPT-2 and Llama-family models from a Hugging Face folder or a GGUF file to a small, fast ONNX
+package, and a thin runtime."""
 
 __version__ = "0.1.0"

@@ -131,7 +131,8 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="edgelm",
-        description="GPT-style models from a PyTorch checkpoint to a small, fast ONNX package, and a runtime for it.",
+        description="Language models (GPT-2 and Llama-family) from a Hugging Face folder or a GGUF file to a small, "
+        "fast ONNX package, and a runtime for it.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -140,13 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "export",
-        help="checkpoint folder -> ONNX model package (needs edgelm[export])",
-        description="Export a GPT-2-layout checkpoint folder (config.json + model.safetensors or "
-        "pytorch_model.bin, + tokenizer files) to a new package folder with KV-cache I/O, then check ONNX "
-        "Runtime against PyTorch. The package is written beside out_dir and moved into place at the end; "
-        "out_dir must not exist, or be an edgelm package (or empty folder) and --overwrite given.",
+        help="checkpoint folder or GGUF file -> ONNX model package (needs edgelm[export])",
+        description="Export a model to a new package folder: an ONNX graph with KV-cache I/O, its weights, "
+        "genai_config.json, tokenizer.json and tokenizer_config.json, the chat template and edgelm.json (the "
+        "sha256 of every package file and of every source file read). Sources: a Hugging Face folder "
+        "(config.json with model_type gpt2, llama, mistral or qwen2; model.safetensors, sharded safetensors with "
+        "their index, or pytorch_model.bin; tokenizer.json; generation_config.json; chat template), or a GGUF "
+        "file of architecture llama, qwen2 or gpt2, whose tokenizer.json is built from its metadata. A "
+        "quantized GGUF keeps its own blocks (MatMulNBits) by default; --dequantize gives an fp32 package. "
+        "Export then runs ONNX Runtime against PyTorch (prompt + decode steps) and fails above the tolerance or "
+        "on any NaN/inf. The package is written beside out_dir and moved into place at the end; out_dir must "
+        "not exist, or be an edgelm package (or empty folder) and --overwrite given.",
     )
-    p.add_argument("checkpoint", help="checkpoint folder (Hugging Face GPT-2 layout)")
+    p.add_argument(
+        "checkpoint",
+        help="a Hugging Face model folder (gpt2, llama, mistral, qwen2) or a .gguf file (llama, qwen2, gpt2)",
+    )
     p.add_argument("out_dir", help="package folder to write (must not be, contain or lie inside the checkpoint)")
     p.add_argument(
         "--opset", type=_int_in(*OPSETS), default=17, help=f"ONNX opset, {OPSETS[0]} to {OPSETS[1]} (default 17)"
