@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import pickle
 from pathlib import Path
 
@@ -187,9 +188,12 @@ def check_finite(model: torch.nn.Module, source: str) -> None:
     """Refuse NaN or inf in any weight, naming the tensor: such a model can never generate, and an export of
     it would fail only later, with a less useful message (or, before this check, not at all)."""
     for name, tensor in model.named_parameters():
-        finite = torch.isfinite(tensor)
-        if not finite.all():
-            bad = tensor.numel() - int(finite.sum())
+        # a NaN or inf makes the sum non-finite; the sum alone can also overflow, so the mask confirms (the mask
+        # first would take about 10x longer: 1.5 s on SmolLM2-135M)
+        if math.isfinite(tensor.detach().sum()):
+            continue
+        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+        if bad:
             raise CheckpointError(
                 f"tensor {name!r} in {source} holds {bad} NaN or inf value(s) of {tensor.numel()}; "
                 "a model with them cannot generate"
