@@ -135,8 +135,11 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     if not tokens:
         raise ValueError("no tokenizer.ggml.tokens in the metadata")
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"):
-        if key in meta and not 0 <= meta[key] < len(tokens):
-            raise ValueError(f"{key} {meta[key]} is outside the vocabulary of {len(tokens)} tokens")
+        value = meta.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{key} should be one integer token id, not {value!r:.60}")
+        if value is not None and not 0 <= value < len(tokens):
+            raise ValueError(f"{key} {value} is outside the vocabulary of {len(tokens)} tokens")
     if kind == "gpt2":
         tokenizer = _byte_level(meta, tokens)
     elif kind == "llama":

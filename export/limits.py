@@ -1,0 +1,43 @@
+"""Bounds on what a checkpoint's config may claim, checked where the value is read, before export allocates
+anything sized by it (a config is a few bytes; what it sizes is not).
+
+The context length sizes the tables with one row per position that export builds and the package holds: the
+rotary cos/sin caches (positions, head_dim / 2) of the fused Llama-family graph, GPT-2's sinusoidal table
+(positions, n_embd). (GPT-2's learned position table is a checkpoint tensor: its shape is checked against the
+file before anything is built.) Those tables count positions in float32, which holds every integer only up to
+2**24, so a longer context could not be represented even with the memory for it; and a table must fit in the
+memory the runtime's own generation check would grant (runtime/kvcache.py), or the package could never load.
+"""
+
+from __future__ import annotations
+
+from ..runtime.kvcache import MAX_GENERATION_BYTES, available_memory_bytes
+
+MAX_CONTEXT_LENGTH = 1 << 24  # float32 positions are exact integers up to here
+# export's accuracy check (export/parity.py) runs a prompt and five decode steps: a shorter context cannot be checked
+MIN_CONTEXT_LENGTH = 8
+MAX_NORM_EPSILON = 1.0  # an epsilon this large swamps the variance it is added to: not a trained model's
+
+
+def context_length_problem(length: int) -> str | None:
+    """Why `length` positions cannot be exported, or None when it can."""
+    if length > MAX_CONTEXT_LENGTH:
+        return (
+            f"{length} is above edgelm's limit of {MAX_CONTEXT_LENGTH} (2**24) positions: position tables are float32, "
+            "which holds positions exactly only up to 2**24"
+        )
+    if length < MIN_CONTEXT_LENGTH:
+        return f"{length} is below {MIN_CONTEXT_LENGTH} positions, the fewest export's accuracy check needs"
+    return None
+
+
+def check_table_memory(positions: int, width: int, what: str) -> None:
+    """MemoryError (clear, before allocating) when `what`, float32 tables of (positions, width) for cos and sin
+    or one table of (positions, width), would not fit in the memory a generation may use."""
+    needed = positions * width * 4
+    limit = min(available_memory_bytes(), MAX_GENERATION_BYTES)
+    if needed > limit:
+        raise MemoryError(
+            f"{what} for a context of {positions} positions need {needed / 2**30:.1f} GiB, more than the "
+            f"{limit / 2**30:.1f} GiB available; the checkpoint's context length is too long for this machine"
+        )

@@ -1,0 +1,162 @@
+"""GGUF metadata trusted no further than it can be checked: every number export reads is of its type and in its
+range (a NaN rotary base, a zero epsilon, a context of 2**31), every token id an integer inside the vocabulary,
+the tokenizer no larger than the embedding, and a hostile SentencePiece vocabulary built in linear time. Each
+case is a tiny valid GGUF (tests/test_gguf.py) rewritten with one value changed by llama.cpp's own writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGUFReader, GGUFWriter  # noqa: E402
+from gguf import GGUFValueType as V  # noqa: E402
+from test_gguf import VOCAB, write_gguf  # noqa: E402  (pytest puts tests/ on the path)
+
+from edgelm.cli import main  # noqa: E402
+from edgelm.export.gguf import GGUFError, read_gguf  # noqa: E402
+from edgelm.export.gguf_header import read_header  # noqa: E402
+
+NAN = float("nan")
+
+
+def rewrite(source: Path, target: Path, changes: dict) -> Path:
+    """`source` with metadata `changes` applied: key -> (value, type) or (value, ARRAY, item type); None removes."""
+    reader = GGUFReader(source)
+    writer = GGUFWriter(target, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in changes:
+            continue
+        writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    for key, change in changes.items():
+        if change is not None:
+            value, kind, *item = change
+            writer.add_key_value(key, value, kind, item[0] if item else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("tiny")
+    return {arch: write_gguf(folder, arch) for arch in ("llama", "gpt2")}
+
+
+def _tokens_plus(path: Path, extra: int) -> dict:
+    """Changes that append `extra` ordinary tokens to the tokenizer (the embedding keeps its rows)."""
+    meta = read_header(path).metadata
+    tokens = meta["tokenizer.ggml.tokens"] + [f"extra{i}" for i in range(extra)]
+    types = meta["tokenizer.ggml.token_type"] + [1] * extra
+    return {
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+    }
+
+
+LINEAR = {"llama.rope.scaling.type": ("linear", V.STRING)}
+# name -> (architecture, metadata changes, what the one-line error must say)
+BAD = {
+    "eot id 1.5": ("llama", {"tokenizer.ggml.eot_token_id": (1.5, V.FLOAT32)}, "eot_token_id should be one integer"),
+    "eos id list": ("llama", {"tokenizer.ggml.eos_token_id": ([1, 2], V.ARRAY, V.UINT32)}, "not [1, 2]"),
+    "eos id string": ("llama", {"tokenizer.ggml.eos_token_id": ("2", V.STRING)}, "not '2'"),
+    "eos id bool": ("llama", {"tokenizer.ggml.eos_token_id": (True, V.BOOL)}, "not True"),
+    "unknown id 1.5": ("llama", {"tokenizer.ggml.unknown_token_id": (1.5, V.FLOAT32)}, "unknown_token_id"),
+    "padding id past the vocabulary": (
+        "llama",
+        {"tokenizer.ggml.padding_token_id": (VOCAB, V.UINT32)},
+        f"padding_token_id = {VOCAB} is outside the tokenizer's {VOCAB} tokens",
+    ),
+    "context 2**31 - 1": ("llama", {"llama.context_length": (2**31 - 1, V.UINT32)}, "limit of 16777216"),
+    "context 2**31": ("llama", {"llama.context_length": (2**31, V.UINT64)}, "context_length = 2147483648"),
+    "context 2**24 + 1 (gpt2)": ("gpt2", {"gpt2.context_length": (2**24 + 1, V.UINT32)}, "float32"),
+    "context 4": ("llama", {"llama.context_length": (4, V.UINT32)}, "below 8 positions"),
+    "rope base NaN": ("llama", {"llama.rope.freq_base": (NAN, V.FLOAT32)}, "freq_base = nan is out of range"),
+    "rope base 0": ("llama", {"llama.rope.freq_base": (0.0, V.FLOAT32)}, "freq_base = 0.0"),
+    "rope base negative": ("llama", {"llama.rope.freq_base": (-10000.0, V.FLOAT32)}, "above 0"),
+    "rope base inf": ("llama", {"llama.rope.freq_base": (1e300, V.FLOAT64)}, "freq_base = inf"),
+    "scaling factor NaN": ("llama", LINEAR | {"llama.rope.scaling.factor": (NAN, V.FLOAT32)}, "factor = nan"),
+    "scaling factor 0": ("llama", LINEAR | {"llama.rope.scaling.factor": (0.0, V.FLOAT32)}, "factor = 0.0"),
+    "scaling factor negative": ("llama", LINEAR | {"llama.rope.scaling.factor": (-2.0, V.FLOAT32)}, "factor = -2.0"),
+    "epsilon NaN": ("llama", {"llama.attention.layer_norm_rms_epsilon": (NAN, V.FLOAT32)}, "epsilon = nan"),
+    "epsilon 0": ("llama", {"llama.attention.layer_norm_rms_epsilon": (0.0, V.FLOAT32)}, "epsilon = 0.0"),
+    "epsilon negative": ("llama", {"llama.attention.layer_norm_rms_epsilon": (-1e-5, V.FLOAT32)}, "above 0"),
+    "epsilon 1": ("llama", {"llama.attention.layer_norm_rms_epsilon": (1.0, V.FLOAT32)}, "below 1"),
+    "gpt2 epsilon NaN": ("gpt2", {"gpt2.attention.layer_norm_epsilon": (NAN, V.FLOAT32)}, "epsilon = nan"),
+    "gpt2 epsilon string": ("gpt2", {"gpt2.attention.layer_norm_epsilon": ("1e-5", V.STRING)}, "single float"),
+    "head count NaN": ("llama", {"llama.attention.head_count": (NAN, V.FLOAT32)}, "head_count should be a single"),
+    "head count 4.0": ("llama", {"llama.attention.head_count": (4.0, V.FLOAT32)}, "not 4.0"),
+    "head count 0": ("llama", {"llama.attention.head_count": (0, V.UINT32)}, "head_count = 0"),
+    "head count negative": ("llama", {"llama.attention.head_count": (-4, V.INT32)}, "head_count = -4"),
+    "kv heads do not divide heads": ("llama", {"llama.attention.head_count_kv": (3, V.UINT32)}, "not a multiple"),
+    "layers list": ("llama", {"llama.block_count": ([2], V.ARRAY, V.UINT32)}, "block_count should be a single"),
+    "odd rotary width": (
+        "llama",
+        {"llama.rope.dimension_count": (15, V.UINT32)},
+        "rope.dimension_count 15 with heads of 15: edgelm rotates whole, even heads",
+    ),
+    "gpt2 width not a multiple of heads": ("gpt2", {"gpt2.attention.head_count": (5, V.UINT32)}, "not a multiple"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_metadata_is_a_one_line_error(name, tiny, tmp_path):
+    arch, changes, expected = BAD[name]
+    path = rewrite(tiny[arch], tmp_path / "bad.gguf", changes)
+    with pytest.raises(GGUFError) as info:
+        read_gguf(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("bad.gguf: "), message
+    assert expected in message, message
+
+
+def test_tokenizer_larger_than_embedding_is_refused(tiny, tmp_path):
+    path = rewrite(tiny["llama"], tmp_path / "bad.gguf", _tokens_plus(tiny["llama"], 3))
+    with pytest.raises(GGUFError, match=f"the tokenizer has {VOCAB + 3} tokens but token_embd.weight only {VOCAB}"):
+        read_gguf(path)
+
+
+def test_tokenizer_smaller_than_embedding_is_padding(tiny, tmp_path):
+    meta = read_header(tiny["llama"]).metadata
+    tokens, types = meta["tokenizer.ggml.tokens"][:-8], meta["tokenizer.ggml.token_type"][:-8]
+    merges = [m for m in meta["tokenizer.ggml.merges"] if "".join(m.split(" ")) in set(tokens)]
+    changes = {
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+        "tokenizer.ggml.merges": (merges, V.ARRAY, V.STRING),
+    }
+    model = read_gguf(rewrite(tiny["llama"], tmp_path / "padded.gguf", changes))
+    assert model.hf_config["vocab_size"] == VOCAB  # the embedding's rows, not the tokenizer's count
+
+
+def test_token_ids_kept_as_given(tiny):
+    model = read_gguf(tiny["llama"])
+    assert (model.bos_token_id, model.eos_token_ids, model.pad_token_id) == (0, [0], None)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["eot id 1.5", "context 2**31 - 1", "rope base NaN", "scaling factor 0", "epsilon negative", "head count NaN"],
+)
+def test_cli_bad_metadata_exits_1_and_writes_nothing(case, tiny, tmp_path, capsys):
+    arch, changes, expected = BAD[case]
+    path = rewrite(tiny[arch], tmp_path / "bad.gguf", changes)
+    before = set(tmp_path.iterdir())
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("edgelm export: error: bad.gguf: ") and expected in err, err
+    assert set(tmp_path.iterdir()) == before, "nothing written"
+
+
+def test_cli_tokenizer_larger_than_embedding_exits_1(tiny, tmp_path, capsys):
+    path = rewrite(tiny["gpt2"], tmp_path / "bad.gguf", _tokens_plus(tiny["gpt2"], 1))
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokenizer has" in err, err
+    assert not (tmp_path / "out").exists()
