@@ -17,6 +17,11 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 CONTROL, USER_DEFINED = 3, 4
+# Longest ordinary SentencePiece piece whose merges are rebuilt. Trying each cut of a piece costs its length, so
+# a piece of n characters costs n**2 (a 1 MB one, minutes), and a vocabulary of n pieces "a" * k makes n**3 / 6
+# characters of merges. Bounded, both are linear in the vocabulary's size. Control and user-defined tokens have
+# no merges and any length.
+MAX_MERGED_LENGTH = 256
 # Llama 3's split: case-insensitive contractions, a letter run with one leading non-letter, up to 3 digits, ...
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -88,9 +93,14 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
     # Only ordinary tokens (type 1) are merge results; pieces may be any token in the vocabulary.
     ranked = []
-    for token, score, kind in zip(tokens, scores, types, strict=True):
+    for index, (token, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
         if kind != 1 or len(token) < 2:
             continue
+        if len(token) > MAX_MERGED_LENGTH:  # every cut slices the token: quadratic in its length
+            raise ValueError(
+                f"token {index} is an ordinary SentencePiece piece of {len(token)} characters; merges are rebuilt for "
+                f"pieces of up to {MAX_MERGED_LENGTH} (trained vocabularies' are 16 to 31)"
+            )
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in vocab and right in vocab:

@@ -5,6 +5,8 @@ case is a tiny valid GGUF (tests/test_gguf.py) rewritten with one value changed 
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +16,12 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGUFReader, GGUFWriter  # noqa: E402
 from gguf import GGUFValueType as V  # noqa: E402
 from test_gguf import VOCAB, write_gguf  # noqa: E402  (pytest puts tests/ on the path)
+from tokenizers import Tokenizer  # noqa: E402
 
 from edgelm.cli import main  # noqa: E402
 from edgelm.export.gguf import GGUFError, read_gguf  # noqa: E402
 from edgelm.export.gguf_header import read_header  # noqa: E402
+from edgelm.export.gguf_tokenizer import MAX_MERGED_LENGTH, build_tokenizer_json  # noqa: E402
 
 NAN = float("nan")
 
@@ -160,3 +164,56 @@ def test_cli_tokenizer_larger_than_embedding_exits_1(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tokenizer has" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# --- SentencePiece vocabularies: merges rebuilt in time linear in the vocabulary ---------------------------------
+
+
+def _spm_meta(*extra: tuple[str, int]) -> dict:
+    """A small SentencePiece vocabulary (llama.cpp's `llama` tokenizer model) with `extra` (token, type) appended."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "a", "b", "ab", "\u2581a"]
+    types = [2, 3, 3, *[6] * 256, 1, 1, 1, 1, 1]
+    tokens += [token for token, _ in extra]
+    types += [kind for _, kind in extra]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": [-float(i) for i in range(len(tokens))],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+def test_spm_piece_of_a_megabyte_is_refused_at_once(tiny, tmp_path):
+    meta = read_header(tiny["llama"]).metadata
+    tokens = meta["tokenizer.ggml.tokens"][:-1] + ["ab" * 500_000]  # the last token becomes 1 MB long
+    changes = {
+        "tokenizer.ggml.model": ("llama", V.STRING),
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.scores": ([-float(i) for i in range(len(tokens))], V.ARRAY, V.FLOAT32),
+    }
+    path = rewrite(tiny["llama"], tmp_path / "long.gguf", changes)
+    start = time.perf_counter()
+    with pytest.raises(GGUFError, match=f"token {len(tokens) - 1} is an ordinary SentencePiece piece of 1000000 char"):
+        read_gguf(path)
+    assert time.perf_counter() - start < 30  # minutes before: every cut sliced the whole megabyte
+
+
+def test_spm_long_special_tokens_need_no_merges():
+    tokenizer = Tokenizer.from_str(build_tokenizer_json(_spm_meta(("<" + "x" * 1_000_000 + ">", 4))))
+    assert tokenizer.get_vocab_size() == 265
+
+
+def test_spm_merges_up_to_the_limit_are_kept():
+    # "a" * k for k up to the limit: each splits k - 1 ways, all of them merges (the worst case per character)
+    pieces = [("a" * k, 1) for k in range(2, MAX_MERGED_LENGTH + 1)]
+    tokenizer = Tokenizer.from_str(build_tokenizer_json(_spm_meta(*pieces)))
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    assert len(merges) == 2 + sum(k - 1 for k in range(2, MAX_MERGED_LENGTH + 1))  # "ab", "▁a" and the a-runs
+    # "▁a" outranks the runs (a higher score), then the runs merge up to the longest piece
+    encoded = tokenizer.encode("a" * MAX_MERGED_LENGTH, add_special_tokens=False).tokens
+    assert encoded == ["\u2581a", "a" * (MAX_MERGED_LENGTH - 1)]
+    with pytest.raises(ValueError, match=f"piece of {MAX_MERGED_LENGTH + 1} characters"):
+        build_tokenizer_json(_spm_meta(*pieces, ("a" * (MAX_MERGED_LENGTH + 1), 1)))
