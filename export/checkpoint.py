@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
 from .model import GPT, GPTConfig
 
 CONFIG_FILE = "config.json"
@@ -35,6 +36,26 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded: wrong architecture, corrupt weights, shape mismatch."""
 
 
+def config_number(hf: dict, key: str, default: object = None, *, kind: type = int, **bounds) -> int | float:
+    """config.json's `key` (`default` when absent or null) as one number of `kind` in range: `int(1.5)` would read
+    a broken config as a working one (export/limits.py checked_number; bounds: positive, below)."""
+    value = hf.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise CheckpointError(f"config.json lacks the key {key!r}")
+    try:
+        return checked_number(value, f"config.json's {key}", kind=kind, **bounds)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def config_context_length(length: int, key: str) -> int:
+    problem = context_length_problem(length)
+    if problem:
+        raise CheckpointError(f"config.json's {key} = {problem}")
+    return length
+
+
 def config_from_hf(hf: dict) -> GPTConfig:
     """Map a Hugging Face GPT-2 config.json onto GPTConfig; refuse what this model does not implement."""
     model_type = hf.get("model_type")
@@ -50,24 +71,27 @@ def config_from_hf(hf: dict) -> GPTConfig:
             raise CheckpointError(f"config.json sets {flag}=true, which edgelm's GPT-2 does not implement")
     if hf.get("scale_attn_weights") is False:
         raise CheckpointError("config.json sets scale_attn_weights=false, which edgelm's GPT-2 does not implement")
+    positions_key = "n_positions" if hf.get("n_positions") is not None else "n_ctx"
     try:
         return GPTConfig(
-            vocab_size=int(hf["vocab_size"]),
-            n_positions=int(hf.get("n_positions", hf.get("n_ctx", 1024))),
-            n_embd=int(hf["n_embd"]),
-            n_layer=int(hf["n_layer"]),
-            n_head=int(hf["n_head"]),
-            n_inner=hf.get("n_inner"),
+            vocab_size=config_number(hf, "vocab_size"),
+            n_positions=config_context_length(config_number(hf, positions_key, 1024), positions_key),
+            n_embd=config_number(hf, "n_embd"),
+            n_layer=config_number(hf, "n_layer"),
+            n_head=config_number(hf, "n_head"),
+            n_inner=config_number(hf, "n_inner") if hf.get("n_inner") is not None else None,
             positional=hf.get("edgelm_positional", "learned"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+            layer_norm_epsilon=config_number(hf, "layer_norm_epsilon", 1e-5, kind=float, below=MAX_NORM_EPSILON),
             activation=SUPPORTED_ACTIVATIONS[activation],
-            bos_token_id=int(hf.get("bos_token_id", 50256)),
-            eos_token_id=int(hf.get("eos_token_id", 50256)),
+            bos_token_id=config_number(hf, "bos_token_id", 50256, positive=False),
+            eos_token_id=config_number(hf, "eos_token_id", 50256, positive=False),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"config.json is invalid: {e}") from None
 
 

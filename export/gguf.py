@@ -13,7 +13,6 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,7 +23,7 @@ from gguf.quants import dequantize
 
 from .gguf_header import HeaderError, read_header
 from .gguf_tokenizer import build_tokenizer_json
-from .limits import MAX_NORM_EPSILON, context_length_problem
+from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -163,24 +162,17 @@ class GGUFModel:
 def _number(
     meta: dict, key: str, default: Any = None, *, kind: type = int, positive: bool = True, below: float | None = None
 ) -> Any:
-    """Metadata `key` (`default` when absent) as one checked number. An int is an integer (not a float, bool, string
-    or list) in [1, 2**31), [0, 2**31) when not `positive`; a float is finite, above 0 when `positive`, and below
-    `below` when given. A NaN, zero or negative rotary base or norm epsilon gives a model that can never generate."""
+    """Metadata `key` (`default` when absent) as one number of `kind` in range (export/limits.py checked_number)."""
     value = meta.get(key, default)
     if value is None:
         raise GGUFError(f"metadata {key} is missing")
-    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
-        raise GGUFError(f"metadata {key} should be a single {kind.__name__}, not {value!r:.60}")
-    if kind is int:
-        if not (0 < value if positive else 0 <= value) or value >= 1 << 31:
-            raise GGUFError(f"metadata {key} = {value} is out of range")
-        return int(value)
-    with np.errstate(over="ignore"):  # a float64 past float32's range becomes inf, refused below
-        value = float(str(np.float32(value)))  # f32 1e-5 -> 1e-05, not 9.99e-06
-    if not math.isfinite(value) or (positive and value <= 0) or (below is not None and value >= below):
-        wanted = "a finite number" + (" above 0" if positive else "") + (f" and below {below:g}" if below else "")
-        raise GGUFError(f"metadata {key} = {value} is out of range: it must be {wanted}")
-    return value
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        with np.errstate(over="ignore"):  # a float64 past float32's range becomes inf, refused below
+            value = float(str(np.float32(value)))  # f32 1e-5 -> 1e-05, not 9.99e-06
+    try:
+        return checked_number(value, f"metadata {key}", kind=kind, positive=positive, below=below)
+    except ValueError as error:
+        raise GGUFError(str(error)) from None
 
 
 def _context_length(meta: dict, key: str) -> int:

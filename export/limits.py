@@ -11,12 +11,30 @@ memory the runtime's own generation check would grant (runtime/kvcache.py), or t
 
 from __future__ import annotations
 
-from ..runtime.kvcache import MAX_GENERATION_BYTES, available_memory_bytes
+import math
 
 MAX_CONTEXT_LENGTH = 1 << 24  # float32 positions are exact integers up to here
 # export's accuracy check (export/parity.py) runs a prompt and five decode steps: a shorter context cannot be checked
 MIN_CONTEXT_LENGTH = 8
 MAX_NORM_EPSILON = 1.0  # an epsilon this large swamps the variance it is added to: not a trained model's
+
+
+def checked_number(value: object, what: str, *, kind: type = int, positive: bool = True, below: float | None = None):
+    """`value` as one number of `kind`, or ValueError naming `what`. An int is an integer (not a float: 1.5 is not
+    read as 1; not a bool, string or list) in [1, 2**31), [0, 2**31) when not `positive`; a float is finite, above 0
+    when `positive`, and below `below` when given. A NaN, zero or negative rotary base or norm epsilon makes a
+    model that can never generate; a fractional head count or id was always a mistake."""
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        raise ValueError(f"{what} should be a single {kind.__name__}, not {value!r:.60}")
+    if kind is int:
+        if not (0 < value if positive else 0 <= value) or value >= 1 << 31:
+            raise ValueError(f"{what} = {value} is out of range")
+        return int(value)
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0) or (below is not None and value >= below):
+        wanted = "a finite number" + (" above 0" if positive else "") + (f" and below {below:g}" if below else "")
+        raise ValueError(f"{what} = {value} is out of range: it must be {wanted}")
+    return value
 
 
 def context_length_problem(length: int) -> str | None:
@@ -32,8 +50,10 @@ def context_length_problem(length: int) -> str | None:
 
 
 def check_table_memory(positions: int, width: int, what: str) -> None:
-    """MemoryError (clear, before allocating) when `what`, float32 tables of (positions, width) for cos and sin
-    or one table of (positions, width), would not fit in the memory a generation may use."""
+    """MemoryError (clear, before allocating) when `what`, positions * width float32 values, would not fit in the
+    memory a generation may use (runtime/kvcache.py: what is available, at most MAX_GENERATION_BYTES)."""
+    from ..runtime.kvcache import MAX_GENERATION_BYTES, available_memory_bytes  # numpy and onnxruntime: not at import
+
     needed = positions * width * 4
     limit = min(available_memory_bytes(), MAX_GENERATION_BYTES)
     if needed > limit:

@@ -166,6 +166,17 @@ def test_cli_tokenizer_larger_than_embedding_exits_1(tiny, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_context_whose_rotary_tables_do_not_fit_exits_1(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("edgelm.runtime.kvcache.available_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
+    path = rewrite(tiny["llama"], tmp_path / "long.gguf", {"llama.context_length": (1 << 16, V.UINT32)})
+    before = set(tmp_path.iterdir())
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "out of memory: the rotary cos and sin tables" in err and "65536 positions" in err, err
+    assert set(tmp_path.iterdir()) == before, "nothing written"
+
+
 # --- SentencePiece vocabularies: merges rebuilt in time linear in the vocabulary ---------------------------------
 
 
