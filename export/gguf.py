@@ -224,10 +224,13 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
     if rotary_dim != head_dim or head_dim % 2:
         raise GGUFError(f"rope.dimension_count {rotary_dim} with heads of {head_dim}: edgelm rotates whole, even heads")
     theta = _number(meta, f"{arch}.rope.freq_base", 10000.0, kind=float)
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    # llama.cpp reads a factor without a type (or under its older key) as linear scaling: so does this
+    factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in meta), None)
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "linear" if factor_key else "none")
     rope_scaling = None
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _number(meta, f"{arch}.rope.scaling.factor", kind=float)}
+        factor = _number(meta, factor_key or f"{arch}.rope.scaling.factor", kind=float)
+        rope_scaling = {"rope_type": "linear", "factor": factor}
     elif scaling_type != "none":
         raise GGUFError(f"rope scaling {scaling_type!r:.60} is not supported ('linear' and Llama 3's are)")
     if "rope_freqs.weight" in stored:

@@ -139,6 +139,15 @@ def test_tokenizer_smaller_than_embedding_is_padding(tiny, tmp_path):
     assert model.hf_config["vocab_size"] == VOCAB  # the embedding's rows, not the tokenizer's count
 
 
+@pytest.mark.parametrize("key", ["llama.rope.scaling.factor", "llama.rope.scale_linear"])
+def test_scaling_factor_without_a_type_is_linear(key, tiny, tmp_path):
+    """llama.cpp's reading (its type defaults to linear): ignoring the factor would change the model silently."""
+    model = read_gguf(rewrite(tiny["llama"], tmp_path / "scaled.gguf", {key: (4.0, V.FLOAT32)}))
+    assert model.hf_config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    none = {"llama.rope.scaling.type": ("none", V.STRING), key: (NAN, V.FLOAT32)}
+    assert read_gguf(rewrite(tiny["llama"], tmp_path / "none.gguf", none)).hf_config["rope_scaling"] is None
+
+
 def test_token_ids_kept_as_given(tiny):
     model = read_gguf(tiny["llama"])
     assert (model.bos_token_id, model.eos_token_ids, model.pad_token_id) == (0, [0], None)
@@ -228,3 +237,87 @@ def test_spm_merges_up_to_the_limit_are_kept():
     assert encoded == ["\u2581a", "a" * (MAX_MERGED_LENGTH - 1)]
     with pytest.raises(ValueError, match=f"piece of {MAX_MERGED_LENGTH + 1} characters"):
         build_tokenizer_json(_spm_meta(*pieces, ("a" * (MAX_MERGED_LENGTH + 1), 1)))
+
+
+# --- the property: any value in any numeric or token-id key ------------------------------------------------------
+
+ARCH_KEYS = [
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "block_count",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "rope.dimension_count",
+    "rope.freq_base",
+    "rope.scaling.factor",
+    "attention.layer_norm_rms_epsilon",
+]
+TOKEN_KEYS = [f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "eot", "padding", "unknown")]
+
+
+INT_TYPES = [V.INT64, V.INT32]  # the signed types that hold a value below 2**31, or only INT64 below 2**32
+
+
+def _values():
+    """(value, GGUF type) pairs: non-finite, zero, negative, huge, fractional, wrong types, and plausible values."""
+    from hypothesis import strategies as st
+
+    floats = st.one_of(
+        st.sampled_from([NAN, float("inf"), float("-inf"), 0.0, -0.0, 1e-45, 1e-30, 1e30, 1e300, 1.5, -1e-5]),
+        st.floats(1e-7, 0.999),
+        st.floats(1.0, 1e7),
+        st.floats(allow_nan=True, allow_infinity=True),
+    )
+    ints = st.one_of(
+        st.sampled_from([0, 1, 2, 3, 4, 5, 7, 8, 16, 2**24 + 1, 2**31 - 1, 2**31, 2**32 - 1]),
+        st.integers(1, 4096),
+    )
+    return st.one_of(
+        floats.flatmap(lambda v: st.tuples(st.just(v), st.sampled_from([V.FLOAT64, *[V.FLOAT32][: abs(v) < 3e38]]))),
+        ints.flatmap(
+            lambda v: st.tuples(st.just(v), st.sampled_from([V.UINT32, V.UINT64, *INT_TYPES[: 2 - v // 2**31]]))
+        ),
+        st.tuples(st.integers(-(2**31), -1), st.sampled_from([V.INT32, V.INT64])),
+        st.tuples(st.booleans(), st.just(V.BOOL)),
+        st.tuples(st.sampled_from(["1", "nan", "", "1e-5"]), st.just(V.STRING)),
+        st.tuples(st.lists(st.integers(0, 100), min_size=1, max_size=3), st.just(V.ARRAY), st.just(V.UINT32)),
+    )
+
+
+def test_any_metadata_value_gives_an_error_or_a_working_package(tiny, tmp_path, capsys):
+    """A one-line error, exit 1 and nothing written; or exit 0 and a package that loads and whose logits are
+    finite. Never exit 0 with a package that cannot generate."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from edgelm.runtime import load
+
+    st = hypothesis.strategies
+    key = st.one_of(st.sampled_from(ARCH_KEYS).map(lambda k: f"llama.{k}"), st.sampled_from(TOKEN_KEYS))
+    counter = iter(range(10**6))
+
+    @hypothesis.settings(max_examples=200, deadline=None, database=None)
+    @hypothesis.given(changes=st.dictionaries(key, _values(), min_size=1, max_size=2), linear=st.booleans())
+    def check(changes, linear):
+        folder = tmp_path / str(next(counter))
+        folder.mkdir()
+        changes = changes | (LINEAR if linear else {})
+        if linear and "llama.rope.scaling.factor" not in changes:
+            changes["llama.rope.scaling.factor"] = (2.0, V.FLOAT32)
+        path = rewrite(tiny["llama"], folder / "fuzz.gguf", changes)
+        capsys.readouterr()
+        code = main(["export", str(path), str(folder / "out")])
+        err = capsys.readouterr().err
+        if code != 0:
+            assert code == 1 and err.count("\n") == 1 and err.startswith("edgelm export: error: "), err
+            assert sorted(p.name for p in folder.iterdir()) == ["fuzz.gguf"], "nothing written"
+            print("ERR", err.strip()[:150], file=open("/tmp/ev/outcomes.txt", "a"))
+            return
+        model = load(folder / "out")
+        logits, _ = model.forward(np.array([[0, 5, 17, 300]], dtype=np.int64))
+        assert np.isfinite(logits).all(), changes
+        result = model.generate([5, 17, 300], 4, ignore_eos=True)
+        assert len(result.token_ids) == 4
+        print("OK", changes, file=open("/tmp/ev/outcomes.txt", "a"))
+
+    check()
