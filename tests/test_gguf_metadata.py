@@ -260,6 +260,11 @@ TOKEN_KEYS = [f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "eot"
 INT_TYPES = [V.INT64, V.INT32]  # the signed types that hold a value below 2**31, or only INT64 below 2**32
 
 
+def _float_types(value: float) -> list:
+    """FLOAT64 always; FLOAT32 too unless the value is finite but past its range (the writer cannot pack it)."""
+    return [V.FLOAT64] + ([V.FLOAT32] if not 3e38 < abs(value) < float("inf") else [])
+
+
 def _values():
     """(value, GGUF type) pairs: non-finite, zero, negative, huge, fractional, wrong types, and plausible values."""
     from hypothesis import strategies as st
@@ -275,7 +280,7 @@ def _values():
         st.integers(1, 4096),
     )
     return st.one_of(
-        floats.flatmap(lambda v: st.tuples(st.just(v), st.sampled_from([V.FLOAT64, *[V.FLOAT32][: abs(v) < 3e38]]))),
+        floats.flatmap(lambda v: st.tuples(st.just(v), st.sampled_from(_float_types(v)))),
         ints.flatmap(
             lambda v: st.tuples(st.just(v), st.sampled_from([V.UINT32, V.UINT64, *INT_TYPES[: 2 - v // 2**31]]))
         ),
@@ -296,7 +301,7 @@ def test_any_metadata_value_gives_an_error_or_a_working_package(tiny, tmp_path, 
     key = st.one_of(st.sampled_from(ARCH_KEYS).map(lambda k: f"llama.{k}"), st.sampled_from(TOKEN_KEYS))
     counter = iter(range(10**6))
 
-    @hypothesis.settings(max_examples=200, deadline=None, database=None)
+    @hypothesis.settings(max_examples=20, deadline=None, database=None)
     @hypothesis.given(changes=st.dictionaries(key, _values(), min_size=1, max_size=2), linear=st.booleans())
     def check(changes, linear):
         folder = tmp_path / str(next(counter))
@@ -311,13 +316,11 @@ def test_any_metadata_value_gives_an_error_or_a_working_package(tiny, tmp_path, 
         if code != 0:
             assert code == 1 and err.count("\n") == 1 and err.startswith("edgelm export: error: "), err
             assert sorted(p.name for p in folder.iterdir()) == ["fuzz.gguf"], "nothing written"
-            print("ERR", err.strip()[:150], file=open("/tmp/ev/outcomes.txt", "a"))
             return
         model = load(folder / "out")
         logits, _ = model.forward(np.array([[0, 5, 17, 300]], dtype=np.int64))
         assert np.isfinite(logits).all(), changes
         result = model.generate([5, 17, 300], 4, ignore_eos=True)
         assert len(result.token_ids) == 4
-        print("OK", changes, file=open("/tmp/ev/outcomes.txt", "a"))
 
     check()
