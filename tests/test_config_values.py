@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import make_hf_checkpoint
+from conftest import make_hf_checkpoint, make_tokenizer
 from edgelm.cli import main
 from edgelm.export.checkpoint import CheckpointError, config_from_hf
 from edgelm.export.hf_checkpoint import llama_config_from_hf
@@ -104,3 +104,23 @@ def test_rotary_tables_are_bounded_before_they_are_built(monkeypatch):
         rope_cos_sin(config, config.n_positions)  # 65536 * 8 * 2 * 4 bytes = 4 MiB > 1 MiB
     cos, sin = rope_cos_sin(config, 1 << 14)  # 1 MiB: fits
     assert cos.shape == sin.shape == (1 << 14, 4)
+
+
+def test_cli_tokenizer_larger_than_the_embedding_exits_1(tmp_path, capsys):
+    folder = make_hf_checkpoint(tmp_path / "ckpt")  # 320 embedding rows
+    make_tokenizer(folder, 400)
+    capsys.readouterr()
+    assert main(["export", str(folder), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has 400 tokens but the model's embedding only 320 rows" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_tokenizer_that_does_not_load_exits_1(tmp_path, capsys):
+    folder = make_hf_checkpoint(tmp_path / "ckpt")
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
+    capsys.readouterr()
+    assert main(["export", str(folder), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokenizer.json does not load as a tokenizer" in err, err
+    assert not (tmp_path / "out").exists()
