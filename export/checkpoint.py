@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, sinusoidal_table
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -177,8 +177,11 @@ def read_json(path: Path) -> dict:
 
 
 def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
-    """The reference model from a Hugging Face GPT-2 state dict (Conv1D weights, (in, out))."""
-    model = GPT(config)
+    """The reference model from a Hugging Face GPT-2 state dict (Conv1D weights, (in, out)), every shape checked
+    before anything is allocated: the config's sizes (a position table of 2**24 rows) are only claims until the
+    tensors bear them out; the tensors become the parameters (no second copy)."""
+    with torch.device("meta"):
+        model = GPT(config)  # shapes only: no memory, no random init
     expected = model.state_dict()
     loaded: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
@@ -193,7 +196,7 @@ def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
             raise CheckpointError(
                 f"tensor {key!r} has shape {tuple(tensor.shape)} but the config expects {tuple(expected[name].shape)}"
             )
-        loaded[name] = tensor.float()
+        loaded[name] = tensor.float().contiguous()
     if config.tie_word_embeddings:
         loaded.pop("lm_head.weight", None)  # tied: the head is the embedding
         expected_names = set(expected) - {"lm_head.weight"}
@@ -202,7 +205,11 @@ def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
     missing = sorted(expected_names - set(loaded))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first {missing[0]!r}")
-    model.load_state_dict(loaded, strict=False)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    if config.positional != "learned":  # the buffer is not in the state dict; it was built on meta
+        model.sinusoid = sinusoidal_table(config.n_positions, config.n_embd)
     model.eval()
     return model
 

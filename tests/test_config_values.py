@@ -124,3 +124,23 @@ def test_cli_tokenizer_that_does_not_load_exits_1(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tokenizer.json does not load as a tokenizer" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (dict(n_positions=2**24), "'transformer.wpe.weight' has shape (64, 32) but the config expects (16777216, 32)"),
+        (dict(vocab_size=2**31 - 1), "'transformer.wte.weight' has shape (320, 32) but the config expects (2147483647"),
+    ],
+)
+def test_gpt2_config_sizes_are_checked_against_the_tensors_before_allocating(tmp_path, overrides, expected):
+    """The config's sizes are claims: the model was built (2 GiB of position table, 256 GiB of embedding, randomly
+    initialised) before the tensors' shapes were compared with them."""
+    from edgelm.export.checkpoint import load_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path / "ckpt", tokenizer=False)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | overrides))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder)
+    assert expected in str(info.value), str(info.value)
