@@ -377,7 +377,9 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
         raise GGUFError(f"tokenizer: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
     bos, pad = ids["bos"], ids["padding"]
     eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"]) if i is not None))
-    config |= {"bos_token_id": bos, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    # GPT2Config keeps one EOS id, which a GGUF export does not use: the package's are the file's (eos_token_ids)
+    one_eos = eos_ids[0] if eos_ids else None
+    config |= {"bos_token_id": bos, "eos_token_id": one_eos if arch == "gpt2" or len(eos_ids) == 1 else eos_ids}
     chat_template = meta.get("tokenizer.chat_template")
     return GGUFModel(
         path=path,
