@@ -50,14 +50,16 @@ def context_length_problem(length: int) -> str | None:
 
 
 def check_table_memory(positions: int, width: int, what: str) -> None:
-    """MemoryError (clear, before allocating) when `what`, positions * width float32 values, would not fit in the
-    memory a generation may use (runtime/kvcache.py: what is available, at most MAX_GENERATION_BYTES)."""
+    """MemoryError (clear, before allocating) when `what`, positions * width float32 values, would not fit twice
+    in the memory a generation may use (runtime/kvcache.py: what is available, at most MAX_GENERATION_BYTES).
+    Twice: export holds a table and its graph copy at once (measured: tables of 256 MiB raised its peak 366 MiB)."""
     from ..runtime.kvcache import MAX_GENERATION_BYTES, available_memory_bytes  # numpy and onnxruntime: not at import
 
-    needed = positions * width * 4
+    needed = 2 * positions * width * 4
     limit = min(available_memory_bytes(), MAX_GENERATION_BYTES)
     if needed > limit:
         raise MemoryError(
-            f"{what} for a context of {positions} positions need {needed / 2**30:.1f} GiB, more than the "
-            f"{limit / 2**30:.1f} GiB available; the checkpoint's context length is too long for this machine"
+            f"{what} for a context of {positions} positions need {needed / 2**30:.1f} GiB while export builds them, "
+            f"more than the {limit / 2**30:.1f} GiB available; the checkpoint's context length is too long for this "
+            "machine"
         )
