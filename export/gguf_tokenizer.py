@@ -11,6 +11,7 @@ Token types (llama.cpp's llama_token_type): 3 control -> special added token, 4 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +91,9 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     if scores is None or len(scores) != len(tokens):
         raise ValueError("a llama-style (SentencePiece) tokenizer needs one tokenizer.ggml.scores entry per token")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # checked: one per token
+    for index, score in enumerate(scores):  # the merge ranks: a NaN compares false with every other score
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise ValueError(f"tokenizer.ggml.scores[{index}] is {score!r:.60}, not a finite number")
     vocab = {token: index for index, token in enumerate(tokens)}
     # Only ordinary tokens (type 1) are merge results; pieces may be any token in the vocabulary.
     ranked = []

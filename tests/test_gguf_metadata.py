@@ -342,3 +342,11 @@ def test_any_metadata_value_gives_an_error_or_a_working_package(arch, tiny, tmp_
         assert len(result.token_ids) == 4
 
     check()
+
+
+@pytest.mark.parametrize("score", [NAN, float("inf"), "1"])
+def test_spm_scores_are_finite_numbers(score):
+    meta = _spm_meta()
+    meta["tokenizer.ggml.scores"][262] = score
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.scores\[262\] is .*, not a finite number"):
+        build_tokenizer_json(meta)
