@@ -163,9 +163,10 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
         # A sliding window only changes attention once the context exceeds it; capping the context length at the
         # window means it never applies, so plain causal attention is exact (Mistral; Qwen2 when enabled).
         window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
-        if window is not None and config_number(hf, "sliding_window") < n_positions:
-            n_positions = window
-        n_positions = config_context_length(n_positions, "max_position_embeddings")
+        capped = window is not None and config_number(hf, "sliding_window") < n_positions
+        n_positions = config_context_length(
+            window if capped else n_positions, "sliding_window" if capped else "max_position_embeddings"
+        )
         n_head = config_number(hf, "num_attention_heads")
         return LlamaConfig(
             vocab_size=config_number(hf, "vocab_size"),

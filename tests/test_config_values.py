@@ -43,6 +43,7 @@ LLAMA_BAD = {
     "context 4": (dict(max_position_embeddings=4), "below 8 positions"),
     "context 128.5": (dict(max_position_embeddings=128.5), "not 128.5"),
     "window 1.5": (dict(model_type="mistral", sliding_window=1.5), "sliding_window should be a single int"),
+    "window 4": (dict(model_type="mistral", sliding_window=4), "sliding_window = 4 is below 8 positions"),
 }
 
 
