@@ -219,8 +219,11 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
         raise GGUFError(f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
     if f"{arch}.attention.key_length" not in meta and f"{arch}.rope.dimension_count" not in meta and hidden % heads:
         raise GGUFError(f"embedding_length {hidden} is not a multiple of head_count {heads} (and no key_length)")
-    head_dim = _number(meta, f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads))
-    rotary_dim = _number(meta, f"{arch}.rope.dimension_count", head_dim)
+    rotary_key = f"{arch}.rope.dimension_count"
+    head_dim = _number(
+        meta, f"{arch}.attention.key_length", _number(meta, rotary_key) if rotary_key in meta else hidden // heads
+    )
+    rotary_dim = _number(meta, rotary_key, head_dim)
     if rotary_dim != head_dim or head_dim % 2:
         raise GGUFError(f"rope.dimension_count {rotary_dim} with heads of {head_dim}: edgelm rotates whole, even heads")
     theta = _number(meta, f"{arch}.rope.freq_base", 10000.0, kind=float)

@@ -19,7 +19,9 @@ MIN_CONTEXT_LENGTH = 8
 MAX_NORM_EPSILON = 1.0  # an epsilon this large swamps the variance it is added to: not a trained model's
 
 
-def checked_number(value: object, what: str, *, kind: type = int, positive: bool = True, below: float | None = None):
+def checked_number(
+    value: object, what: str, *, kind: type = int, positive: bool = True, below: float | None = None
+) -> int | float:
     """`value` as one number of `kind`, or ValueError naming `what`. An int is an integer (not a float: 1.5 is not
     read as 1; not a bool, string or list) in [1, 2**31), [0, 2**31) when not `positive`; a float is finite, above 0
     when `positive`, and below `below` when given. A NaN, zero or negative rotary base or norm epsilon makes a
@@ -32,7 +34,11 @@ def checked_number(value: object, what: str, *, kind: type = int, positive: bool
         return int(value)
     value = float(value)
     if not math.isfinite(value) or (positive and value <= 0) or (below is not None and value >= below):
-        wanted = "a finite number" + (" above 0" if positive else "") + (f" and below {below:g}" if below else "")
+        wanted = (
+            "a finite number"
+            + (" above 0" if positive else "")
+            + (f" and below {below:g}" if below is not None else "")
+        )
         raise ValueError(f"{what} = {value} is out of range: it must be {wanted}")
     return value
 

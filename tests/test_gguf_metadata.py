@@ -105,6 +105,11 @@ BAD = {
         {"llama.rope.dimension_count": (15, V.UINT32)},
         "rope.dimension_count 15 with heads of 15: edgelm rotates whole, even heads",
     ),
+    "rotary width string": (
+        "llama",
+        {"llama.rope.dimension_count": ("16", V.STRING)},
+        "metadata llama.rope.dimension_count should be a single int, not '16'",
+    ),
     "gpt2 width not a multiple of heads": ("gpt2", {"gpt2.attention.head_count": (5, V.UINT32)}, "not a multiple"),
 }
 
