@@ -355,3 +355,14 @@ def test_spm_scores_are_finite_numbers(score):
     meta["tokenizer.ggml.scores"][262] = score
     with pytest.raises(ValueError, match=r"tokenizer.ggml.scores\[262\] is .*, not a finite number"):
         build_tokenizer_json(meta)
+
+
+def test_positive_but_denormal_scaling_factor_is_refused_when_frequencies_overflow(tiny, tmp_path, capsys):
+    """Each value in range, the frequencies they make are not (1 / 1e-45 overflows float32): checked as built."""
+    changes = LINEAR | {"llama.rope.scaling.factor": (1e-45, V.FLOAT32)}
+    path = rewrite(tiny["llama"], tmp_path / "denormal.gguf", changes)
+    assert read_gguf(path).hf_config["rope_scaling"]["factor"] == 1e-45
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rotary frequencies are not finite" in err, err
+    assert not (tmp_path / "out").exists()
