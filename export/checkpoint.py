@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .model import GPT, GPTConfig
+from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
+from .model import GPT, GPTConfig, sinusoidal_table
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -34,6 +35,26 @@ SUPPORTED_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded: wrong architecture, corrupt weights, shape mismatch."""
+
+
+def config_number(hf: dict, key: str, default: object = None, *, kind: type = int, **bounds) -> int | float:
+    """config.json's `key` (`default` when absent or null) as one number of `kind` in range: `int(1.5)` would read
+    a broken config as a working one (export/limits.py checked_number; bounds: positive, below)."""
+    value = hf.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise CheckpointError(f"config.json lacks the key {key!r}")
+    try:
+        return checked_number(value, f"config.json's {key}", kind=kind, **bounds)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def config_context_length(length: int, key: str) -> int:
+    problem = context_length_problem(length)
+    if problem:
+        raise CheckpointError(f"config.json's {key} = {problem}")
+    return length
 
 
 def config_from_hf(hf: dict) -> GPTConfig:
@@ -51,24 +72,27 @@ def config_from_hf(hf: dict) -> GPTConfig:
             raise CheckpointError(f"config.json sets {flag}=true, which edgelm's GPT-2 does not implement")
     if hf.get("scale_attn_weights") is False:
         raise CheckpointError("config.json sets scale_attn_weights=false, which edgelm's GPT-2 does not implement")
+    positions_key = "n_positions" if hf.get("n_positions") is not None else "n_ctx"
     try:
         return GPTConfig(
-            vocab_size=int(hf["vocab_size"]),
-            n_positions=int(hf.get("n_positions", hf.get("n_ctx", 1024))),
-            n_embd=int(hf["n_embd"]),
-            n_layer=int(hf["n_layer"]),
-            n_head=int(hf["n_head"]),
-            n_inner=hf.get("n_inner"),
+            vocab_size=config_number(hf, "vocab_size"),
+            n_positions=config_context_length(config_number(hf, positions_key, 1024), positions_key),
+            n_embd=config_number(hf, "n_embd"),
+            n_layer=config_number(hf, "n_layer"),
+            n_head=config_number(hf, "n_head"),
+            n_inner=config_number(hf, "n_inner") if hf.get("n_inner") is not None else None,
             positional=hf.get("edgelm_positional", "learned"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+            layer_norm_epsilon=config_number(hf, "layer_norm_epsilon", 1e-5, kind=float, below=MAX_NORM_EPSILON),
             activation=SUPPORTED_ACTIVATIONS[activation],
-            bos_token_id=int(hf.get("bos_token_id", 50256)),
-            eos_token_id=int(hf.get("eos_token_id", 50256)),
+            bos_token_id=config_number(hf, "bos_token_id", 50256, positive=False),
+            eos_token_id=config_number(hf, "eos_token_id", 50256, positive=False),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"config.json is invalid: {e}") from None
 
 
@@ -154,8 +178,11 @@ def read_json(path: Path) -> dict:
 
 
 def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
-    """The reference model from a Hugging Face GPT-2 state dict (Conv1D weights, (in, out))."""
-    model = GPT(config)
+    """The reference model from a Hugging Face GPT-2 state dict (Conv1D weights, (in, out)), every shape checked
+    before anything is allocated: the config's sizes (a position table of 2**24 rows) are only claims until the
+    tensors bear them out; the tensors become the parameters (no second copy)."""
+    with torch.device("meta"):
+        model = GPT(config)  # shapes only: no memory, no random init
     expected = model.state_dict()
     loaded: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
@@ -170,7 +197,7 @@ def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
             raise CheckpointError(
                 f"tensor {key!r} has shape {tuple(tensor.shape)} but the config expects {tuple(expected[name].shape)}"
             )
-        loaded[name] = tensor.float()
+        loaded[name] = tensor.float().contiguous()
     if config.tie_word_embeddings:
         loaded.pop("lm_head.weight", None)  # tied: the head is the embedding
         expected_names = set(expected) - {"lm_head.weight"}
@@ -179,7 +206,11 @@ def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
     missing = sorted(expected_names - set(loaded))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first {missing[0]!r}")
-    model.load_state_dict(loaded, strict=False)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    if config.positional != "learned":  # the buffer is not in the state dict; it was built on meta
+        model.sinusoid = sinusoidal_table(config.n_positions, config.n_embd)
     model.eval()
     return model
 

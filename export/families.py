@@ -217,6 +217,8 @@ def checked_tokens(vocab_size: int, bos: int | None, eos: list[int], pad: int | 
     pad = eos[0] if pad is None else pad
     for name, value in (("eos_token_id", eos), ("bos_token_id", [bos]), ("pad_token_id", [pad])):
         for token in value:
+            if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
+                raise CheckpointError(f"{name} should be an integer token id, not {token!r:.60}")
             if token is not None and not 0 <= token < vocab_size:
                 raise CheckpointError(f"{name} {token} is outside the vocabulary (size {vocab_size})")
     return {"bos_token_id": bos, "eos_token_ids": eos, "pad_token_id": pad}

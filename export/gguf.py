@@ -23,11 +23,13 @@ from gguf.quants import dequantize
 
 from .gguf_header import HeaderError, read_header
 from .gguf_tokenizer import build_tokenizer_json
+from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 BLOCK = 32  # Q4_0 / Q4_1 / Q8_0 block length, and the MatMulNBits block_size they map onto
 LLAMA_LIKE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TOKEN_IDS = ("bos", "eos", "eot", "padding", "unknown")  # the tokenizer.ggml.{name}_token_id keys export reads
 
 # GGUF block tensor -> HF name, for the Llama family (`model.layers.N.` + this)
 LLAMA_BLOCK = {
@@ -157,15 +159,40 @@ class GGUFModel:
         return bits, np.ascontiguousarray(packed), scales.reshape(-1), zero_points.reshape(-1), offsets
 
 
-def _number(meta: dict, key: str, default: Any = None, *, kind: type = int) -> Any:
+def _number(
+    meta: dict, key: str, default: Any = None, *, kind: type = int, positive: bool = True, below: float | None = None
+) -> Any:
+    """Metadata `key` (`default` when absent) as one number of `kind` in range (export/limits.py checked_number)."""
     value = meta.get(key, default)
     if value is None:
         raise GGUFError(f"metadata {key} is missing")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise GGUFError(f"metadata {key} should be a single {kind.__name__}, not {value!r:.60}")
-    if kind is int and not 0 < value < 1 << 31:
-        raise GGUFError(f"metadata {key} = {value} is out of range")
-    return float(str(np.float32(value))) if kind is float else int(value)  # f32 1e-5 -> 1e-05, not 9.99e-06
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        with np.errstate(over="ignore"):  # a float64 past float32's range becomes inf, refused below
+            value = float(str(np.float32(value)))  # f32 1e-5 -> 1e-05, not 9.99e-06
+    try:
+        return checked_number(value, f"metadata {key}", kind=kind, positive=positive, below=below)
+    except ValueError as error:
+        raise GGUFError(str(error)) from None
+
+
+def _context_length(meta: dict, key: str) -> int:
+    length = _number(meta, key)
+    problem = context_length_problem(length)
+    if problem:
+        raise GGUFError(f"metadata {key} = {problem}")
+    return length
+
+
+def _token_id(meta: dict, key: str, vocab: int) -> int | None:
+    """Token id `key`, absent or one integer inside the tokenizer's `vocab` tokens (1.5 is not read as 1)."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GGUFError(f"metadata {key} should be one integer token id, not {value!r:.60}")
+    if not 0 <= value < vocab:
+        raise GGUFError(f"metadata {key} = {value} is outside the tokenizer's {vocab} tokens")
+    return value
 
 
 def _llama3_scaling(factors: np.ndarray, *, theta: float, head_dim: int) -> dict:
@@ -187,14 +214,28 @@ def _llama3_scaling(factors: np.ndarray, *, theta: float, head_dim: int) -> dict
 def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
     heads = _number(meta, f"{arch}.attention.head_count")
     hidden = _number(meta, f"{arch}.embedding_length")
-    head_dim = _number(meta, f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads))
+    kv_heads = _number(meta, f"{arch}.attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise GGUFError(f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    if f"{arch}.attention.key_length" not in meta and f"{arch}.rope.dimension_count" not in meta and hidden % heads:
+        raise GGUFError(f"embedding_length {hidden} is not a multiple of head_count {heads} (and no key_length)")
+    rotary_key = f"{arch}.rope.dimension_count"
+    head_dim = _number(
+        meta, f"{arch}.attention.key_length", _number(meta, rotary_key) if rotary_key in meta else hidden // heads
+    )
+    rotary_dim = _number(meta, rotary_key, head_dim)
+    if rotary_dim != head_dim or head_dim % 2:
+        raise GGUFError(f"rope.dimension_count {rotary_dim} with heads of {head_dim}: edgelm rotates whole, even heads")
     theta = _number(meta, f"{arch}.rope.freq_base", 10000.0, kind=float)
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    # llama.cpp reads a factor without a type (or under its older key) as linear scaling: so does this
+    factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in meta), None)
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "linear" if factor_key else "none")
     rope_scaling = None
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _number(meta, f"{arch}.rope.scaling.factor", kind=float)}
+        factor = _number(meta, factor_key or f"{arch}.rope.scaling.factor", kind=float)
+        rope_scaling = {"rope_type": "linear", "factor": factor}
     elif scaling_type != "none":
-        raise GGUFError(f"rope scaling {scaling_type!r} is not supported ('linear' and Llama 3's are)")
+        raise GGUFError(f"rope scaling {scaling_type!r:.60} is not supported ('linear' and Llama 3's are)")
     if "rope_freqs.weight" in stored:
         factors = np.asarray(dequantize(stored["rope_freqs.weight"].data, stored["rope_freqs.weight"].tensor_type))
         rope_scaling = _llama3_scaling(factors.reshape(-1), theta=theta, head_dim=head_dim)
@@ -206,10 +247,10 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
         "intermediate_size": _number(meta, f"{arch}.feed_forward_length"),
         "num_hidden_layers": _number(meta, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _number(meta, f"{arch}.attention.head_count_kv", heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": _number(meta, f"{arch}.context_length"),
-        "rms_norm_eps": _number(meta, f"{arch}.attention.layer_norm_rms_epsilon", kind=float),
+        "max_position_embeddings": _context_length(meta, f"{arch}.context_length"),
+        "rms_norm_eps": _number(meta, f"{arch}.attention.layer_norm_rms_epsilon", kind=float, below=MAX_NORM_EPSILON),
         "rope_theta": theta,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in stored,
@@ -219,16 +260,19 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
 
 
 def _gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
+    hidden, heads = _number(meta, "gpt2.embedding_length"), _number(meta, "gpt2.attention.head_count")
+    if hidden % heads:
+        raise GGUFError(f"embedding_length {hidden} is not a multiple of head_count {heads}")
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": vocab,
-        "n_embd": _number(meta, "gpt2.embedding_length"),
+        "n_embd": hidden,
         "n_inner": _number(meta, "gpt2.feed_forward_length"),
         "n_layer": _number(meta, "gpt2.block_count"),
-        "n_head": _number(meta, "gpt2.attention.head_count"),
-        "n_positions": _number(meta, "gpt2.context_length"),
-        "layer_norm_epsilon": _number(meta, "gpt2.attention.layer_norm_epsilon", kind=float),
+        "n_head": heads,
+        "n_positions": _context_length(meta, "gpt2.context_length"),
+        "layer_norm_epsilon": _number(meta, "gpt2.attention.layer_norm_epsilon", kind=float, below=MAX_NORM_EPSILON),
         "tie_word_embeddings": "output.weight" not in stored,
     }
 
@@ -324,14 +368,21 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     extra = set(stored) - {e.gguf_name for e in entries.values()} - {"rope_freqs.weight"}
     if extra:
         raise GGUFError(f"unexpected tensor {sorted(extra)[0]} for architecture {arch}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise GGUFError("tokenizer.ggml.tokens is missing or not a list of tokens")
+    if len(tokens) > vocab:  # fewer is normal: padding rows
+        raise GGUFError(f"the tokenizer has {len(tokens)} tokens but token_embd.weight only {vocab} rows to embed them")
+    ids = {name: _token_id(meta, f"tokenizer.ggml.{name}_token_id", len(tokens)) for name in TOKEN_IDS}
     try:
         tokenizer_json = build_tokenizer_json(meta)
     except Exception as error:  # `tokenizers` raises its own plain Exception on a bad vocabulary
         raise GGUFError(f"tokenizer: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
-    bos, pad = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.padding_token_id")
-    eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    eos_ids = list(dict.fromkeys(int(i) for i in eos_ids))
-    config |= {"bos_token_id": bos, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    bos, pad = ids["bos"], ids["padding"]
+    eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"]) if i is not None))
+    # GPT2Config keeps one EOS id, which a GGUF export does not use: the package's are the file's (eos_token_ids)
+    one_eos = eos_ids[0] if eos_ids else None
+    config |= {"bos_token_id": bos, "eos_token_id": one_eos if arch == "gpt2" or len(eos_ids) == 1 else eos_ids}
     chat_template = meta.get("tokenizer.chat_template")
     return GGUFModel(
         path=path,

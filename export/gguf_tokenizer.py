@@ -11,12 +11,18 @@ Token types (llama.cpp's llama_token_type): 3 control -> special added token, 4 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 CONTROL, USER_DEFINED = 3, 4
+# Longest ordinary SentencePiece piece whose merges are rebuilt. Trying each cut of a piece costs its length, so
+# a piece of n characters costs n**2 (a 1 MB one, minutes), and a vocabulary of n pieces "a" * k makes n**3 / 6
+# characters of merges. Bounded, both are linear in the vocabulary's size. Control and user-defined tokens have
+# no merges and any length.
+MAX_MERGED_LENGTH = 256
 # Llama 3's split: case-insensitive contractions, a letter run with one leading non-letter, up to 3 digits, ...
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -85,12 +91,20 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     if scores is None or len(scores) != len(tokens):
         raise ValueError("a llama-style (SentencePiece) tokenizer needs one tokenizer.ggml.scores entry per token")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # checked: one per token
+    for index, score in enumerate(scores):  # the merge ranks: a NaN compares false with every other score
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise ValueError(f"tokenizer.ggml.scores[{index}] is {score!r:.60}, not a finite number")
     vocab = {token: index for index, token in enumerate(tokens)}
     # Only ordinary tokens (type 1) are merge results; pieces may be any token in the vocabulary.
     ranked = []
-    for token, score, kind in zip(tokens, scores, types, strict=True):
+    for index, (token, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
         if kind != 1 or len(token) < 2:
             continue
+        if len(token) > MAX_MERGED_LENGTH:  # every cut slices the token: quadratic in its length
+            raise ValueError(
+                f"token {index} is an ordinary SentencePiece piece of {len(token)} characters; merges are rebuilt for "
+                f"pieces of up to {MAX_MERGED_LENGTH} (trained vocabularies' are 16 to 31)"
+            )
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in vocab and right in vocab:
@@ -135,8 +149,11 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     if not tokens:
         raise ValueError("no tokenizer.ggml.tokens in the metadata")
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"):
-        if key in meta and not 0 <= meta[key] < len(tokens):
-            raise ValueError(f"{key} {meta[key]} is outside the vocabulary of {len(tokens)} tokens")
+        value = meta.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{key} should be one integer token id, not {value!r:.60}")
+        if value is not None and not 0 <= value < len(tokens):
+            raise ValueError(f"{key} {value} is outside the vocabulary of {len(tokens)} tokens")
     if kind == "gpt2":
         tokenizer = _byte_level(meta, tokens)
     elif kind == "llama":

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, read_config, read_json, read_pickle
+from .checkpoint import (
+    CheckpointError,
+    config_context_length,
+    config_number,
+    read_config,
+    read_json,
+    read_pickle,
+)
+from .limits import MAX_NORM_EPSILON
 from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq
 
 CONFIG_FILE = "config.json"
@@ -98,7 +106,9 @@ def _rope_from_hf(hf: dict, max_positions: int) -> tuple[float, dict | None]:
     (LlamaConfig refuses an unknown type or a missing key)."""
     params = hf.get("rope_parameters") or {}  # transformers 5: theta and scaling in one dict
     scaling = hf.get("rope_scaling") or params  # transformers 4: scaling apart, theta at the top
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise CheckpointError("config.json's rope_parameters and rope_scaling must be objects")
+    theta = config_number(params if "rope_theta" in params else hf, "rope_theta", 10000.0, kind=float)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -106,7 +116,18 @@ def _rope_from_hf(hf: dict, max_positions: int) -> tuple[float, dict | None]:
         # transformers falls back to max_position_embeddings when the original context is not given
         scaling = {"original_max_position_embeddings": max_positions, **scaling}
     keys = ROPE_SCALING_KEYS.get(rope_type, ())
-    return theta, {"rope_type": rope_type, **{k: scaling[k] for k in keys if k in scaling}}
+    # every scaling value is a positive number: the context an int, the factors floats (a NaN factor, or equal low
+    # and high frequency factors, would make the rotary frequencies NaN)
+    checked = {
+        k: config_number(scaling, k, kind=int if k == "original_max_position_embeddings" else float)
+        for k in keys
+        if k in scaling
+    }
+    if {"low_freq_factor", "high_freq_factor"} <= set(checked) and checked["high_freq_factor"] <= checked[
+        "low_freq_factor"
+    ]:
+        raise CheckpointError("config.json's rope scaling high_freq_factor must be above its low_freq_factor")
+    return theta, {"rope_type": rope_type, **checked}
 
 
 def _token_ids(value: object, key: str) -> list[int]:
@@ -137,24 +158,26 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
     if hf.get("mlp_bias"):
         raise CheckpointError("config.json sets mlp_bias=true, which edgelm does not implement")
     try:
-        n_positions = int(hf["max_position_embeddings"])
+        n_positions = config_number(hf, "max_position_embeddings")
         theta, scaling = _rope_from_hf(hf, n_positions)
         # A sliding window only changes attention once the context exceeds it; capping the context length at the
         # window means it never applies, so plain causal attention is exact (Mistral; Qwen2 when enabled).
         window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
-        if window is not None and int(window) < n_positions:
-            n_positions = int(window)
-        n_head = int(hf["num_attention_heads"])
+        capped = window is not None and config_number(hf, "sliding_window") < n_positions
+        n_positions = config_context_length(
+            window if capped else n_positions, "sliding_window" if capped else "max_position_embeddings"
+        )
+        n_head = config_number(hf, "num_attention_heads")
         return LlamaConfig(
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=config_number(hf, "vocab_size"),
             n_positions=n_positions,
-            n_embd=int(hf["hidden_size"]),
-            n_layer=int(hf["num_hidden_layers"]),
+            n_embd=config_number(hf, "hidden_size"),
+            n_layer=config_number(hf, "num_hidden_layers"),
             n_head=n_head,
-            n_kv_head=int(hf.get("num_key_value_heads") or n_head),
-            head_dim=int(hf["head_dim"]) if hf.get("head_dim") is not None else None,
-            n_inner=int(hf["intermediate_size"]),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            n_kv_head=config_number(hf, "num_key_value_heads", n_head),
+            head_dim=config_number(hf, "head_dim") if hf.get("head_dim") is not None else None,
+            n_inner=config_number(hf, "intermediate_size"),
+            rms_norm_eps=config_number(hf, "rms_norm_eps", 1e-6, kind=float, below=MAX_NORM_EPSILON),
             rope_theta=theta,
             rope_scaling=scaling,
             attention_bias=model_type == "qwen2",  # Qwen2 always has Q/K/V biases; the config has no key for it
@@ -200,6 +223,10 @@ def build_llama(config: LlamaConfig, state: dict[str, torch.Tensor]) -> Llama:
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)  # the buffer is not in the state dict; it was built on meta
+    if not torch.isfinite(model.inv_freq).all():
+        raise CheckpointError(
+            f"rotary frequencies are not finite (rope_theta {config.rope_theta}, rope_scaling {config.rope_scaling})"
+        )
     return model.eval()
 
 

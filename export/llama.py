@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .limits import check_table_memory
+
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -143,6 +145,7 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 def rope_cos_sin(config: LlamaConfig, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * frequency, each (n_positions, head_dim/2): the caches ONNX Runtime's
     GroupQueryAttention (do_rotary=1, rotary_interleaved=0) takes."""
+    check_table_memory(n_positions, config.head_dim, "the rotary cos and sin tables, (positions, head_dim / 2) each,")
     angles = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(config)  # (P, hs/2)
     return torch.cos(angles), torch.sin(angles)
 

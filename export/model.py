@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .limits import check_table_memory
+
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -81,6 +83,7 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 
 def sinusoidal_table(n_positions: int, n_embd: int) -> torch.Tensor:
     """PE(t, 2i) = sin(t / 10000^(2i/d)), PE(t, 2i+1) = cos(t / 10000^(2i/d))."""
+    check_table_memory(n_positions, n_embd, "the sinusoidal position table, (positions, n_embd),")
     position = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1)  # (P, 1)
     inv_freq = torch.exp(torch.arange(0, n_embd, 2, dtype=torch.float32) * (-math.log(10000.0) / n_embd))
     table = torch.zeros(n_positions, n_embd)

@@ -77,12 +77,28 @@ class Source:
     quant_types: dict[str, str] = field(default_factory=dict)  # tensor name -> GGUF type ("Q4_1", "F32", ...)
 
 
+def check_tokenizer_file(path: Path, vocab_size: int) -> None:
+    """CheckpointError unless `path` loads as the runtime will load it, with no more tokens than the embedding has
+    rows (fewer is normal: padding rows). Either way the package would never load."""
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # `tokenizers` raises its own plain Exception
+        reason = str(e).splitlines()[0] if str(e) else repr(e)
+        raise CheckpointError(f"{path} does not load as a tokenizer: {reason}") from None
+    if size > vocab_size:
+        raise CheckpointError(f"{path} has {size} tokens but the model's embedding only {vocab_size} rows")
+
+
 def open_folder(folder: Path) -> Source:
     """A Hugging Face-layout checkpoint folder: config.json names the family."""
     hf_config = read_config(folder)
     family = family_for(hf_config.get("model_type"))
     model = family.load(folder)
     hashes = source_hashes(folder)
+    if (folder / "tokenizer.json").is_file():
+        check_tokenizer_file(folder / "tokenizer.json", model.config.vocab_size)
     return Source(
         model=model,
         family=family,

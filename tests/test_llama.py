@@ -269,7 +269,7 @@ def hf_config(**overrides) -> dict:
         (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
         (dict(attention_bias=True), "attention_bias"),
         (dict(num_key_value_heads=4), "multiple of n_kv_head"),
-        ({"vocab_size": None}, "invalid"),
+        ({"vocab_size": None}, "lacks the key 'vocab_size'"),
     ],
 )
 def test_config_errors(overrides: dict, message: str) -> None:
