@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 
 from edgelm import __version__
 
@@ -73,11 +72,13 @@ def _finite_at_least(low: float):
 
 def _text_file(text: str) -> str:
     """A regular file (a pipe or device would block or never end), checked before any work."""
-    path = Path(text)
-    if not path.exists():
+    from edgelm.runtime.files import kind_of
+
+    kind = kind_of(text)
+    if kind is None:
         raise argparse.ArgumentTypeError(f"{text} does not exist")
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text} is not a regular file")
+    if kind != "a regular file":
+        raise argparse.ArgumentTypeError(f"{text} is {kind}, not a regular file")
     return text
 
 

@@ -31,9 +31,10 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
+from ..runtime.files import check_file, kind_of
 from ..runtime.outputs import StagedOutput
 from ..runtime.package import file_sha256, list_files, write_json
-from .checkpoint import TOKENIZER_FILES, CheckpointError, checkpoint_hash, read_config
+from .checkpoint import CheckpointError, checkpoint_hash, read_config, tokenizer_files
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
@@ -85,7 +86,7 @@ def open_folder(folder: Path) -> Source:
         tokens=family.tokens(folder, model),
         name=folder.resolve().name,
         sha256=checkpoint_hash(folder),
-        files={name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()},
+        files=tokenizer_files(folder),
         chat_template=read_extras(folder)["chat_template"],
     )
 
@@ -117,9 +118,12 @@ def open_gguf(path: Path) -> Source:
 def open_source(path: str | Path) -> Source:
     """A checkpoint folder or a .gguf file."""
     path = Path(path)
-    if path.suffix.lower() == ".gguf" and not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    if path.is_file():
+    kind = kind_of(path)
+    if path.suffix.lower() == ".gguf" and kind != "a folder":
+        check_file(path, "GGUF file", error=CheckpointError)  # missing, or a FIFO or device: said so, not opened
+    elif kind not in (None, "a folder", "a regular file"):
+        raise CheckpointError(f"{path} is {kind}; a checkpoint is a folder or a .gguf file")
+    if kind == "a regular file":
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise CheckpointError(f"{path} is a file but not a GGUF file; a checkpoint is a folder or a .gguf file")

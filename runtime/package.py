@@ -36,6 +36,7 @@ from .contract import (
     token_list,
 )
 from .errors import PackageError, PackageNotFoundError
+from .files import kind_of
 
 HF_CONFIG_FILE = "config.json"
 
@@ -465,10 +466,11 @@ def _unsigned_reason(folder: Path, manifest_path: Path) -> str:
 
 def regular_file(path: Path, what: str) -> None:
     """Refuse anything but a regular file before it is opened: a FIFO or a device would block or never end."""
-    if not path.exists():
+    kind = kind_of(path)
+    if kind is None:
         raise PackageNotFoundError(f"{what} {path.name} is missing from {path.parent}")
-    if not path.is_file():
-        raise PackageError(f"{what} {path.name} is not a regular file (a folder, pipe or device)")
+    if kind != "a regular file":
+        raise PackageError(f"{what} {path.name} is {kind}, not a regular file")
 
 
 def list_files(folder: Path) -> dict:
