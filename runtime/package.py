@@ -348,21 +348,39 @@ def _length_delimited(buf: memoryview, start: int, end: int):
         raise _Malformed
 
 
-def external_data_locations(model_path: Path) -> list[str]:
-    """The external-data locations model.onnx names, from every tensor at any depth of the graph."""
+@dataclass
+class ExternalData:
+    """One tensor's bytes in another file: TensorProto.external_data's location, offset and length."""
+
+    tensor: str
+    location: str
+    offset: str | None  # as written (a decimal string); None when absent (0)
+    length: str | None  # None when absent (to the end of the file)
+
+
+def external_data(model_path: Path) -> list[ExternalData]:
+    """Every tensor of model.onnx that keeps its bytes in another file, at any depth of the graph."""
     if model_path.stat().st_size == 0:
         return []  # ONNX Runtime refuses an empty file itself
-    locations = []
+    found = []
     with open(model_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         with memoryview(mapped) as buf:
             try:
                 stack = [("ModelProto", 0, len(buf))]  # a stack, not recursion: subgraphs nest arbitrarily deep
                 while stack:
                     message, start, end = stack.pop()
-                    if message == "StringStringEntryProto":
-                        entry = {number: bytes(buf[s:e]) for number, s, e in _length_delimited(buf, start, end)}
-                        if entry.get(1) == b"location":
-                            locations.append(entry.get(2, b"").decode("utf-8"))
+                    if message == "TensorProto":  # name (8) and external_data (13) entries: key (1), value (2)
+                        name, entries = "", {}
+                        for number, s, e in _length_delimited(buf, start, end):
+                            if number == 8:
+                                name = bytes(buf[s:e]).decode("utf-8")
+                            elif number == 13:
+                                entry = {n: bytes(buf[a:b]) for n, a, b in _length_delimited(buf, s, e)}
+                                entries[entry.get(1, b"").decode("utf-8")] = entry.get(2, b"").decode("utf-8")
+                        if "location" in entries:
+                            found.append(
+                                ExternalData(name, entries["location"], entries.get("offset"), entries.get("length"))
+                            )
                         continue
                     children = _ONNX_PATHS[message]
                     for number, s, e in _length_delimited(buf, start, end):
@@ -370,7 +388,40 @@ def external_data_locations(model_path: Path) -> list[str]:
                             stack.append((children[number], s, e))
             except (_Malformed, UnicodeDecodeError):
                 raise PackageError(f"{model_path.name} is not a valid ONNX file (corrupt or truncated)") from None
-    return locations
+    return found
+
+
+def external_data_locations(model_path: Path) -> list[str]:
+    """The external-data locations model.onnx names, from every tensor at any depth of the graph."""
+    return [entry.location for entry in external_data(model_path)]
+
+
+def _check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str, Path]) -> None:
+    """Each tensor's byte range must be a number inside its file, and no two may overlap: ONNX Runtime reads
+    whatever range it is given, and a file edgelm (or any ONNX saver) writes never shares bytes between tensors."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for entry in entries:
+        size = files[entry.location].stat().st_size
+        where = f"tensor {entry.tensor!r} in {model_path.name}"
+        try:
+            offset = int(entry.offset) if entry.offset is not None else 0
+            length = int(entry.length) if entry.length is not None else size - offset
+        except ValueError:
+            raise PackageError(f"{where}: external data offset/length must be integers") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise PackageError(
+                f"{where}: external data bytes {offset}..{offset + length} lie outside {entry.location} ({size} bytes)"
+            )
+        if length:
+            by_file.setdefault(entry.location, []).append((offset, offset + length, entry.tensor))
+    for location, ranges in by_file.items():
+        ranges.sort()
+        for (_, end, first), (start, _, second) in zip(ranges, ranges[1:], strict=False):
+            if start < end:
+                raise PackageError(
+                    f"tensors {first!r} and {second!r} in {model_path.name} overlap in {location} (bytes from "
+                    f"{start} to {end}); each tensor must have bytes of its own (corrupt or crafted model file)"
+                )
 
 
 def _check_listed(folder: Path, manifest: Manifest, paths: list[Path]) -> None:
@@ -437,12 +488,13 @@ def _check_files(folder: Path, spec: PackageSpec, *, verify: bool) -> PackageSpe
     for token in [*tokens.eos_token_ids, tokens.pad_token_id, tokens.bos_token_id]:
         if token is not None and not 0 <= token < vocab_size:
             raise PackageError(f"special token id {token} is outside the vocabulary (size {vocab_size})")
-    external = [
-        inside(spec.model_path.parent, location, f"external data location in {spec.model_path.name}")
-        for location in external_data_locations(spec.model_path)
-    ]
+    entries = external_data(spec.model_path)
+    what = f"external data location in {spec.model_path.name}"
+    files = {entry.location: inside(spec.model_path.parent, entry.location, what) for entry in entries}
+    external = list(dict.fromkeys(files.values()))
     for path in external:
         regular_file(path, f"external data of {spec.model_path.name}")
+    _check_ranges(spec.model_path, entries, files)
     if verify:
         optional = [p for p in (spec.tokenizer_path, spec.chat_template_path) if p is not None]
         read = [spec.model_path, *external, *optional]
