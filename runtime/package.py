@@ -134,35 +134,43 @@ def _from_genai(folder: Path, config: dict) -> PackageSpec:
     inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
     if not isinstance(inputs, dict) or not isinstance(outputs, dict):
         raise PackageError(f"{where}: model.decoder.inputs and .outputs must be objects")
-    n_head = integer(decoder, "num_attention_heads", where, minimum=1)
+    # messages name the object a key is in: "genai_config.json model.decoder: num_attention_heads ..."
+    in_model, in_decoder = f"{where} model", f"{where} model.decoder"
+    in_inputs, in_outputs = f"{in_decoder}.inputs", f"{in_decoder}.outputs"
+    n_head = integer(decoder, "num_attention_heads", in_decoder, minimum=1)
     n_kv_head = (
-        integer(decoder, "num_key_value_heads", where, minimum=1) if "num_key_value_heads" in decoder else n_head
+        integer(decoder, "num_key_value_heads", in_decoder, minimum=1) if "num_key_value_heads" in decoder else n_head
     )
     if n_head % n_kv_head:
-        raise PackageError(f"{where}: num_attention_heads ({n_head}) must be a multiple of num_key_value_heads")
-    head_dim = decoder.get("head_size") or integer(decoder, "hidden_size", where, minimum=1) // n_head
-    eos = token_list(model.get("eos_token_id"), where)
+        raise PackageError(
+            f"{in_decoder}: num_attention_heads ({n_head}) must be a multiple of num_key_value_heads ({n_kv_head})"
+        )
+    if decoder.get("head_size") is not None:
+        head_dim = integer(decoder, "head_size", in_decoder, minimum=1)
+    else:  # derived from hidden_size: an error names the key the file has
+        head_dim = integer(decoder, "hidden_size", in_decoder, minimum=n_head) // n_head
+    eos = token_list(model.get("eos_token_id"), in_model)
     pad = optional_id(model.get("pad_token_id"))
     search = config.get("search")
     shared = isinstance(search, dict) and search.get("past_present_share_buffer") is True
     arch = Architecture(
         type=str(model.get("type", "")),
-        vocab_size=integer(model, "vocab_size", where, minimum=1),
-        context_length=integer(model, "context_length", where, minimum=1),
-        n_layer=integer(decoder, "num_hidden_layers", where, minimum=1),
+        vocab_size=integer(model, "vocab_size", in_model, minimum=1),
+        context_length=integer(model, "context_length", in_model, minimum=1),
+        n_layer=integer(decoder, "num_hidden_layers", in_decoder, minimum=1),
         n_head=n_head,
         n_kv_head=n_kv_head,
-        head_dim=integer({"head_size": head_dim}, "head_size", where, minimum=1),
+        head_dim=head_dim,
     )
     io = IONames(
-        input_ids=io_name(inputs, "input_ids", "input_ids", where),
-        attention_mask=io_name(inputs, "attention_mask", "attention_mask", where),
-        position_ids=io_name(inputs, "position_ids", "position_ids", where, optional=True),
-        logits=io_name(outputs, "logits", "logits", where),
-        past_key=io_name(inputs, "past_key_names", IONames.past_key, where, per_layer=True),
-        past_value=io_name(inputs, "past_value_names", IONames.past_value, where, per_layer=True),
-        present_key=io_name(outputs, "present_key_names", IONames.present_key, where, per_layer=True),
-        present_value=io_name(outputs, "present_value_names", IONames.present_value, where, per_layer=True),
+        input_ids=io_name(inputs, "input_ids", "input_ids", in_inputs),
+        attention_mask=io_name(inputs, "attention_mask", "attention_mask", in_inputs),
+        position_ids=io_name(inputs, "position_ids", "position_ids", in_inputs, optional=True),
+        logits=io_name(outputs, "logits", "logits", in_outputs),
+        past_key=io_name(inputs, "past_key_names", IONames.past_key, in_inputs, per_layer=True),
+        past_value=io_name(inputs, "past_value_names", IONames.past_value, in_inputs, per_layer=True),
+        present_key=io_name(outputs, "present_key_names", IONames.present_key, in_outputs, per_layer=True),
+        present_value=io_name(outputs, "present_value_names", IONames.present_value, in_outputs, per_layer=True),
         kv_cache="shared_buffer" if shared else "concat",
     )
     tokens = Tokens(

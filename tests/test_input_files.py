@@ -110,3 +110,27 @@ def test_a_fifo_in_a_package_is_said_to_be_one(package, tmp_path):
     os.mkfifo(folder / "tokenizer.json")
     with pytest.raises(PackageError, match="tokenizer.json is a FIFO"):
         load(folder)
+
+
+def test_package_messages_name_keys_the_file_has_and_where(package, tmp_path):
+    import json
+
+    folder = Path(shutil.copytree(package, tmp_path / "pkg"))
+    manifest = json.loads((folder / "edgelm.json").read_text())
+    manifest["architecture"]["n_head"] = "four"
+    (folder / "edgelm.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match="edgelm.json architecture: n_head must be an integer"):
+        load(folder)
+    (folder / "edgelm.json").unlink()  # now a genai folder: its decoder has no head_size, a hidden_size too small
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"].pop("head_size", None)
+    config["model"]["decoder"]["hidden_size"] = 2
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        PackageError, match=r"genai_config.json model.decoder: hidden_size must be an integer >= 4, got 2"
+    ):
+        load(folder, verify=False)
+    config["model"]["decoder"]["num_attention_heads"] = 0
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(PackageError, match="genai_config.json model.decoder: num_attention_heads"):
+        load(folder, verify=False)
