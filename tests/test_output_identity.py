@@ -62,6 +62,12 @@ def test_quantize_through_a_bind_mount_never_replaces_its_own_input(package, tmp
         # and the other way round: the input given through the mount, the output by its real path
         with pytest.raises(ValueError, match="must differ"):
             check_output(fp32, inputs=[bind / "fp32"], overwrite=True)
+        # export alike: over the folder holding its checkpoint, seen through the mount
+        from edgelm.export import onnx_export
+
+        monkeypatch.setattr(onnx_export, "open_source", lambda *a, **k: pytest.fail("work started"))
+        with pytest.raises(ValueError, match="contains the input.*another path"):
+            onnx_export.export_package(fp32, bind, overwrite=True, progress=lambda _: None)
     assert snapshot(real) == before
     assert read_package(fp32).precision == "fp32"
 
