@@ -161,8 +161,8 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _owner() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid())}
+def _owner(output: str) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid()), "output": output}
 
 
 def _writer_is_gone(owner: object) -> bool:
@@ -201,10 +201,29 @@ def remove_stale_staging(parent: Path) -> list[str]:
             owner = json.loads(owner_path.read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError):
             continue  # no record (yet: a writer that just made its folder), or not one of ours
-        if _writer_is_gone(owner):
+        if _writer_is_gone(owner) and _restore_old(parent, Path(entry.path), owner.get("output")):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
     return removed
+
+
+def _restore_old(parent: Path, staging: Path, output: object) -> bool:
+    """Where the OS cannot swap atomically, a run killed between its two renames leaves the old package in
+    `staging/old` and no output: put it back rather than delete the only copy. False when it cannot be put
+    back: then the folder is kept."""
+    old = staging / "old"
+    if not old.is_dir() or old.is_symlink():
+        return True
+    valid = isinstance(output, str) and output not in ("", ".", "..") and "/" not in output and os.sep not in output
+    if not valid:
+        return False
+    if os.path.lexists(parent / output):  # killed after the second rename: the new package is in place
+        return True
+    try:
+        old.rename(parent / output)
+    except OSError:
+        return False
+    return True
 
 
 class _Terminated(SystemExit):
@@ -234,7 +253,7 @@ class StagedOutput:
         # a short name (STAGING_PREFIX + 8 characters) fits wherever the output's name does
         self.path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.out_dir.parent))
         try:  # a signal here would skip __exit__
-            (self.path / OWNER_FILE).write_text(json.dumps(_owner()), encoding="utf-8")
+            (self.path / OWNER_FILE).write_text(json.dumps(_owner(self.out_dir.name)), encoding="utf-8")
             (self.path / STAGED_PACKAGE).mkdir()
         except BaseException:
             self.__exit__(*sys.exc_info())

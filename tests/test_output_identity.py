@@ -113,7 +113,7 @@ def dead_pid() -> int:
 def test_stale_staging_folders_are_removed_and_only_those(tmp_path):
     host = socket.gethostname()
     me = {"pid": os.getpid(), "host": host}
-    started = _owner()["started"]
+    started = _owner("pkg")["started"]
     dead = write_owner(tmp_path / f"{STAGING_PREFIX}dead0001", pid=dead_pid(), host=host, started=1)
     reused = write_owner(tmp_path / f"{STAGING_PREFIX}reused01", **me, started=(started or 0) + 12345)
     kept = {
@@ -134,6 +134,21 @@ def test_stale_staging_folders_are_removed_and_only_those(tmp_path):
     assert (tmp_path / f"{STAGING_PREFIX}symlink1").is_symlink()
     assert (tmp_path / "pkg" / "model.onnx").read_bytes() == b"new"
     assert remove_stale_staging(tmp_path) == []
+
+
+def test_a_run_killed_between_its_two_renames_gets_its_old_package_back(tmp_path):
+    """Where renameat2 cannot swap, the old package is moved into the staging folder first: a run killed then
+    leaves no output, and the next run puts the old package back instead of deleting the only copy."""
+    host = socket.gethostname()
+    killed = write_owner(tmp_path / f"{STAGING_PREFIX}killed01", pid=dead_pid(), host=host, started=1, output="pkg")
+    write_fake_package(killed / "old", b"the only copy")
+    done = write_owner(tmp_path / f"{STAGING_PREFIX}killed02", pid=dead_pid(), host=host, started=1, output="new")
+    write_fake_package(done / "old", b"replaced")
+    write_fake_package(tmp_path / "new", b"in place")  # killed after the second rename: the new one is there
+    assert sorted(remove_stale_staging(tmp_path)) == [killed.name, done.name]
+    assert (tmp_path / "pkg" / "model.onnx").read_bytes() == b"the only copy"
+    assert (tmp_path / "new" / "model.onnx").read_bytes() == b"in place"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "pkg"]
 
 
 def test_kill_9_during_quantize_leaves_a_folder_the_next_run_removes(package, tmp_path):
@@ -170,3 +185,14 @@ def test_an_output_name_of_255_characters_can_be_written(package, tmp_path):
     quantize_package(package, out, mode="dynamic", evaluate=False, progress=lambda _: None)
     assert read_package(out).precision == "int8-dynamic"
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_overwriting_without_an_atomic_swap_leaves_no_staging_folder(tmp_path, monkeypatch):
+    from edgelm.runtime import outputs
+
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
+    write_fake_package(tmp_path / "pkg", b"old")
+    with StagedOutput(tmp_path / "pkg", overwrite=True) as staging:
+        write_fake_package(staging, b"new")
+    assert (tmp_path / "pkg" / "model.onnx").read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["pkg"]
