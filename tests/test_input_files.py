@@ -134,3 +134,20 @@ def test_package_messages_name_keys_the_file_has_and_where(package, tmp_path):
     (folder / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(PackageError, match="genai_config.json model.decoder: num_attention_heads"):
         load(folder, verify=False)
+
+
+def test_a_graph_that_disagrees_names_the_json_file_that_says_otherwise(package, tmp_path):
+    import json
+
+    folder = Path(shutil.copytree(package, tmp_path / "pkg"))
+    manifest = json.loads((folder / "edgelm.json").read_text())
+    manifest["architecture"]["head_dim"] *= 2
+    (folder / "edgelm.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match=r"in model.onnx has shape .*; edgelm.json says \(batch, "):
+        load(folder)
+    (folder / "edgelm.json").unlink()
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["num_hidden_layers"] = 1000
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(PackageError, match="genai_config.json says 1000 layers, but model.onnx has only"):
+        load(folder, verify=False)
