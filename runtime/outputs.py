@@ -87,6 +87,11 @@ def check_output(out_dir: str | Path, *, inputs: Iterable[str | Path | None] = (
     out = Path(out_dir)
     if not str(out_dir) or "\x00" in str(out_dir):
         raise ValueError(f"the output folder must be a path, got {str(out_dir)!r}")
+    try:
+        os.lstat(out)
+    except OSError as e:  # not there is the usual case; a name too long, a parent that is a file is not
+        if not isinstance(e, FileNotFoundError):
+            raise ValueError(f"the output {str(out)[:300]} cannot be used: {e.strerror or e}") from None
     if out.is_symlink():
         raise ValueError(f"the output {out} is a symlink; give the real folder's path (a symlink is never replaced)")
     if out.exists() and not out.is_dir():

@@ -185,6 +185,8 @@ def test_an_output_name_of_255_characters_can_be_written(package, tmp_path):
     quantize_package(package, out, mode="dynamic", evaluate=False, progress=lambda _: None)
     assert read_package(out).precision == "int8-dynamic"
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    with pytest.raises(ValueError, match="cannot be used: File name too long"):  # one more is the system's limit
+        check_output(tmp_path / ("q" * 256))
 
 
 def test_overwriting_without_an_atomic_swap_leaves_no_staging_folder(tmp_path, monkeypatch):
