@@ -209,7 +209,7 @@ def read_extras(folder: str | Path) -> dict:
     folder = Path(folder)
     merged: dict = {}
     for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
-        if (folder / name).is_file():
+        if present(folder / name):
             data = read_json(folder / name)
             merged.update(
                 {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if data.get(k) is not None}

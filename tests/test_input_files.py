@@ -94,7 +94,7 @@ def test_export_says_what_a_fifo_or_device_checkpoint_is(hf_checkpoint, fifo, tm
     err = cli_error(capsys, "export", str(tmp_path / "missing.gguf"), str(tmp_path / "out"))
     assert "does not exist" in err
     folder = Path(shutil.copytree(hf_checkpoint, tmp_path / "ckpt"))
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "generation_config.json"):
         moved = folder / name
         moved.rename(tmp_path / "aside")
         os.mkfifo(moved)
