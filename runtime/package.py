@@ -406,14 +406,15 @@ def external_data_locations(model_path: Path) -> list[str]:
 
 def _check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str, Path]) -> None:
     """Each tensor's byte range must be a number inside its file, and no two may overlap: ONNX Runtime reads
-    whatever range it is given, and a file edgelm (or any ONNX saver) writes never shares bytes between tensors."""
+    whatever range it is given, and a file edgelm (or any ONNX saver) writes never shares bytes between tensors.
+    A range without a length (ONNX Runtime then takes the tensor's own size) is checked for its offset only."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for entry in entries:
         size = files[entry.location].stat().st_size
         where = f"tensor {entry.tensor!r} in {model_path.name}"
         try:
             offset = int(entry.offset) if entry.offset is not None else 0
-            length = int(entry.length) if entry.length is not None else size - offset
+            length = int(entry.length) if entry.length is not None else 0
         except ValueError:
             raise PackageError(f"{where}: external data offset/length must be integers") from None
         if offset < 0 or length < 0 or offset + length > size:
@@ -427,8 +428,8 @@ def _check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str
         for (_, end, first), (start, _, second) in zip(ranges, ranges[1:], strict=False):
             if start < end:
                 raise PackageError(
-                    f"tensors {first!r} and {second!r} in {model_path.name} overlap in {location} (bytes from "
-                    f"{start} to {end}); each tensor must have bytes of its own (corrupt or crafted model file)"
+                    f"tensors {first!r} and {second!r} in {model_path.name} overlap in {location} from byte "
+                    f"{start}; each tensor must have bytes of its own (a corrupt or crafted model file)"
                 )
 
 
