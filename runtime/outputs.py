@@ -176,7 +176,7 @@ def _writer_is_gone(owner: object) -> bool:
     if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
         return False  # another machine's writer (a shared folder) cannot be checked from here
     pid, started = owner.get("pid"), owner.get("started")
-    if type(pid) is not int or pid <= 0 or not (started is None or type(started) is int):
+    if type(pid) is not int or not 0 < pid < 2**31 or not (started is None or type(started) is int):
         return False
     try:
         os.kill(pid, 0)

@@ -124,6 +124,7 @@ def test_stale_staging_folders_are_removed_and_only_those(tmp_path):
         "other host": write_owner(tmp_path / f"{STAGING_PREFIX}remote01", pid=dead_pid(), host=host + "-x", started=1),
         "garbled": write_owner(tmp_path / f"{STAGING_PREFIX}garbled1", pid="1; rm -rf /", host=host),
         "pid 0": write_owner(tmp_path / f"{STAGING_PREFIX}zero0001", pid=0, host=host, started=1),
+        "huge pid": write_owner(tmp_path / f"{STAGING_PREFIX}huge0001", pid=2**70, host=host, started=1),
         "no record": tmp_path / f"{STAGING_PREFIX}norecord",
         "not ours": write_owner(tmp_path / "mine-not-edgelm", pid=dead_pid(), host=host, started=1),
     }
