@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
+import unicodedata
 
 from edgelm import __version__
 
@@ -71,13 +71,48 @@ def _finite_at_least(low: float):
     return parse
 
 
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _printable(text: object) -> str:
+    """Text taken from a file (a model or template name, manifest strings, an error quoting them) made safe for
+    a terminal: control characters (escape sequences recolour, retitle or rewrite the screen) and bidirectional
+    overrides become visible \\x.. escapes. Generated text is the model's output and is printed as it is."""
+    return "".join(
+        (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+        if unicodedata.category(c) == "Cc" or c in _BIDI_CONTROLS
+        else c
+        for c in str(text)
+    )
+
+
+def _json(value: object, **options) -> str:
+    """Valid JSON whatever a file held: NaN and infinities (json.dumps would write the invalid NaN) become null."""
+    try:
+        return json.dumps(value, allow_nan=False, **options)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False, **options)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _text_file(text: str) -> str:
     """A regular file (a pipe or device would block or never end), checked before any work."""
-    path = Path(text)
-    if not path.exists():
+    from edgelm.runtime.files import kind_of
+
+    kind = kind_of(text)
+    if kind is None:
         raise argparse.ArgumentTypeError(f"{text} does not exist")
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text} is not a regular file")
+    if kind != "a regular file":
+        raise argparse.ArgumentTypeError(f"{text} is {kind}, not a regular file")
     return text
 
 
@@ -349,7 +384,7 @@ def _generate(args) -> int:
     )
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        print(_json(result.to_dict(), ensure_ascii=False))
         return 0
     stream = model.stream(args.prompt, args.max_new_tokens, **options)
     for piece in stream:  # Ctrl-C propagates to main(): the loop stops between two pieces
@@ -361,7 +396,7 @@ def _generate(args) -> int:
     t = r.timings
     print(
         f"[{t.new_tokens} tokens, finish: {r.finish_reason}, first token {t.time_to_first_token_s * 1000:.0f} ms, "
-        f"{t.decode_tokens_per_s:.1f} tokens/s, {model.info()['precision']} on {model.device}]",
+        f"{t.decode_tokens_per_s:.1f} tokens/s, {_printable(model.info()['precision'])} on {model.device}]",
         file=sys.stderr,
     )
     return 0
@@ -454,11 +489,11 @@ def _info(args) -> int:
 
     info = load(args.package, provider="cpu", verify=not args.no_verify).info()
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(_json(info, indent=2))
         return 0
     for key, value in info.items():
         if value is not None:
-            print(f"{key:16s} {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+            print(f"{key:16s} {_printable(_json(value) if isinstance(value, (dict, list)) else value)}")
     return 0
 
 
@@ -477,11 +512,12 @@ def _bench(args) -> int:
         repeats=args.repeats,
     )
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(_json(report, indent=2))
     else:
         print(
-            f"{report['package']}: {report['precision']} on {report['provider']}, batch {report['batch']}, "
-            f"{report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, median of {report['repeats']}"
+            f"{_printable(report['package'])}: {_printable(report['precision'])} on {report['provider']}, "
+            f"batch {report['batch']}, {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
+            f"median of {report['repeats']}"
         )
         print(
             f"  load {report['load_s']:.2f} s | first token {report['time_to_first_token_s'] * 1000:.1f} ms | "
@@ -547,7 +583,8 @@ def _eval(args) -> int:
         threads=args.threads,
         verify=not args.no_verify,
     )
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    lines = format_report(report).splitlines()
+    print(_json(report, indent=2) if args.json else "\n".join(_printable(line) for line in lines))
     return 0
 
 
@@ -565,7 +602,7 @@ WRITES_STDOUT = {"generate", "info", "bench", "eval"}  # commands whose product 
 
 
 def _error(command: str, message: str) -> None:
-    message = " ".join(str(message).split())
+    message = _printable(" ".join(str(message).split()))
     try:
         print(f"edgelm {command}: error: {message}", file=sys.stderr)
     except (OSError, ValueError, AttributeError):  # stderr closed too: the exit status says it

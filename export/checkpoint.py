@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import pickle
 from pathlib import Path
 
 import torch
 
+from ..runtime.files import check_file, kind_of, read_text
 from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
 from .model import GPT, GPTConfig, sinusoidal_table
 
@@ -121,8 +123,17 @@ def config_to_hf(config: GPTConfig) -> dict:
     return hf
 
 
+def present(path: Path) -> bool:
+    """Whether a checkpoint file is there: True for a regular file, False for nothing; a FIFO, device or folder
+    in its place is a CheckpointError saying what it is (never opened: a FIFO would block)."""
+    if not os.path.lexists(path):
+        return False
+    check_file(path, "checkpoint file", error=CheckpointError)
+    return True
+
+
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    if (folder / SAFETENSORS_FILE).is_file():
+    if present(folder / SAFETENSORS_FILE):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -131,7 +142,7 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
-    if (folder / PICKLE_FILE).is_file():
+    if present(folder / PICKLE_FILE):
         return read_pickle(folder / PICKLE_FILE)
     raise FileNotFoundError(f"{folder} has no {SAFETENSORS_FILE} or {PICKLE_FILE}")
 
@@ -159,22 +170,44 @@ def load_checkpoint(folder: str | Path) -> GPT:
 
 def read_config(folder: Path) -> dict:
     """A checkpoint folder's config.json, as a dict; a missing folder or file, or bad JSON, is a clear error."""
-    if not folder.is_dir():
+    kind = kind_of(folder)
+    if kind is None:
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    if not (folder / CONFIG_FILE).is_file():
+    if kind != "a folder":
+        raise CheckpointError(f"checkpoint {folder} is {kind}, not a folder (a checkpoint is a folder or a .gguf file)")
+    if not os.path.lexists(folder / CONFIG_FILE):
         raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}")
     return read_json(folder / CONFIG_FILE)
 
 
 def read_json(path: Path) -> dict:
     """A checkpoint's JSON file (config, index, tokenizer config) as a dict, or a CheckpointError."""
+    text = read_text(path, "checkpoint file", error=CheckpointError)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(
+            f"{path} is not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     return data
+
+
+def tokenizer_files(folder: Path) -> dict[str, Path]:
+    """The tokenizer files a checkpoint folder holds (TOKENIZER_FILES), checked to be UTF-8 text and the JSON
+    ones JSON objects: export copies them into the package, which would otherwise fail only when loaded."""
+    found = {}
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not os.path.lexists(path):
+            continue
+        if name.endswith(".json"):
+            read_json(path)
+        else:
+            read_text(path, "checkpoint file", error=CheckpointError)
+        found[name] = path
+    return found
 
 
 def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:

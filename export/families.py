@@ -8,7 +8,6 @@ forward signature (see export/parity.py), a loader, an adapter to Decoder, and a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint
+from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint, read_json
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 from .hf_checkpoint import build_llama, llama_config_from_hf, load_llama, read_extras
 from .llama import MODEL_TYPES, Llama, rope_cos_sin
@@ -133,8 +132,9 @@ def gpt2_tokens(checkpoint: Path, model: GPT) -> dict:
     pad = eos
     tokenizer_config = checkpoint / "tokenizer_config.json"
     if tokenizer_config.is_file() and (checkpoint / "tokenizer.json").is_file():
-        names = json.loads(tokenizer_config.read_text(encoding="utf-8"))
-        vocab = {t["content"]: t["id"] for t in json.loads((checkpoint / "tokenizer.json").read_text())["added_tokens"]}
+        names = read_json(tokenizer_config)
+        added = read_json(checkpoint / "tokenizer.json").get("added_tokens")
+        vocab = {t.get("content"): t.get("id") for t in added if isinstance(t, dict)} if isinstance(added, list) else {}
         pad_name = names.get("pad_token")
         if isinstance(pad_name, str) and pad_name in vocab:
             pad = vocab[pad_name]

@@ -19,6 +19,7 @@ from .checkpoint import (
     CheckpointError,
     config_context_length,
     config_number,
+    present,
     read_config,
     read_json,
     read_pickle,
@@ -73,7 +74,7 @@ def _read_sharded(folder: Path) -> dict[str, torch.Tensor]:
         # A shard is a file beside the index, never a path that leaves the folder.
         if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
             raise CheckpointError(f"{index_path} names an invalid shard file {shard!r}")
-        if not (folder / shard).is_file():
+        if not present(folder / shard):
             raise CheckpointError(f"{index_path} lists the shard {shard!r}, which is missing from {folder}")
     state: dict[str, torch.Tensor] = {}
     found: dict[str, str] = {}
@@ -89,13 +90,13 @@ def _read_sharded(folder: Path) -> dict[str, torch.Tensor]:
 def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
     """The weights of a Hugging Face folder as fp32 tensors, by their Hugging Face names."""
     folder = Path(folder)
-    if (folder / SAFETENSORS_INDEX_FILE).is_file():
+    if present(folder / SAFETENSORS_INDEX_FILE):
         return _read_sharded(folder)
-    if (folder / SAFETENSORS_FILE).is_file():
+    if present(folder / SAFETENSORS_FILE):
         state: dict[str, torch.Tensor] = {}
         _read_safetensors(folder / SAFETENSORS_FILE, state)
         return state
-    if (folder / PICKLE_FILE).is_file():
+    if present(folder / PICKLE_FILE):
         path = folder / PICKLE_FILE
         return {name: _to_float32(name, tensor, path) for name, tensor in read_pickle(path).items()}
     raise FileNotFoundError(f"{folder} has no {SAFETENSORS_FILE}, {SAFETENSORS_INDEX_FILE} or {PICKLE_FILE}")
@@ -236,7 +237,7 @@ def read_extras(folder: str | Path) -> dict:
     folder = Path(folder)
     merged: dict = {}
     for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
-        if (folder / name).is_file():
+        if present(folder / name):
             data = read_json(folder / name)
             merged.update(
                 {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if data.get(k) is not None}

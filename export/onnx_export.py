@@ -32,9 +32,10 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
+from ..runtime.files import check_file, kind_of
 from ..runtime.outputs import StagedOutput
 from ..runtime.package import file_sha256, list_files, write_json
-from .checkpoint import TOKENIZER_FILES, CheckpointError, check_finite, combined_hash, read_config, source_hashes
+from .checkpoint import CheckpointError, check_finite, combined_hash, read_config, source_hashes, tokenizer_files
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for
 from .graph import LOGITS_TO_KEEP, build_fused_graph
@@ -107,7 +108,7 @@ def open_folder(folder: Path) -> Source:
         sha256=combined_hash(hashes),
         hashes=hashes,
         # the package writes its own tokenizer_config.json (export/tokenizer_config.py)
-        files={n: folder / n for n in TOKENIZER_FILES if n != TOKENIZER_CONFIG_FILE and (folder / n).is_file()},
+        files={n: p for n, p in tokenizer_files(folder).items() if n != TOKENIZER_CONFIG_FILE},
         chat_template=read_extras(folder)["chat_template"],
     )
 
@@ -141,9 +142,12 @@ def open_gguf(path: Path) -> Source:
 def open_source(path: str | Path) -> Source:
     """A checkpoint folder or a .gguf file."""
     path = Path(path)
-    if path.suffix.lower() == ".gguf" and not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    if path.is_file():
+    kind = kind_of(path)
+    if path.suffix.lower() == ".gguf" and kind != "a folder":
+        check_file(path, "GGUF file", error=CheckpointError)  # missing, or a FIFO or device: said so, not opened
+    elif kind not in (None, "a folder", "a regular file"):
+        raise CheckpointError(f"{path} is {kind}; a checkpoint is a folder or a .gguf file")
+    if kind == "a regular file":
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise CheckpointError(f"{path} is a file but not a GGUF file; a checkpoint is a folder or a .gguf file")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import InvalidInputError, Model, load
+from ..runtime.files import read_text
 
 
 def _progress(iterable, total: int, desc: str):
@@ -69,9 +70,7 @@ def evaluate_package(
     if model.tokenizer is None:
         raise InvalidInputError("evaluation needs a package with a tokenizer.json")
     text_path = Path(text_path)
-    if not text_path.is_file():
-        raise FileNotFoundError(f"text file {text_path} does not exist")
-    text = text_path.read_text(encoding="utf-8")
+    text = read_text(text_path, "text file")
     ids = np.array(model.tokenizer.encode(text), dtype=np.int64)
     n_bytes = len(text.encode("utf-8"))
     if max_tokens is not None:

@@ -17,6 +17,7 @@ from edgelm.onnxfile import PROTOBUF_LIMIT
 
 from ..runtime import PackageError, load
 from ..runtime.contract import MANIFEST_FILE
+from ..runtime.files import read_text
 from ..runtime.outputs import StagedOutput
 from ..runtime.package import external_data_locations, list_files, read_package, write_json
 from .calibration import DecoderCalibrationReader
@@ -34,9 +35,7 @@ def _calibration_ids(path: str | Path | None, tokenizer) -> np.ndarray:
     if tokenizer is None:
         raise PackageError("static calibration reads text, and this package has no tokenizer.json")
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"calibration text {path} does not exist")
-    ids = np.array(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=np.int64)
+    ids = np.array(tokenizer.encode(read_text(path, "calibration text")), dtype=np.int64)
     if len(ids) < MIN_CALIBRATION_TOKENS:
         raise ValueError(
             f"calibration text {path} is too short: {len(ids)} tokens, need at least {MIN_CALIBRATION_TOKENS}"
@@ -136,6 +135,8 @@ def quantize_package(
     if recipe.calibrated:
         ids = _calibration_ids(calibration_text, source.tokenizer)
         options.calibration = DecoderCalibrationReader(source, ids, samples=calibration_samples)
+    if evaluate and eval_text is not None and recipe.evaluated:
+        read_text(eval_text, "eval text")  # a file that is not UTF-8 text fails now, not after the work
 
     progress(f"quantizing {package} -> {out_dir} ({mode})")
     with staged as staging:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from .errors import ContextLengthError
 from .generator import Model, load
 
 
@@ -50,8 +51,13 @@ def bench(
     model: Model | None = None,
 ) -> dict:
     model = model or load(package, provider=provider, threads=threads)
-    if prompt_tokens + new_tokens > model.context_length:
-        new_tokens = max(1, model.context_length - prompt_tokens)
+    if prompt_tokens + new_tokens > model.context_length:  # an error, never a silent clamp: the numbers would lie
+        fits = model.context_length - prompt_tokens
+        raise ContextLengthError(
+            f"{prompt_tokens} prompt tokens + {new_tokens} new tokens is over the model's context length "
+            f"({model.context_length} tokens); "
+            + (f"use at most {fits} new tokens" if fits > 0 else "use fewer prompt tokens")
+        )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.vocab_size, prompt_tokens).tolist() for _ in range(batch)]
     eos = set(model.spec.tokens.eos_token_ids)

@@ -129,40 +129,42 @@ class Manifest:
         arch, io, tok = data.get("architecture"), data.get("io"), data.get("tokenizer")
         if not all(isinstance(x, dict) for x in (arch, io, tok)):
             raise PackageError(f"{where}: architecture, io and tokenizer must be objects")
-        n_head = integer(arch, "n_head", where, minimum=1)
-        n_kv_head = integer(arch, "n_kv_head", where, minimum=1) if "n_kv_head" in arch else n_head
+        # messages name the object a key is in: "edgelm.json architecture: n_head ..."
+        in_arch, in_io, in_tok = f"{where} architecture", f"{where} io", f"{where} tokenizer"
+        n_head = integer(arch, "n_head", in_arch, minimum=1)
+        n_kv_head = integer(arch, "n_kv_head", in_arch, minimum=1) if "n_kv_head" in arch else n_head
         if n_head % n_kv_head:
-            raise PackageError(f"{where}: n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})")
+            raise PackageError(f"{in_arch}: n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})")
         architecture = Architecture(
             type=str(arch.get("type", "")),
-            vocab_size=integer(arch, "vocab_size", where, minimum=1),
-            context_length=integer(arch, "context_length", where, minimum=1),
-            n_layer=integer(arch, "n_layer", where, minimum=1),
+            vocab_size=integer(arch, "vocab_size", in_arch, minimum=1),
+            context_length=integer(arch, "context_length", in_arch, minimum=1),
+            n_layer=integer(arch, "n_layer", in_arch, minimum=1),
             n_head=n_head,
             n_kv_head=n_kv_head,
-            head_dim=integer(arch, "head_dim", where, minimum=1),
+            head_dim=integer(arch, "head_dim", in_arch, minimum=1),
             details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
         )
-        eos = token_list(tok.get("eos_token_ids"), where)
+        eos = token_list(tok.get("eos_token_ids"), in_tok)
         pad = optional_id(tok.get("pad_token_id"))
         tokens = Tokens(
-            file=optional_name(tok, "file", where),
+            file=optional_name(tok, "file", in_tok),
             bos_token_id=optional_id(tok.get("bos_token_id")),
             eos_token_ids=eos,
             pad_token_id=pad if pad is not None else eos[0],
-            chat_template=optional_name(tok, "chat_template", where),
+            chat_template=optional_name(tok, "chat_template", in_tok),
         )
         names = {f.name: f.default for f in fields(IONames)}
         per_layer = ("past_key", "past_value", "present_key", "present_value")
         optional = ("position_ids", "logits_to_keep")
         io_names = IONames(
             **{
-                name: io_name(io, name, default, where, per_layer=name in per_layer, optional=name in optional)
+                name: io_name(io, name, default, in_io, per_layer=name in per_layer, optional=name in optional)
                 for name, default in names.items()
                 if name not in ("kv_cache", "kv_dtype")
             },
-            kv_cache=choice(io, "kv_cache", KV_CACHE_KINDS, where, default="concat"),
-            kv_dtype=choice(io, "kv_dtype", KV_DTYPES, where, default="float32"),
+            kv_cache=choice(io, "kv_cache", KV_CACHE_KINDS, in_io, default="concat"),
+            kv_dtype=choice(io, "kv_dtype", KV_DTYPES, in_io, default="float32"),
         )
         model_file = data.get("model_file")
         if not isinstance(model_file, str) or not model_file:

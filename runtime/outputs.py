@@ -5,12 +5,19 @@
 
 Before any work, the output path is refused when it is an input, contains one or lies inside one,
 is the current directory or a parent of it, is a file, a symlink (dangling or not), or a folder that
-is not an edgelm package (recognised by its manifest). An existing package (or empty folder) is
-replaced only with overwrite, and a package only when it holds nothing but the files its manifest lists.
-The new package is written into a hidden folder beside the output and swapped into place at the end
-(renameat2's RENAME_EXCHANGE where the OS has it, else two renames); the old one is removed after.
-A failure, Ctrl-C or SIGTERM at any point leaves either the old package or the new one, complete,
-and removes the hidden folder.
+is not an edgelm package (recognised by its manifest). Folders are compared by identity (st_dev,
+st_ino) of the output, the inputs and all their ancestors, not by path string, so a bind mount, a
+symlinked parent or any other spelling of the same folder is caught; so is an output package holding
+a hard link to an input file. An existing package (or empty folder) is replaced only with overwrite,
+and a package only when it holds nothing but the files its manifest lists.
+
+The new package is written into `<hidden staging folder>/package` beside the output and swapped into
+place at the end (renameat2's RENAME_EXCHANGE where the OS has it, else two renames); the old one is
+removed after. A failure, Ctrl-C or SIGTERM at any point leaves either the old package or the new one,
+complete, and removes the hidden folder. Only kill -9 (or a power cut) can leave one behind: its name
+is STAGING_PREFIX plus 8 random characters (so it fits wherever the output's name fits), and it holds
+OWNER_FILE naming the writer's pid, host and start time; the next run that writes into the same parent
+folder removes the ones whose writer is gone, and never one of a live writer or of another host.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import json
 import os
 import shutil
 import signal
+import socket
+import stat
+import sys
 import tempfile
 import threading
 from collections.abc import Iterable
@@ -29,6 +39,8 @@ from pathlib import Path
 from .contract import MANIFEST_FILE, MANIFEST_FORMAT
 
 STAGING_PREFIX = ".edgelm-staging-"  # hidden folders beside the output while a package is written
+OWNER_FILE = "edgelm-staging.json"  # inside each: who writes it (pid, host, start time), for stale-folder cleanup
+STAGED_PACKAGE = "package"  # the package being written, inside the staging folder
 _SIGNALS = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
 
 
@@ -52,29 +64,64 @@ def _is_package(folder: Path) -> tuple[bool, list[str]]:
     return True, sorted(extra)
 
 
+Identity = tuple[int, int]  # (st_dev, st_ino): one folder or file, however its path is spelled
+
+
+def _identity(path: Path) -> Identity | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _lineage(path: Path) -> list[Identity]:
+    """Identities of path (if it exists) and of every existing folder above it, nearest first."""
+    resolved = path.resolve()
+    found = [_identity(p) for p in (resolved, *resolved.parents)]
+    return [i for i in found if i is not None]
+
+
 def check_output(out_dir: str | Path, *, inputs: Iterable[str | Path | None] = (), overwrite: bool = False) -> Path:
     """Raise (ValueError, FileExistsError) if writing a package to out_dir could lose anything."""
     out = Path(out_dir)
     if not str(out_dir) or "\x00" in str(out_dir):
         raise ValueError(f"the output folder must be a path, got {str(out_dir)!r}")
+    try:
+        os.lstat(out)
+    except OSError as e:  # not there is the usual case; a name too long, a parent that is a file is not
+        if not isinstance(e, FileNotFoundError):
+            raise ValueError(f"the output {str(out)[:300]} cannot be used: {e.strerror or e}") from None
     if out.is_symlink():
         raise ValueError(f"the output {out} is a symlink; give the real folder's path (a symlink is never replaced)")
     if out.exists() and not out.is_dir():
         raise ValueError(f"the output {out} exists and is not a folder; a package is written as a new folder")
-    target = out.resolve()
-    cwd = Path.cwd().resolve()
-    if target == cwd or target in cwd.parents:
+    out_lineage = _lineage(out)
+    out_identity = _identity(out)  # None when it does not exist yet
+    if out_identity is not None and out_identity in _lineage(Path.cwd()):
         raise ValueError(f"the output {out} is the current directory or a parent of it; give a new folder's path")
+    target = out.resolve()
     for given in inputs:
         if given is None:
             continue
         source = Path(given).resolve()
-        if target == source:
-            raise ValueError(f"the output folder must differ from the input {given}")
-        if target in source.parents:
-            raise ValueError(f"the output {out} contains the input {given}; give a folder outside it")
-        if source in target.parents:
-            raise ValueError(f"the output {out} lies inside the input {given}; give a folder outside it")
+        source_identity, source_lineage = _identity(source), _lineage(source)
+        # by path first (that also covers an input that does not exist yet), then by identity: another spelling
+        plain = source == target or target in source.parents or source in target.parents
+        another = "" if plain else " (by another path: a bind mount or a symlink)"
+        if target == source or (out_identity is not None and out_identity == source_identity):
+            raise ValueError(f"the output folder must differ from the input {given}{another}")
+        if target in source.parents or (out_identity is not None and out_identity in source_lineage):
+            raise ValueError(f"the output {out} contains the input {given}{another}; give a folder outside it")
+        if source in target.parents or (source_identity is not None and source_identity in out_lineage):
+            raise ValueError(f"the output {out} lies inside the input {given}{another}; give a folder outside it")
+        if out_identity is not None and source.is_file():  # a hard link to the input inside the old package
+            for entry in os.scandir(out):
+                if _identity(Path(entry.path)) == source_identity:
+                    raise ValueError(
+                        f"the output {out} holds {entry.name}, a hard link to the input {given}; "
+                        "give a folder that does not hold the input"
+                    )
     if not out.is_dir():
         return out
     if any(out.iterdir()):
@@ -109,6 +156,81 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(error, os.strerror(error), str(b))
 
 
+def _start_time(pid: int) -> int | None:
+    """When process pid started (clock ticks since boot, /proc/PID/stat field 22), or None where there is no
+    /proc; -1 for a zombie (dead, not yet reaped). Tells a live writer from a new process given its pid."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rpartition(")")[2].split()
+        return -1 if fields[0] == "Z" else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _owner(output: str) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid()), "output": output}
+
+
+def _writer_is_gone(owner: object) -> bool:
+    """Whether the run an owner record names is certainly dead: same host, and its pid is no process, a
+    zombie, or a process that started at another time (the pid was reused). Anything unclear: not gone."""
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
+        return False  # another machine's writer (a shared folder) cannot be checked from here
+    pid, started = owner.get("pid"), owner.get("started")
+    if type(pid) is not int or not 0 < pid < 2**31 or not (started is None or type(started) is int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: a live process of another user
+        return False
+    now = _start_time(pid)
+    return now == -1 or (started is not None and now is not None and now != started)
+
+
+def remove_stale_staging(parent: Path) -> list[str]:
+    """Remove the staging folders in parent that runs killed with SIGKILL left behind (see the module
+    docstring); returns their names. Only folders named STAGING_PREFIX... holding an OWNER_FILE are looked at."""
+    removed = []
+    try:
+        entries = [e for e in os.scandir(parent) if e.name.startswith(STAGING_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        owner_path = Path(entry.path) / OWNER_FILE
+        try:
+            if not entry.is_dir(follow_symlinks=False) or not stat.S_ISREG(os.lstat(owner_path).st_mode):
+                continue
+            if os.lstat(owner_path).st_size > 4096:
+                continue
+            owner = json.loads(owner_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            continue  # no record (yet: a writer that just made its folder), or not one of ours
+        if _writer_is_gone(owner) and _restore_old(parent, Path(entry.path), owner.get("output")):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def _restore_old(parent: Path, staging: Path, output: object) -> bool:
+    """Where the OS cannot swap atomically, a run killed between its two renames leaves the old package in
+    `staging/old` and no output: put it back rather than delete the only copy. False when it cannot be put
+    back: then the folder is kept."""
+    old = staging / "old"
+    if not old.is_dir() or old.is_symlink():
+        return True
+    valid = isinstance(output, str) and output not in ("", ".", "..") and "/" not in output and os.sep not in output
+    if not valid:
+        return False
+    if os.path.lexists(parent / output):  # killed after the second rename: the new package is in place
+        return True
+    try:
+        old.rename(parent / output)
+    except OSError:
+        return False
+    return True
+
+
 class _Terminated(SystemExit):
     """Raised from a SIGTERM/SIGHUP handler so the staging folder is removed on the way out."""
 
@@ -132,8 +254,16 @@ class StagedOutput:
             for number in _SIGNALS:
                 self._handlers[number] = signal.signal(number, self._terminate)
         parent.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{self.out_dir.name}-", dir=self.out_dir.parent))
-        return self.path
+        remove_stale_staging(self.out_dir.parent)
+        # a short name (STAGING_PREFIX + 8 characters) fits wherever the output's name does
+        self.path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.out_dir.parent))
+        try:  # a signal here would skip __exit__
+            (self.path / OWNER_FILE).write_text(json.dumps(_owner(self.out_dir.name)), encoding="utf-8")
+            (self.path / STAGED_PACKAGE).mkdir()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self.path / STAGED_PACKAGE
 
     def _terminate(self, number, frame) -> None:
         raise _Terminated(128 + number)
@@ -156,22 +286,21 @@ class StagedOutput:
 
     def _commit(self) -> None:
         assert self.path is not None
-        self.path.chmod(0o755)  # mkdtemp makes it private; a package is an ordinary folder
+        package = self.path / STAGED_PACKAGE
         check_output(self.out_dir, inputs=self.inputs, overwrite=self.overwrite)  # again: it may have changed
         if not self.out_dir.exists():
-            self.path.rename(self.out_dir)
+            package.rename(self.out_dir)
             return
         if not any(self.out_dir.iterdir()):
             os.rmdir(self.out_dir)
-            self.path.rename(self.out_dir)
+            package.rename(self.out_dir)
             return
-        if not _exchange(self.path, self.out_dir):  # then two renames, the old package aside first
-            old = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{self.out_dir.name}-old-", dir=self.out_dir.parent))
-            self.out_dir.rename(old / "package")
+        if not _exchange(package, self.out_dir):  # then two renames, the old package aside first
+            old = self.path / "old"
+            self.out_dir.rename(old)
             try:
-                self.path.rename(self.out_dir)
+                package.rename(self.out_dir)
             except BaseException:
-                (old / "package").rename(self.out_dir)
+                old.rename(self.out_dir)
                 raise
-            shutil.rmtree(old, ignore_errors=True)
-        # self.path now holds the old package; __exit__ removes it
+        # the staging folder now holds the old package; __exit__ removes it

@@ -36,6 +36,7 @@ from .contract import (
     token_list,
 )
 from .errors import PackageError, PackageNotFoundError
+from .files import kind_of
 
 HF_CONFIG_FILE = "config.json"
 
@@ -133,35 +134,43 @@ def _from_genai(folder: Path, config: dict) -> PackageSpec:
     inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
     if not isinstance(inputs, dict) or not isinstance(outputs, dict):
         raise PackageError(f"{where}: model.decoder.inputs and .outputs must be objects")
-    n_head = integer(decoder, "num_attention_heads", where, minimum=1)
+    # messages name the object a key is in: "genai_config.json model.decoder: num_attention_heads ..."
+    in_model, in_decoder = f"{where} model", f"{where} model.decoder"
+    in_inputs, in_outputs = f"{in_decoder}.inputs", f"{in_decoder}.outputs"
+    n_head = integer(decoder, "num_attention_heads", in_decoder, minimum=1)
     n_kv_head = (
-        integer(decoder, "num_key_value_heads", where, minimum=1) if "num_key_value_heads" in decoder else n_head
+        integer(decoder, "num_key_value_heads", in_decoder, minimum=1) if "num_key_value_heads" in decoder else n_head
     )
     if n_head % n_kv_head:
-        raise PackageError(f"{where}: num_attention_heads ({n_head}) must be a multiple of num_key_value_heads")
-    head_dim = decoder.get("head_size") or integer(decoder, "hidden_size", where, minimum=1) // n_head
-    eos = token_list(model.get("eos_token_id"), where)
+        raise PackageError(
+            f"{in_decoder}: num_attention_heads ({n_head}) must be a multiple of num_key_value_heads ({n_kv_head})"
+        )
+    if decoder.get("head_size") is not None:
+        head_dim = integer(decoder, "head_size", in_decoder, minimum=1)
+    else:  # derived from hidden_size: an error names the key the file has
+        head_dim = integer(decoder, "hidden_size", in_decoder, minimum=n_head) // n_head
+    eos = token_list(model.get("eos_token_id"), in_model)
     pad = optional_id(model.get("pad_token_id"))
     search = config.get("search")
     shared = isinstance(search, dict) and search.get("past_present_share_buffer") is True
     arch = Architecture(
         type=str(model.get("type", "")),
-        vocab_size=integer(model, "vocab_size", where, minimum=1),
-        context_length=integer(model, "context_length", where, minimum=1),
-        n_layer=integer(decoder, "num_hidden_layers", where, minimum=1),
+        vocab_size=integer(model, "vocab_size", in_model, minimum=1),
+        context_length=integer(model, "context_length", in_model, minimum=1),
+        n_layer=integer(decoder, "num_hidden_layers", in_decoder, minimum=1),
         n_head=n_head,
         n_kv_head=n_kv_head,
-        head_dim=integer({"head_size": head_dim}, "head_size", where, minimum=1),
+        head_dim=head_dim,
     )
     io = IONames(
-        input_ids=io_name(inputs, "input_ids", "input_ids", where),
-        attention_mask=io_name(inputs, "attention_mask", "attention_mask", where),
-        position_ids=io_name(inputs, "position_ids", "position_ids", where, optional=True),
-        logits=io_name(outputs, "logits", "logits", where),
-        past_key=io_name(inputs, "past_key_names", IONames.past_key, where, per_layer=True),
-        past_value=io_name(inputs, "past_value_names", IONames.past_value, where, per_layer=True),
-        present_key=io_name(outputs, "present_key_names", IONames.present_key, where, per_layer=True),
-        present_value=io_name(outputs, "present_value_names", IONames.present_value, where, per_layer=True),
+        input_ids=io_name(inputs, "input_ids", "input_ids", in_inputs),
+        attention_mask=io_name(inputs, "attention_mask", "attention_mask", in_inputs),
+        position_ids=io_name(inputs, "position_ids", "position_ids", in_inputs, optional=True),
+        logits=io_name(outputs, "logits", "logits", in_outputs),
+        past_key=io_name(inputs, "past_key_names", IONames.past_key, in_inputs, per_layer=True),
+        past_value=io_name(inputs, "past_value_names", IONames.past_value, in_inputs, per_layer=True),
+        present_key=io_name(outputs, "present_key_names", IONames.present_key, in_outputs, per_layer=True),
+        present_value=io_name(outputs, "present_value_names", IONames.present_value, in_outputs, per_layer=True),
         kv_cache="shared_buffer" if shared else "concat",
     )
     tokens = Tokens(
@@ -347,21 +356,39 @@ def _length_delimited(buf: memoryview, start: int, end: int):
         raise _Malformed
 
 
-def external_data_locations(model_path: Path) -> list[str]:
-    """The external-data locations model.onnx names, from every tensor at any depth of the graph."""
+@dataclass
+class ExternalData:
+    """One tensor's bytes in another file: TensorProto.external_data's location, offset and length."""
+
+    tensor: str
+    location: str
+    offset: str | None  # as written (a decimal string); None when absent (0)
+    length: str | None  # None when absent (to the end of the file)
+
+
+def external_data(model_path: Path) -> list[ExternalData]:
+    """Every tensor of model.onnx that keeps its bytes in another file, at any depth of the graph."""
     if model_path.stat().st_size == 0:
         return []  # ONNX Runtime refuses an empty file itself
-    locations = []
+    found = []
     with open(model_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         with memoryview(mapped) as buf:
             try:
                 stack = [("ModelProto", 0, len(buf))]  # a stack, not recursion: subgraphs nest arbitrarily deep
                 while stack:
                     message, start, end = stack.pop()
-                    if message == "StringStringEntryProto":
-                        entry = {number: bytes(buf[s:e]) for number, s, e in _length_delimited(buf, start, end)}
-                        if entry.get(1) == b"location":
-                            locations.append(entry.get(2, b"").decode("utf-8"))
+                    if message == "TensorProto":  # name (8) and external_data (13) entries: key (1), value (2)
+                        name, entries = "", {}
+                        for number, s, e in _length_delimited(buf, start, end):
+                            if number == 8:
+                                name = bytes(buf[s:e]).decode("utf-8")
+                            elif number == 13:
+                                entry = {n: bytes(buf[a:b]) for n, a, b in _length_delimited(buf, s, e)}
+                                entries[entry.get(1, b"").decode("utf-8")] = entry.get(2, b"").decode("utf-8")
+                        if "location" in entries:
+                            found.append(
+                                ExternalData(name, entries["location"], entries.get("offset"), entries.get("length"))
+                            )
                         continue
                     children = _ONNX_PATHS[message]
                     for number, s, e in _length_delimited(buf, start, end):
@@ -369,7 +396,41 @@ def external_data_locations(model_path: Path) -> list[str]:
                             stack.append((children[number], s, e))
             except (_Malformed, UnicodeDecodeError):
                 raise PackageError(f"{model_path.name} is not a valid ONNX file (corrupt or truncated)") from None
-    return locations
+    return found
+
+
+def external_data_locations(model_path: Path) -> list[str]:
+    """The external-data locations model.onnx names, from every tensor at any depth of the graph."""
+    return [entry.location for entry in external_data(model_path)]
+
+
+def _check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str, Path]) -> None:
+    """Each tensor's byte range must be a number inside its file, and no two may overlap: ONNX Runtime reads
+    whatever range it is given, and a file edgelm (or any ONNX saver) writes never shares bytes between tensors.
+    A range without a length (ONNX Runtime then takes the tensor's own size) is checked for its offset only."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for entry in entries:
+        size = files[entry.location].stat().st_size
+        where = f"tensor {entry.tensor!r} in {model_path.name}"
+        try:
+            offset = int(entry.offset) if entry.offset is not None else 0
+            length = int(entry.length) if entry.length is not None else 0
+        except ValueError:
+            raise PackageError(f"{where}: external data offset/length must be integers") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise PackageError(
+                f"{where}: external data bytes {offset}..{offset + length} lie outside {entry.location} ({size} bytes)"
+            )
+        if length:
+            by_file.setdefault(entry.location, []).append((offset, offset + length, entry.tensor))
+    for location, ranges in by_file.items():
+        ranges.sort()
+        for (_, end, first), (start, _, second) in zip(ranges, ranges[1:], strict=False):
+            if start < end:
+                raise PackageError(
+                    f"tensors {first!r} and {second!r} in {model_path.name} overlap in {location} from byte "
+                    f"{start}; each tensor must have bytes of its own (a corrupt or crafted model file)"
+                )
 
 
 def _check_listed(folder: Path, manifest: Manifest, paths: list[Path]) -> None:
@@ -436,12 +497,13 @@ def _check_files(folder: Path, spec: PackageSpec, *, verify: bool) -> PackageSpe
     for token in [*tokens.eos_token_ids, tokens.pad_token_id, tokens.bos_token_id]:
         if token is not None and not 0 <= token < vocab_size:
             raise PackageError(f"special token id {token} is outside the vocabulary (size {vocab_size})")
-    external = [
-        inside(spec.model_path.parent, location, f"external data location in {spec.model_path.name}")
-        for location in external_data_locations(spec.model_path)
-    ]
+    entries = external_data(spec.model_path)
+    what = f"external data location in {spec.model_path.name}"
+    files = {entry.location: inside(spec.model_path.parent, entry.location, what) for entry in entries}
+    external = list(dict.fromkeys(files.values()))
     for path in external:
         regular_file(path, f"external data of {spec.model_path.name}")
+    _check_ranges(spec.model_path, entries, files)
     if verify:
         optional = [p for p in (spec.tokenizer_path, spec.chat_template_path) if p is not None]
         read = [spec.model_path, *external, *optional]
@@ -465,10 +527,11 @@ def _unsigned_reason(folder: Path, manifest_path: Path) -> str:
 
 def regular_file(path: Path, what: str) -> None:
     """Refuse anything but a regular file before it is opened: a FIFO or a device would block or never end."""
-    if not path.exists():
+    kind = kind_of(path)
+    if kind is None:
         raise PackageNotFoundError(f"{what} {path.name} is missing from {path.parent}")
-    if not path.is_file():
-        raise PackageError(f"{what} {path.name} is not a regular file (a folder, pipe or device)")
+    if kind != "a regular file":
+        raise PackageError(f"{what} {path.name} is {kind}, not a regular file")
 
 
 def list_files(folder: Path) -> dict:

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .contract import GENAI_CONFIG_FILE, MANIFEST_FILE
 from .errors import PackageError, ProviderError
-from .package import PackageSpec
+from .package import HF_CONFIG_FILE, PackageSpec
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # cache and logits types
@@ -69,42 +70,43 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
     """The graph's inputs and outputs against the package description."""
     arch, io = spec.arch, spec.io
     name = spec.model_path.name
+    described = {"edgelm": MANIFEST_FILE, "genai": GENAI_CONFIG_FILE}.get(spec.kind, HF_CONFIG_FILE)  # the JSON
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
     if 2 * arch.n_layer > len(inputs):  # before building 2 * n_layer names: n_layer may be huge
-        raise PackageError(f"the package says {arch.n_layer} layers, but {name} has only {len(inputs)} inputs")
+        raise PackageError(f"{described} says {arch.n_layer} layers, but {name} has only {len(inputs)} inputs")
     past, present = io.past_names(arch.n_layer), io.present_names(arch.n_layer)
     needed_in = [io.input_ids, io.attention_mask, *past]
     needed_out = [io.logits, *present]
     missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
     if missing:
         raise PackageError(
-            f"{name} does not match its package description: no I/O named "
+            f"{name} does not match {described}: no I/O named "
             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
         )
     uses_position_ids = io.position_ids is not None and io.position_ids in inputs
     if io.logits_to_keep and io.logits_to_keep not in inputs:
         overridable = {i.name for i in session.get_overridable_initializers()}
         if io.logits_to_keep not in overridable:
-            raise PackageError(f"{name} has no input {io.logits_to_keep}, which the package names logits_to_keep")
+            raise PackageError(f"{name} has no input {io.logits_to_keep}, which {described} names logits_to_keep")
     bound = needed_in + ([io.position_ids] if uses_position_ids else [])
     if len(set(bound)) < len(bound) or len(set(needed_out)) < len(needed_out):
-        raise PackageError(f"the package description gives two of {name}'s inputs or outputs the same name")
+        raise PackageError(f"{described} gives two of {name}'s inputs or outputs the same name")
     unbound = sorted(set(inputs) - set(bound))
     if unbound:
-        raise PackageError(f"{name} has inputs the package description does not name: {', '.join(unbound[:3])}")
+        raise PackageError(f"{name} has inputs {described} does not name: {', '.join(unbound[:3])}")
     # fixed axes must agree with the JSON: caches (B, n_kv_head, T, head_dim), logits (B, T, vocab)
     agrees = lambda dim, expected: not isinstance(dim, int) or dim == expected  # a symbolic axis always does
     for n in past + present:
         shape = inputs[n].shape if n in inputs else outputs[n].shape
         if len(shape) != 4 or not (agrees(shape[1], arch.n_kv_head) and agrees(shape[3], arch.head_dim)):
             raise PackageError(
-                f"{n} in {name} has shape {shape}; the package says (batch, {arch.n_kv_head}, length, {arch.head_dim})"
+                f"{n} in {name} has shape {shape}; {described} says (batch, {arch.n_kv_head}, length, {arch.head_dim})"
             )
     shape = outputs[io.logits].shape
     if len(shape) != 3 or not agrees(shape[2], arch.vocab_size):
         raise PackageError(
-            f"{io.logits} in {name} has shape {shape}; the package says (batch, length, {arch.vocab_size})"
+            f"{io.logits} in {name} has shape {shape}; {described} says (batch, length, {arch.vocab_size})"
         )
     logits_dtype = _ORT_TYPES.get(outputs[io.logits].type)
     if logits_dtype is None:

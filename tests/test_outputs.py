@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
@@ -52,7 +52,8 @@ def write_fake_package(folder: Path, payload: bytes, *, extra: bool = False) -> 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.onnx").write_bytes(payload)
     (folder / "tokenizer.json").write_text('{"fake": true}')
-    write_json(folder / MANIFEST_FILE, {"format": MANIFEST_FORMAT, "files": list_files(folder)})
+    listed = {k: v for k, v in list_files(folder).items() if k in ("model.onnx", "tokenizer.json")}  # not a user's
+    write_json(folder / MANIFEST_FILE, {"format": MANIFEST_FORMAT, "files": listed})
     if extra:
         (folder / "notes.txt").write_text("the user's own notes")
 
@@ -107,6 +108,7 @@ OUTPUTS = [
     bystanders=st.lists(st.sampled_from(["", "a", "a/b", "in", "in/sub", "pkg"]), max_size=4),
     payload=st.binary(min_size=1, max_size=64),
 )
+@example(output="old-package", overwrite=True, fail_at=None, bystanders=["pkg"], payload=b"x")  # a user's file in it
 def test_writing_an_output_never_loses_anything(output, overwrite, fail_at, bystanders, payload):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -174,7 +176,10 @@ def test_writing_an_output_never_loses_anything(output, overwrite, fail_at, byst
         for key, value in before.items():
             if key.startswith("in") or "bystander" in key or key.startswith("real"):
                 assert after.get(key) == value, (key, outcome)
-        safe = output in ("new", "new-nested", "empty-folder", "old-package")
+        # a user's file inside the old package (one its manifest does not list) makes it unsafe to replace
+        safe = output in ("new", "new-nested", "empty-folder", "old-package") and not (
+            output == "old-package" and "pkg" in bystanders
+        )
         if outcome == "refused":
             assert after == before
             assert not safe or not overwrite and output in ("empty-folder", "old-package"), (output, overwrite)
