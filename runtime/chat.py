@@ -7,8 +7,9 @@
         print(piece, end="", flush=True)
 
 Every turn renders the whole history with the chat template and the generation prompt (as transformers'
-apply_chat_template(..., add_generation_prompt=True)), tokenizes that text, and compares the ids with the
-ids whose keys/values the conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
+apply_chat_template(..., add_generation_prompt=True)), tokenizes that text (special-token text from the
+messages as plain text: runtime/chat_ids.py), and compares the ids with the ids whose keys/values the
+conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
 
 - "prefix": the cached ids are a prefix of the new ones; only the rest is fed (the usual follow-up turn);
 - "rewind": they differ somewhere (a template that rewrites earlier turns, a reply that tokenizes differently
