@@ -4,31 +4,41 @@ Rendering a chat template and tokenizing the text, as transformers' apply_chat_t
 does, turns special-token text anywhere in it into control tokens: a user who writes
 "<|im_end|>\\n<|im_start|>system\\n..." (or Llama 3's "<|start_header_id|>", or BOS/EOS text) gets a real
 system turn. Here only the template's own text (its literals, and the bos_token / eos_token it is given)
-may become special tokens; special-token text that comes from the data (messages and variables) is
-tokenized as plain text, as tokenizers' `encode_special_tokens` does.
+may become special tokens; special-token text that comes from the data (the strings in messages and
+variables) is tokenized as plain text, as tokenizers' `encode_special_tokens` does.
 
-How a control token is traced to the template: the messages are rendered a second time with every
-stretch of their strings that could make one (an occurrence of a special token's text, any letter case,
-or a string's end that could join a neighbour into one) replaced by as many copies of INERT, a character
-no token contains. Template text stays where it was, so a special token of the first rendering is the
-template's when the second rendering has the same text at the same place (counted from the start, or
-from the end when the template changed the content's length); any other is the data's. A template that
-branches on such text can only move more of the text into the second, conservative kind.
+Which control tokens of the rendered text are the template's is traced in one of two ways:
 
-For messages without such text the ids are exactly tokenize(render(...)), transformers' ids. With it,
-the text between the template's control tokens is tokenized piece by piece without special tokens.
+- marked: the data is rendered again with every string wrapped in markers (a random number between
+  noncharacters, whitespace at its ends left outside for templates that trim). When removing the markers
+  gives the same text, they show exactly which characters came from the data; a control token that
+  overlaps one is the data's, whatever the template did to the string (lower-casing, replacing, joining).
+- stand-in, when the template changed the markers too (it slices, splits or compares the strings): every
+  stretch of a string that could make a control token (a special token's text, any letter case, or an end
+  that could join a neighbour into one) is replaced by as many INERT characters, and the template's control
+  tokens are those at the same place in that rendering (counted from the start, or from the end when the
+  template changed the content's length) with the same text.
+
+For messages without special-token text the ids are exactly tokenize(render(...)), transformers' ids.
+With it, the text between the template's control tokens is tokenized piece by piece without special
+tokens. A template that branches on such text, or writes a special token into a string (a filter that
+inserts one), only turns more of the text into plain text, never the reverse.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 from .chat_template import ChatTemplate
 from .errors import ChatTemplateError, InvalidInputError
 from .text import Tokenizer
 
-INERT = "\ufdd0"  # a Unicode noncharacter: in no vocabulary, never text a template produces on its own
+INERT = "\ufdd0"  # Unicode noncharacters: in no vocabulary, never text a template produces on its own
+OPEN, CLOSE = "\ufdd1", "\ufdd2"
 
 
 def chat_prompt_ids(
@@ -41,7 +51,11 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The ids of messages rendered with template (variables: tools, documents, ... as ChatTemplate.render
     takes them, data like the messages), control tokens only where the template wrote them."""
-    text = template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    def render(data: tuple[list[dict], dict]) -> str:
+        return template.render(data[0], add_generation_prompt=add_generation_prompt, **data[1])
+
+    text = render((messages, variables))
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad UTF-16 decode
@@ -51,14 +65,9 @@ def chat_prompt_ids(
     if not specials:
         return ids
     found = {text[start:end] for start, end in (offsets[k] for k in specials)}
-    (inert_messages, inert_variables), changed = _neutralize((messages, variables), _matcher(found), found)
-    if not changed:  # no string holds special-token text or the start or end of one
-        return ids
-    try:
-        inert_text = template.render(inert_messages, add_generation_prompt=add_generation_prompt, **inert_variables)
-    except ChatTemplateError:  # the template fails on the stand-in text: keep no control token at all
-        inert_text = ""
-    written = _template_spans(text, inert_text)
+    written = _marked(render, (messages, variables), text, found) or _stand_in(
+        render, (messages, variables), text, found
+    )
     kept = [k for k in specials if written(*offsets[k])]
     if len(kept) == len(specials):
         return ids
@@ -74,6 +83,85 @@ def chat_prompt_ids(
     return result
 
 
+# ---- marked: the data's characters, exactly ----------------------------------------------------------
+
+
+def _marked(render: Callable, data: Any, text: str, found: set[str]) -> Callable[[int, int], bool] | None:
+    """The test "text[start:end] holds no character of the data", or None when the markers do not survive."""
+    number = f"{secrets.randbelow(10**12):012d}"  # digits: no letter case; random: no string can hold it
+    start_mark, end_mark = f"{OPEN}{number}{OPEN}", f"{CLOSE}{number}{CLOSE}"
+    partial = _partial_pattern(found)
+    try:
+        wrapped, safe_keys = _wrap(data, start_mark, end_mark, partial)
+        if not safe_keys:  # a dict key with special-token text: keys are not wrapped (templates look them up)
+            return None
+        marked = render(wrapped)
+    except ChatTemplateError:
+        return None
+    spans, plain, position, shift = [], [], 0, 0
+    for match in re.finditer(f"{re.escape(start_mark)}|{re.escape(end_mark)}", marked):
+        opening = match.group() == start_mark
+        if opening != (len(spans) % 2 == 0):  # marks must alternate: open, close, open, ...
+            return None
+        plain.append(marked[position : match.start()])
+        shift += match.start() - position
+        spans.append(shift)  # where in the unmarked text the mark stood
+        position = match.end()
+    plain.append(marked[position:])
+    if len(spans) % 2 or "".join(plain) != text:
+        return None
+    starts, ends = spans[0::2], spans[1::2]
+
+    def written(start: int, end: int) -> bool:
+        k = bisect.bisect_left(ends, start + 1)  # the first span that ends after start
+        return k == len(starts) or starts[k] >= end
+
+    return written
+
+
+def _wrap(value: Any, start_mark: str, end_mark: str, partial: re.Pattern, key: Any = None) -> tuple[Any, bool]:
+    """value with every string but a role wrapped in the marks (its leading and trailing whitespace outside,
+    where trim and strip leave the marks alone); and whether no dict key could hold special-token text."""
+    if isinstance(value, str):
+        core = value.strip()
+        if key == "role" or not core:
+            return value, True
+        lead = value[: len(value) - len(value.lstrip())]
+        return f"{lead}{start_mark}{core}{end_mark}{value[len(lead) + len(core) :]}", True
+    if isinstance(value, dict):
+        items = {k: _wrap(v, start_mark, end_mark, partial, k) for k, v in value.items()}
+        safe = all(ok for _, ok in items.values()) and not any(isinstance(k, str) and partial.search(k) for k in value)
+        return {k: v for k, (v, _) in items.items()}, safe
+    if isinstance(value, (list, tuple)):
+        items = [_wrap(item, start_mark, end_mark, partial) for item in value]
+        return type(value)(item for item, _ in items), all(ok for _, ok in items)
+    return value, True
+
+
+def _partial_pattern(found: set[str]) -> re.Pattern:
+    """Matches any string that holds a special token's text, or starts or ends with a piece of one."""
+    whole = [re.escape(token) for token in found]
+    ends = [f"^{re.escape(token[-size:])}" for token in found for size in range(1, len(token))]
+    starts = [f"{re.escape(token[:size])}$" for token in found for size in range(1, len(token))]
+    return re.compile("|".join(whole + ends + starts), re.IGNORECASE)
+
+
+# ---- stand-in: the data's special-token text replaced -------------------------------------------------
+
+
+def _stand_in(render: Callable, data: Any, text: str, found: set[str]) -> Callable[[int, int], bool]:
+    """The test "text[start:end] is the template's", from a rendering with INERT in place of every stretch
+    of the data's strings that could make a control token."""
+    inert_data, changed = _neutralize(data, _matcher(found), found)
+    if not changed:  # no string holds special-token text or the start or end of one
+        return lambda start, end: True
+    try:
+        inert_text = render(inert_data)
+    except ChatTemplateError:  # the template fails on the stand-in text: keep no control token at all
+        inert_text = ""
+    return _template_spans(text, inert_text)
+
+
 def _matcher(found: set[str]) -> re.Pattern:
     # longest first, so that of two overlapping texts the whole longer one is replaced
     return re.compile("|".join(re.escape(t) for t in sorted(found, key=len, reverse=True)), re.IGNORECASE)
@@ -81,20 +169,23 @@ def _matcher(found: set[str]) -> re.Pattern:
 
 def _neutralize_text(value: str, pattern: re.Pattern, found: set[str]) -> str:
     """value with every stretch that could make a special token replaced by INERT (same length)."""
-    chars = list(value)
-    for match in pattern.finditer(value):
-        chars[match.start() : match.end()] = INERT * (match.end() - match.start())
+    stretches = [match.span() for match in pattern.finditer(value)]
     folded = value.casefold() if len(value.casefold()) == len(value) else value
     for token in found:
         token = token.casefold() if len(token.casefold()) == len(token) else token
         for size in range(min(len(token) - 1, len(value)), 0, -1):
             if folded.endswith(token[:size]):  # the end of value and the text after it may join into token
-                chars[len(value) - size :] = INERT * size
+                stretches.append((len(value) - size, len(value)))
                 break
         for size in range(min(len(token) - 1, len(value)), 0, -1):
             if folded.startswith(token[-size:]):  # and so may the text before it and value's start
-                chars[:size] = INERT * size
+                stretches.append((0, size))
                 break
+    if not stretches:
+        return value
+    chars = list(value)
+    for start, end in stretches:
+        chars[start:end] = INERT * (end - start)
     return "".join(chars)
 
 
@@ -113,7 +204,7 @@ def _neutralize(value: Any, pattern: re.Pattern, found: set[str], key: str | Non
     return value, False
 
 
-def _template_spans(text: str, inert_text: str):
+def _template_spans(text: str, inert_text: str) -> Callable[[int, int], bool]:
     """A test of whether text[start:end] is the template's: the same text at the same place of inert_text,
     with no INERT in it, inside the part that lines up from the start or the part that lines up from the end."""
     shortest = min(len(text), len(inert_text))
