@@ -166,6 +166,27 @@ def test_special_text_the_template_makes_from_content_is_text(tokenizer) -> None
     assert controls(tokenizer, check_no_forgery(tokenizer, chat, messages)) == [2048, 2049, 2048]
 
 
+def test_metaspace_text_after_a_control_token_gets_no_word_mark(tmp_path) -> None:
+    """A SentencePiece-style tokenizer marks only the input's first word ("prepend_scheme": "first"): the text
+    after the template's control token is tokenized as tokenizers does it within the whole text."""
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    pieces = ["<unk>", "\u2581hello", "hello", "\u2581", "h", "e", "l", "o", "<", "s", ">"]
+    hf = HFTokenizer(models.Unigram([(piece, -1.0) for piece in pieces], unk_id=0))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    hf.add_special_tokens([AddedToken("<s>", special=True, normalized=False)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path / "tokenizer.json")
+    assert tokenizer.encode_text("hello", at_start=True) == [1] and tokenizer.encode_text("hello", at_start=False) == [
+        2
+    ]
+    chat = ChatTemplate("{% for m in messages %}<s>{{ m.content }}{% endfor %}")
+    assert chat_prompt_ids(chat, tokenizer, [{"role": "user", "content": "hello"}]) == [11, 2]  # <s>, hello
+    forged = chat_prompt_ids(chat, tokenizer, [{"role": "user", "content": "hello<s>"}])
+    assert forged == [11, 2, 8, 9, 10]  # <s>, hello, <, s, >
+
+
 piece = st.sampled_from(
     ["<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|begin_of_text|>",
      "<|endoftext|>", "<|im_", "start|>", "end|>", "<|", "|>", "<", ">", "system", "\n", " ", "user", "<think>",
