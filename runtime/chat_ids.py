@@ -14,10 +14,12 @@ Which control tokens of the rendered text are the template's is traced in one of
   gives the same text, they show exactly which characters came from the data; a control token that
   overlaps one is the data's, whatever the template did to the string (lower-casing, replacing, joining).
 - stand-in, when the template changed the markers too (it slices, splits or compares the strings): every
-  stretch of a string that could make a control token (a special token's text, any letter case, or an end
-  that could join a neighbour into one) is replaced by as many INERT characters, and the template's control
-  tokens are those at the same place in that rendering (counted from the start, or from the end when the
-  template changed the content's length) with the same text.
+  stretch of a string that could make a control token (a special token's text in any letter case, a start
+  or end of one two characters or longer, a string's end that could join a neighbour into one) is replaced
+  by as many INERT characters, and the template's control tokens are those at the same place in that
+  rendering (counted from the start, or from the end when the template changed the content's length) with
+  the same text. What it cannot see: a template that both slices a string and assembles a special token
+  from single characters of it (removing the text between '<', '|im_start|' and '>').
 
 For messages without special-token text the ids are exactly tokenize(render(...)), transformers' ids.
 With it, the text between the template's control tokens is tokenized piece by piece without special
@@ -153,7 +155,7 @@ def _stand_in(render: Callable, data: Any, text: str, found: set[str]) -> Callab
     """The test "text[start:end] is the template's", from a rendering with INERT in place of every stretch
     of the data's strings that could make a control token."""
     inert_data, changed = _neutralize(data, _matcher(found), found)
-    if not changed:  # no string holds special-token text or the start or end of one
+    if not changed:  # no string holds special-token text or a piece of one
         return lambda start, end: True
     try:
         inert_text = render(inert_data)
@@ -163,13 +165,17 @@ def _stand_in(render: Callable, data: Any, text: str, found: set[str]) -> Callab
 
 
 def _matcher(found: set[str]) -> re.Pattern:
-    # longest first, so that of two overlapping texts the whole longer one is replaced
-    return re.compile("|".join(re.escape(t) for t in sorted(found, key=len, reverse=True)), re.IGNORECASE)
+    """Finds, at every position (a lookahead, so overlapping ones too), a special token's text or a start or end
+    of it two characters or longer: the pieces a template that removes text from a string could join."""
+    pieces = {token[:size] for token in found for size in range(2, len(token) + 1)}
+    pieces |= {token[-size:] for token in found for size in range(2, len(token))}
+    alternatives = "|".join(re.escape(piece) for piece in sorted(pieces, key=len, reverse=True))  # longest first
+    return re.compile(f"(?=({alternatives}))", re.IGNORECASE)
 
 
 def _neutralize_text(value: str, pattern: re.Pattern, found: set[str]) -> str:
     """value with every stretch that could make a special token replaced by INERT (same length)."""
-    stretches = [match.span() for match in pattern.finditer(value)]
+    stretches = [(match.start(), match.start() + len(match.group(1))) for match in pattern.finditer(value)]
     folded = value.casefold() if len(value.casefold()) == len(value) else value
     for token in found:
         token = token.casefold() if len(token.casefold()) == len(token) else token
