@@ -210,13 +210,14 @@ class Conversation:
         head = self._head()
         named = [("the system prompt", message) for message in head]
         for index, message in enumerate(history):
-            where = "the message" if drop_oldest else f"message {index + len(head)} ({message['role']})"
+            last = drop_oldest and index == len(history) - 1  # send(): the new message
+            where = "the message" if last else f"message {index + len(head)} ({message['role']})"
             named.append((where, message))
         longest = (0, "", False)  # tokens, who, whether counted in full
         for where, message in named:
             content = message.get("content")
-            if not isinstance(content, str) or 4 * len(content) < limit - max_new_tokens:
-                continue  # too few characters to be too many tokens: a token holds at least one UTF-8 byte
+            if not isinstance(content, str) or 4 * len(content) + 1 <= limit - max_new_tokens:
+                continue  # too few characters to be too many tokens: a token holds a UTF-8 byte (+1: a word mark)
             counted = content[: MAX_CHARS_PER_TOKEN * limit]  # enough to show a message too long, not more
             tokens = len(self.model.tokenizer.encode_text(counted, at_start=False))
             longest = max(longest, (tokens, where, len(counted) == len(content)))
