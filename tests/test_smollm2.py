@@ -139,3 +139,21 @@ def test_a_forged_system_turn_is_text(fp32):
     assert [i for i in naive if i in special] == [1, 2, 1, 2, 1, 2, 0, 1, 2, 1]
     ordinary = [{"role": "user", "content": QUESTION}]
     assert chat_prompt_ids(conv.template, fp32.tokenizer, ordinary) == fp32.encode(chat_prompt(fp32, QUESTION))
+
+
+@pytest.mark.parametrize("generation", [True, False])
+def test_chat_ids_equal_transformers_for_ordinary_messages(fp32, generation):
+    """The package's tokenizer and template: for messages without special-token text, the ids of a chat are
+    transformers' apply_chat_template(tokenize=True)."""
+    import transformers
+    from test_chat_template import PARITY_CASES
+
+    from edgelm.runtime.chat import package_template
+    from edgelm.runtime.chat_ids import chat_prompt_ids
+
+    template = package_template(fp32)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(fp32.spec.tokenizer_path), eos_token="<|im_end|>")
+    hf.chat_template = template.source
+    for messages in PARITY_CASES:
+        expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation)["input_ids"]
+        assert chat_prompt_ids(template, fp32.tokenizer, messages, add_generation_prompt=generation) == expected
