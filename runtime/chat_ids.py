@@ -35,7 +35,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from .chat_template import ChatTemplate
+from .chat_template import ROLES, ChatTemplate
 from .errors import ChatTemplateError, InvalidInputError
 from .text import Tokenizer
 
@@ -122,11 +122,11 @@ def _marked(render: Callable, data: Any, text: str, found: set[str]) -> Callable
 
 
 def _wrap(value: Any, start_mark: str, end_mark: str, partial: re.Pattern, key: Any = None) -> tuple[Any, bool]:
-    """value with every string but a role wrapped in the marks (its leading and trailing whitespace outside,
+    """value with every string but a message's role wrapped in the marks (its leading and trailing whitespace outside,
     where trim and strip leave the marks alone); and whether no dict key could hold special-token text."""
     if isinstance(value, str):
         core = value.strip()
-        if key == "role" or not core:
+        if (key == "role" and value in ROLES) or not core:  # the template compares roles: leave them as they are
             return value, True
         lead = value[: len(value) - len(value.lstrip())]
         return f"{lead}{start_mark}{core}{end_mark}{value[len(lead) + len(core) :]}", True
@@ -196,9 +196,9 @@ def _neutralize_text(value: str, pattern: re.Pattern, found: set[str]) -> str:
 
 
 def _neutralize(value: Any, pattern: re.Pattern, found: set[str], key: str | None = None) -> tuple[Any, bool]:
-    """A copy of value (messages: dicts, lists, strings) with every string but a role neutralized; and whether
+    """A copy of value (messages: dicts, lists, strings) with every string but a message's role neutralized; and whether
     anything changed."""
-    if isinstance(value, str) and key != "role":
+    if isinstance(value, str) and not (key == "role" and value in ROLES):
         new = _neutralize_text(value, pattern, found)
         return new, new != value
     if isinstance(value, dict):
