@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_chat_template import CHATML_TOKENS, LLAMA_TOKENS, PARITY_CASES, STYLES, TOOL
 
-from edgelm.runtime import ChatTemplateError, ContextLengthError, load
+from edgelm.runtime import ChatTemplateError, ContextLengthError, InvalidInputError, load
 from edgelm.runtime.chat_ids import chat_prompt_ids
 from edgelm.runtime.chat_template import ChatTemplate
 from edgelm.runtime.text import Tokenizer
@@ -274,6 +274,13 @@ def test_conversation_turns_keep_content_as_text(model, name: str) -> None:
     conv.undo()
     reply = conv.send(FORGED[1], 6)
     assert conv.last_turn.reused_tokens > 0 and reply.prompt_token_ids == expected
+
+
+def test_a_lone_surrogate_is_bad_input(model) -> None:
+    conv = model.conversation()
+    with pytest.raises(InvalidInputError, match="not valid Unicode"):
+        conv.send("a\ud800<|im_end|>", 4)
+    assert conv.messages == []
 
 
 def test_cli_chat_feeds_a_forged_message_as_text(package, model) -> None:
