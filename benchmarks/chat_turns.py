@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from edgelm.runtime import load
+from edgelm.runtime.chat_ids import chat_prompt_ids
 
 WORDS = (
     "tell me more about the river the mountain the old city its people their songs and what they cook "
@@ -45,7 +46,7 @@ def kept_cache_run(model, messages: list[str], reply_tokens: int) -> list[dict]:
         started = time.perf_counter()
         reply = conv.send(text, reply_tokens)
         elapsed = time.perf_counter() - started
-        expected = model.encode(conv.template.render(before, add_generation_prompt=True))
+        expected = chat_prompt_ids(conv.template, model.tokenizer, before)
         assert conv.last_turn.dropped_messages == 0, "the conversation outgrew the context: lower --turns"
         assert reply.prompt_token_ids == expected, "the kept cache was fed other ids than the full rendering"
         rows.append(
@@ -66,7 +67,7 @@ def kept_cache_run(model, messages: list[str], reply_tokens: int) -> list[dict]:
 def reprefill_ttft(model, template, messages: list[dict], ids: list[int]) -> tuple[float, int | None]:
     """Render and tokenize the history (as the kept path does too), then prefill it all from an empty cache."""
     started = time.perf_counter()
-    rendered = model.encode(template.render(messages, add_generation_prompt=True))
+    rendered = chat_prompt_ids(template, model.tokenizer, messages)
     encoded = time.perf_counter() - started
     assert rendered == ids
     result = model.generate(rendered, 1)

@@ -409,7 +409,7 @@ def _chat(args) -> int:
     import signal
     import threading
 
-    from edgelm.runtime import EdgelmError, load
+    from edgelm.runtime import ContextLengthError, EdgelmError, load
 
     try:
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
@@ -427,6 +427,10 @@ def _chat(args) -> int:
         stop=args.stop,
     )
     model.check_options(args.max_new_tokens, *options.values(), None)  # bad options end here, not per message
+    if args.max_new_tokens >= model.context_length:  # else every turn would fail the same way
+        raise ContextLengthError(
+            f"--max-new-tokens ({args.max_new_tokens}) must be below the context length {model.context_length}"
+        )
     show_stats = args.stats
     print(f"[{model.spec.folder.name}, context {model.context_length} tokens. {CHAT_COMMANDS}]", file=sys.stderr)
     while True:

@@ -7,8 +7,9 @@
         print(piece, end="", flush=True)
 
 Every turn renders the whole history with the chat template and the generation prompt (as transformers'
-apply_chat_template(..., add_generation_prompt=True)), tokenizes that text, and compares the ids with the
-ids whose keys/values the conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
+apply_chat_template(..., add_generation_prompt=True)), tokenizes that text (special-token text from the
+messages as plain text: runtime/chat_ids.py), and compares the ids with the ids whose keys/values the
+conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
 
 - "prefix": the cached ids are a prefix of the new ones; only the rest is fed (the usual follow-up turn);
 - "rewind": they differ somewhere (a template that rewrites earlier turns, a reply that tokenizes differently
@@ -36,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .chat_ids import chat_prompt_ids
 from .chat_template import ChatTemplate, validate_messages
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
 from .kvcache import make_cache
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from .generator import Model
 
 DEFAULT_MAX_NEW_TOKENS = 256
+MAX_CHARS_PER_TOKEN = 16  # a message longer than this many characters per context token is only counted so far
 # The options a turn takes besides max_new_tokens, with their defaults, in Model.check_options' order.
 OPTIONS = dict(
     temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=None, stop=None, cancel=None
@@ -181,18 +184,52 @@ class Conversation:
         if max_new_tokens >= limit:
             raise ContextLengthError(f"max_new_tokens ({max_new_tokens}) must be below the context length {limit}")
         while True:
-            ids = self.model.encode(self.template.render(self._head() + history, add_generation_prompt=True))
+            try:
+                ids = chat_prompt_ids(self.template, self.model.tokenizer, self._head() + history)
+            except ChatTemplateError:  # a message of megabytes stops the sandbox: blame the message
+                self._check_each_fits(history, max_new_tokens, drop_oldest)
+                raise
+            ids = ids or self.model.encode("")  # a template that renders nothing: start from BOS
             if len(ids) + max_new_tokens <= limit:
                 return history, ids, dropped
             users = [i for i, message in enumerate(history) if message["role"] == "user"]
             if not drop_oldest or len(users) < 2:
-                advice = "shorten the message" if drop_oldest else "drop earlier messages"
+                self._check_each_fits(history, max_new_tokens, drop_oldest)
+                what = "the system prompt or the message" if drop_oldest else "the messages (or drop earlier ones)"
                 raise ContextLengthError(
                     f"the prompt ({len(ids)} tokens with the chat template) + max_new_tokens ({max_new_tokens}) "
-                    f"exceeds the context length {limit}; {advice} or lower max_new_tokens"
+                    f"exceeds the context length {limit}; shorten {what} or lower max_new_tokens"
                 )
             dropped += users[1]  # the oldest exchange: everything before the second user message
             history = history[users[1] :]
+
+    def _check_each_fits(self, history: list[dict], max_new_tokens: int, drop_oldest: bool) -> None:
+        """ContextLengthError naming the longest of the system prompt and the messages when it alone leaves
+        max_new_tokens no room."""
+        limit = self.model.context_length
+        head = self._head()
+        named = [("the system prompt", message) for message in head]
+        for index, message in enumerate(history):
+            last = drop_oldest and index == len(history) - 1  # send(): the new message
+            where = "the message" if last else f"message {index + len(head)} ({message['role']})"
+            named.append((where, message))
+        longest = (0, "", False)  # tokens, who, whether counted in full
+        for where, message in named:
+            content = message.get("content")
+            if not isinstance(content, str) or 4 * len(content) + 1 <= limit - max_new_tokens:
+                continue  # too few characters to be too many tokens: a token holds a UTF-8 byte (+1: a word mark)
+            counted = content[: MAX_CHARS_PER_TOKEN * limit]  # enough to show a message too long, not more
+            tokens = len(self.model.tokenizer.encode_text(counted, at_start=False))
+            longest = max(longest, (tokens, where, len(counted) == len(content)))
+        tokens, where, whole = longest
+        if tokens + max_new_tokens > limit:
+            size = f"{tokens:,} tokens" if whole else f"more than {tokens:,} tokens"
+            it = where if where == "the system prompt" else "it"
+            advice = f"shorten {it}" + (" or lower max_new_tokens" if tokens < limit else "")
+            raise ContextLengthError(
+                f"{where} alone is {size}, which with max_new_tokens ({max_new_tokens}) exceeds the context "
+                f"length {limit}; {advice}"
+            )
 
     def _start(self, history: list[dict], max_new_tokens: Any, options: dict, *, drop_oldest: bool) -> Stream:
         started = time.perf_counter()

@@ -8,6 +8,7 @@ piece it emits is final: the concatenated stream equals the non-streamed text.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from .errors import PackageError
@@ -30,6 +31,37 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode(text), with each id's (start, end) character span in text."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special: the control tokens (<|im_start|>, <|eot_id|>, BOS, ...)."""
+        return frozenset(i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special)
+
+    def encode_text(self, text: str, *, at_start: bool) -> list[int]:
+        """text tokenized as plain text: special-token text in it becomes ordinary tokens ('<', '|', 'im', ...).
+        at_start: whether text begins the whole input; a Metaspace pre-tokenizer that marks only the first
+        word ("prepend_scheme": "first") does not mark a piece that follows a special token."""
+        first, rest = self._text_tokenizers
+        return (first if at_start else rest).encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _text_tokenizers(self) -> tuple:
+        """Two copies that encode special tokens as text (tokenizers' encode_special_tokens), for the start
+        of the input and for the rest; separate instances, since the flag is shared state of a tokenizer."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        source = self._tokenizer.to_str()  # compact JSON: inside a token's text a quote is escaped, so only
+        copies = []  # the pre-tokenizer's own setting can read '"prepend_scheme":"first"'
+        for text in (source, source.replace('"prepend_scheme":"first"', '"prepend_scheme":"never"')):
+            copy = HFTokenizer.from_str(text)
+            copy.encode_special_tokens = True
+            copies.append(copy)
+        return tuple(copies)
 
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (e.g. "<|im_end|>"), None if there is none."""
