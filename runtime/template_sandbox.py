@@ -62,6 +62,7 @@ MAX_DATA_DEPTH = 32  # nesting of dicts and lists inside messages and variables
 MAX_INT_BITS = 16_384  # a number built by * or **; 10 ** 4000 is still fine
 
 _LOOP_FILTER = "edgelm_counted_loop"  # wrapped around every for loop's iterable at compile time
+_SPREAD_FILTER = "edgelm_counted_spread"  # wrapped around every *args and **kwargs of a call at compile time
 _REMOVED_FILTERS = ("pprint", "urlize", "wordwrap")
 _ONE_ITEM = Cost(0, 1)
 
@@ -175,6 +176,14 @@ def _counted_loop(iterable: Any, literal_chars: int, char_width: int) -> Any:
         yield item
 
 
+def _counted_spread(value: Any) -> Any:
+    # f(*text) makes a tuple of one string per character before any hook sees the call: count them first.
+    if hasattr(value, "__len__"):
+        _budget().build(Cost(0, len(value)))
+        return value
+    return _materialized(value)
+
+
 def _bounded_filter(name: str, func: Any) -> Any:
     value_at = 1 if hasattr(func, "jinja_pass_arg") else 0  # after the context jinja passes first, if it does
     consumes_all = name in ("join", "list", "sum", "sort", "unique", "dictsort", "groupby", "batch", "slice", "reverse")
@@ -254,9 +263,10 @@ def strftime_now(format: str) -> str:
 
 
 class _Namespace(Namespace):
-    """jinja's namespace(), refusing underscore names (a way at internals)."""
+    """jinja's namespace(), refusing underscore names (a way at internals) and counting its entries."""
 
     def __init__(*args: Any, **kwargs: Any) -> None:
+        _dict(*args[1:], **kwargs)  # counts the entries it copies
         self, attrs = args[0], dict(*args[1:], **kwargs)
         for name in attrs:
             _Namespace._check_name(name)
@@ -468,7 +478,7 @@ def _environment() -> _Environment:
         del env.filters[name]
     env.filters.update(tojson=tojson, join=_join, sum=_sum)
     env.filters = {name: _bounded_filter(name, func) for name, func in env.filters.items()}
-    env.filters[_LOOP_FILTER] = _counted_loop
+    env.filters.update({_LOOP_FILTER: _counted_loop, _SPREAD_FILTER: _counted_spread})
     for name in ("lower", "upper"):
         env.tests[name] = _bounded_text_test(env.tests[name])
     del env.globals["lipsum"]  # random text of any length; no chat template uses it
@@ -498,6 +508,11 @@ def compile_template(source: str) -> Template:
         for loop in list(tree.find_all(nodes.For)):  # count every iteration against the render's budget
             weight = [nodes.Const(value) for value in _literal_cost(loop)[::2]]  # chars, width
             loop.iter = nodes.Filter(loop.iter, _LOOP_FILTER, weight, [], None, None, lineno=loop.lineno)
+        for call in list(tree.find_all((nodes.Call, nodes.Filter, nodes.Test))):
+            for field in ("dyn_args", "dyn_kwargs"):
+                if getattr(call, field) is not None:
+                    spread = nodes.Filter(getattr(call, field), _SPREAD_FILTER, [], [], None, None, lineno=call.lineno)
+                    setattr(call, field, spread)
         return env.from_string(tree)
     except TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile: line {exc.lineno}: {exc.message}") from exc

@@ -20,7 +20,8 @@ from itertools import chain
 from typing import Any, NamedTuple
 
 from jinja2.exceptions import SecurityError
-from jinja2.runtime import Undefined
+from jinja2.runtime import Macro, Undefined
+from jinja2.utils import Namespace
 from markupsafe import Markup
 
 ITEM_BYTES = 100  # a list slot plus the small object it may hold (a one-character string, a pair, an empty list)
@@ -54,7 +55,14 @@ def int_digits(number: int) -> int:
 
 
 def not_data(value: Any) -> SecurityError:
-    kind = type(value).__name__
+    if isinstance(value, type):
+        kind = "class"
+    elif isinstance(value, (Macro, Namespace)):
+        kind = type(value).__name__.lower().lstrip("_")
+    elif hasattr(value, "__next__"):
+        kind = "generator"
+    else:
+        kind = "function" if callable(value) else type(value).__name__
     return SecurityError(f"a {kind} cannot be turned into text (only text, numbers, booleans, lists and dicts)")
 
 
