@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .chat_ids import chat_prompt_ids
-from .chat_template import ChatTemplate, validate_messages
+from .chat_template import ChatTemplate, read_template_file, validate_messages
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
 from .kvcache import make_cache
 from .results import GenerationResult, Stream, make_timings
@@ -77,7 +77,7 @@ def package_template(model: Model, template: ChatTemplate | str | None = None) -
                 f"the package {model.spec.folder.name} has no chat template: pass template=<Jinja source>, "
                 "or use generate() for plain completion"
             )
-        template = path.read_text(encoding="utf-8")
+        template = read_template_file(path)
     if not isinstance(template, str):
         raise ChatTemplateError(f"template must be Jinja source text or a ChatTemplate, got {type(template).__name__}")
     tokens, name = model.spec.tokens, model.tokenizer.token_text

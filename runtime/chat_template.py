@@ -12,10 +12,12 @@ checks for that (some templates rewrite earlier turns, e.g. drop their <think> r
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
 from typing import Any
 
 from .errors import ChatTemplateError
-from .template_sandbox import MAX_DATA_DEPTH, compile_template, render_bounded
+from .template_sandbox import MAX_DATA_DEPTH, MAX_SOURCE_CHARS, compile_template, render_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -63,6 +65,29 @@ def validate_messages(messages: Any) -> list[dict]:
         if content is not None and not isinstance(content, str):
             raise ChatTemplateError(f"{where} ({role}) has content of type {type(content).__name__}, not a string")
     return [_plain(message, f"message {index}") for index, message in enumerate(messages)]
+
+
+def read_template_file(path: Path) -> str:
+    """The text of a chat template file (chat_template.jinja); ChatTemplateError names the file when it is
+    not UTF-8 text: a binary file, another encoding, a pipe, one too large to be a template or one it cannot read."""
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # reading a pipe or a device would block or never end
+            raise ChatTemplateError(f"{path}: not a regular file, so not a chat template")
+        if info.st_size > 4 * MAX_SOURCE_CHARS:  # UTF-8 takes at most 4 bytes a character
+            raise ChatTemplateError(f"{path}: {info.st_size:,} bytes is too large for a chat template")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ChatTemplateError(f"{path}: cannot read the chat template: {exc.strerror or exc}") from exc
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ChatTemplateError(f"{path}: a binary file (a NUL byte at offset {nul}), not a chat template")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(
+            f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); a chat template is UTF-8"
+        ) from exc
 
 
 class ChatTemplate:

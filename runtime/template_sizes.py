@@ -1,0 +1,446 @@
+"""How much text a chat template's operation would build, bounded before the operation runs.
+
+template_sandbox.py asks these functions before every filter, string method, operator, format and
+concatenation a template runs, and refuses the operation when the bound passes a limit, so a template
+that asks for gigabytes (`'%999999999s' % 1`, `x|indent(10**8)`, `tojson(indent=...)` of a deep list)
+fails before a byte of it is allocated. A bound is never smaller than the real result and may be larger;
+each is a Cost: the characters of the new strings and the entries of the new lists, tuples and dicts.
+Every function walks at most about `cap` characters' worth of its input, so asking is cheap too.
+
+Only data can be measured: text, numbers, booleans, None, lists, tuples, dicts (and their views), ranges
+and bytes. Anything else (a function, a macro, a namespace, a cycler) raises SecurityError when it is
+about to become text, since its repr would show internals and a heap address.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import ItemsView, KeysView, ValuesView
+from itertools import chain
+from typing import Any, NamedTuple
+
+from jinja2.exceptions import SecurityError
+from jinja2.runtime import Macro, Undefined
+from jinja2.utils import Namespace
+from markupsafe import Markup
+
+ITEM_BYTES = 100  # a list slot plus the small object it may hold (a one-character string, a pair, an empty list)
+HUGE = 10**12  # a size that passes every limit: a width of more than nine digits, an unbounded repeat
+ESCAPE_GROWTH = 5  # markupsafe's escape turns one character into at most five ('"' -> '&#34;')
+CASE_GROWTH = 3  # upper(), lower(), title(), casefold() of one character give at most three ('ΐ'.upper())
+_SLICE = 1 << 16  # texts are measured in slices of this many characters, so no full copy is made
+_END = object()
+
+
+class Cost(NamedTuple):
+    """What an operation would build: characters of new text and entries of new containers."""
+
+    chars: int = 0
+    items: int = 0
+    width: int = 4  # bytes per character; 1 when every text involved is ASCII
+
+    @property
+    def bytes(self) -> int:
+        return self.chars * self.width + self.items * ITEM_BYTES
+
+
+def width(*texts: Any) -> int:
+    """Bytes per character of text built from texts: 1 if all are ASCII str (an O(1) check), else 4."""
+    return 1 if all(isinstance(text, str) and text.isascii() for text in texts) else 4
+
+
+def int_digits(number: int) -> int:
+    """An upper bound of len(str(number)): log10(2) digits per bit, plus sign and rounding."""
+    return number.bit_length() * 30103 // 100000 + 2
+
+
+def not_data(value: Any) -> SecurityError:
+    if isinstance(value, type):
+        kind = "class"
+    elif isinstance(value, (Macro, Namespace)):
+        kind = type(value).__name__.lower().lstrip("_")
+    elif hasattr(value, "__next__"):
+        kind = "generator"
+    else:
+        kind = "function" if callable(value) else type(value).__name__
+    return SecurityError(f"a {kind} cannot be turned into text (only text, numbers, booleans, lists and dicts)")
+
+
+def repr_size(text: str, *, ascii_only: bool = False) -> int:
+    """An upper bound of len(repr(text)), or of len(ascii(text)) when ascii_only."""
+    convert = ascii if ascii_only else repr
+    if len(text) <= _SLICE:
+        return len(convert(text))
+    total = 2 + text.count("'")  # a slice may pick other quotes than the whole text, which escapes every "'"
+    for start in range(0, len(text), _SLICE):
+        total += len(convert(text[start : start + _SLICE])) - 2
+    return total
+
+
+def json_text_size(text: str, *, ensure_ascii: bool) -> int:
+    """Exactly len(json.dumps(text, ensure_ascii=...)): JSON escapes one character at a time."""
+    total = 2
+    for start in range(0, max(len(text), 1), _SLICE):
+        total += len(json.dumps(text[start : start + _SLICE], ensure_ascii=ensure_ascii)) - 2
+    return total
+
+
+def _scalar_size(value: Any, nested: bool) -> int | None:
+    """len(str(value)) (len(repr(value)) when nested in a container) of a scalar, None for containers."""
+    if isinstance(value, str):
+        if not nested:
+            return len(value)
+        return repr_size(value) + (8 if isinstance(value, Markup) else 0)  # Markup('...')
+    if value is None or isinstance(value, bool):
+        return 5
+    if isinstance(value, int):
+        return int_digits(value)
+    if isinstance(value, float):
+        return 24  # '-2.2250738585072014e-308'
+    if isinstance(value, Undefined):
+        return 9 if nested else 0  # jinja's Undefined prints as '' and reprs as 'Undefined'
+    if isinstance(value, bytes):
+        return 4 * len(value) + 3  # b'\xff...'
+    if isinstance(value, range):
+        return 3 * int_digits(max(abs(value.start), abs(value.stop), abs(value.step))) + 12
+    return None
+
+
+def text_size(value: Any, cap: int) -> int:
+    """An upper bound of len(str(value)), or any number above cap once the result must pass it."""
+    total, stack = 0, [iter((value,))]
+    while stack and total <= cap:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+            continue
+        size = _scalar_size(item, nested=len(stack) > 1)
+        if size is not None:
+            total += size
+            continue
+        if isinstance(item, (list, tuple, KeysView, ValuesView)):
+            children = item
+        elif isinstance(item, (dict, ItemsView)):
+            children = chain.from_iterable(item.items() if isinstance(item, dict) else item)
+        else:
+            raise not_data(item)
+        total += 6 * len(item) + 14  # brackets, ', ' and ': ' or '(, )' around each entry, 'dict_items([...])'
+        if total <= cap:  # every entry takes at least a character: a long container is refused unread
+            stack.append(iter(children))
+    return total
+
+
+def json_size(value: Any, *, ensure_ascii: bool, indent: Any, separators: Any, cap: int) -> tuple[int, int]:
+    """An upper bound of len(json.dumps(value, ...)), and the number of values json.dumps visits."""
+    if isinstance(indent, str):
+        pad = len(indent)
+    else:
+        pad = max(indent, 0) if isinstance(indent, int) else 0
+    item_sep, key_sep = (",", ": ") if indent is not None else (", ", ": ")
+    if isinstance(separators, (tuple, list)) and len(separators) == 2:
+        item_sep, key_sep = (text if isinstance(text, str) else "" for text in separators)
+    total, nodes, stack = 0, 0, [iter((value,))]
+    while stack and total <= cap:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+            continue
+        nodes += 1
+        if isinstance(item, str):
+            total += json_text_size(item, ensure_ascii=ensure_ascii)
+        elif item is None or isinstance(item, (bool, float)):
+            total += 24
+        elif isinstance(item, int):
+            total += int_digits(item)
+        elif isinstance(item, (list, tuple, dict)):
+            depth, count = len(stack), len(item)
+            total += 2 + count * len(item_sep) + count
+            if indent is not None:  # a newline and depth * indent before each entry and the closing bracket
+                total += (count + 1) * (1 + pad * depth)
+            if isinstance(item, dict):
+                total += count * (len(key_sep) + 26)  # a key that is not text becomes "..." of at most 24
+            if total <= cap:
+                stack.append(iter(chain.from_iterable(item.items()) if isinstance(item, dict) else item))
+        # anything else makes json.dumps raise TypeError before it writes much
+    return total, nodes
+
+
+def _number(fmt: str, at: int, args: list, next_arg: int) -> tuple[int, int, int]:
+    """A width or precision of a %-format at fmt[at]: (value, position after it, next positional argument)."""
+    if at < len(fmt) and fmt[at] == "*":
+        value = args[next_arg] if next_arg < len(args) else 0
+        return (abs(value) if isinstance(value, int) else 0), at + 1, next_arg + 1
+    end = at
+    while end < len(fmt) and fmt[end].isdigit() and fmt[end].isascii():
+        end += 1
+    if end - at > 9:
+        return HUGE, end, next_arg
+    return (int(fmt[at:end]) if end > at else 0), end, next_arg
+
+
+def converted_size(value: Any, conversion: str, cap: int) -> int:
+    """An upper bound of one %-conversion or str.format field of value, before width and precision."""
+    if conversion in ("r", "a"):
+        if isinstance(value, str):
+            return repr_size(value, ascii_only=conversion == "a") + (8 if isinstance(value, Markup) else 0)
+        return text_size([value], cap)  # a repr: the size of the value inside a list
+    if conversion == "c":
+        return 1
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return text_size(value, cap)
+    if isinstance(value, int):
+        return 2 * value.bit_length() + 8  # binary digits with a separator every four, sign and prefix
+    return 2 * 330  # 'f' of 1.8e308, with separators
+
+
+def percent_size(fmt: str | bytes, values: Any, cap: int) -> int:
+    """An upper bound of len(fmt % values), following the grammar of printf-style formatting.
+
+    Per conversion: the width, the precision and the converted value (a mapping key may hold nested
+    parentheses). A format that is malformed gets a bound too; the real `%` then raises its own error.
+    """
+    if isinstance(fmt, bytes):
+        fmt = fmt.decode("latin-1")
+    args = list(values) if type(values) is tuple else [values]
+    total, at, next_arg = 0, 0, 0
+    while total <= cap:
+        percent = fmt.find("%", at)
+        if percent < 0:
+            return total + len(fmt) - at
+        total += percent - at
+        at = percent + 1
+        if fmt.startswith("%", at):
+            total, at = total + 1, at + 1
+            continue
+        value, keyed = None, False
+        if fmt.startswith("(", at):
+            depth, end = 1, at + 1
+            while end < len(fmt) and depth:
+                depth += {"(": 1, ")": -1}.get(fmt[end], 0)
+                end += 1
+            try:
+                value, keyed = values[fmt[at + 1 : end - 1]], True
+            except Exception:  # not a mapping, or no such key: the real `%` raises
+                value, keyed = None, True
+            at = end
+        while at < len(fmt) and fmt[at] in "-+ #0":
+            at += 1
+        field_width, at, next_arg = _number(fmt, at, args, next_arg)
+        precision = 0
+        if fmt.startswith(".", at):
+            precision, at, next_arg = _number(fmt, at + 1, args, next_arg)
+        if at < len(fmt) and fmt[at] in "hlL":
+            at += 1
+        if at >= len(fmt):
+            return total
+        conversion, at = fmt[at], at + 1
+        if not keyed:
+            value = args[next_arg] if next_arg < len(args) else None
+            next_arg += 1
+        total += field_width + precision + converted_size(value, conversion, cap)
+    return total
+
+
+def format_spec_extra(spec: str) -> int:
+    """An upper bound of what a str.format spec adds to a value: its width and precision."""
+    if len(spec) > 100:  # no valid spec of a built-in type is this long
+        return HUGE
+    total, digits = 0, ""
+    for char in spec + " ":
+        if char.isdigit() and char.isascii():
+            digits += char
+        elif digits:
+            total += HUGE if len(digits) > 9 else int(digits)
+            digits = ""
+    return total
+
+
+def line_count(text: str) -> int:
+    """An upper bound of len(text.splitlines()) (+1), without splitting."""
+    breaks = "\n\r\v\f\x1c\x1d\x1e" if text.isascii() else "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
+    return sum(text.count(char) for char in breaks) + 1
+
+
+# ---- what each filter and string method builds ----
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    """An argument as a call would bind it, without failing on a bad call (the real call then raises)."""
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else 0
+
+
+def _text_cost(value: Any, cap: int, growth: int = 1, items: int = 0) -> Cost:
+    return Cost(text_size(value, cap) * growth, items, width(value))
+
+
+def _cased_cost(value: Any, cap: int, items: int = 0) -> Cost:
+    """upper(), title(), ...: ASCII keeps its length, other text may grow (see CASE_GROWTH)."""
+    return _text_cost(value, cap, 1 if isinstance(value, str) and value.isascii() else CASE_GROWTH, items)
+
+
+def _occurrences(text: Any, old: Any, count: Any, size: int) -> int:
+    """How many replacements text.replace(old, new, count) makes, at most."""
+    found = size + 1
+    if isinstance(text, (str, bytes)) and type(old) is type(text):
+        found = text.count(old) if old else len(text) + 1
+    return min(found, count) if isinstance(count, int) and count >= 0 else found
+
+
+def _replace_cost(text: Any, old: Any, new: Any, count: Any, cap: int) -> Cost:
+    size = text_size(text, cap)
+    growth = max(text_size(new, cap) - text_size(old, cap), 0)
+    return Cost(size + _occurrences(text, old, count, size) * growth, 0, width(text, new))
+
+
+def _indent_cost(text: Any, indent: Any, cap: int) -> Cost:
+    size = text_size(text, cap)
+    pad = len(indent) if isinstance(indent, str) else _int(indent)
+    lines = line_count(text) + 1 if isinstance(text, str) else size + 2
+    return Cost(3 * size + lines * (pad + 1) + pad, lines, width(text, indent if isinstance(indent, str) else ""))
+
+
+def _sequence_length(value: Any) -> int:
+    return len(value) if hasattr(value, "__len__") else 0
+
+
+def filter_cost(name: str, value: Any, args: tuple, kwargs: dict, cap: int) -> Cost | None:
+    """What jinja's filter `name` builds from value and its arguments; None for a filter not listed here.
+
+    join and sum are not listed: template_sandbox.py replaces them with versions that measure their items.
+    Lazy filters (map, select, items, ...) build nothing up front; what consumes them is counted.
+    """
+    if name in ("upper", "lower", "capitalize"):
+        return _cased_cost(value, cap)
+    if name == "title":  # splits into words first
+        return _cased_cost(value, cap, items=text_size(value, cap))
+    if name in ("string", "safe", "trim"):
+        return _text_cost(value, cap)
+    if name == "striptags":  # joins the text's words again
+        return _text_cost(value, cap, items=text_size(value, cap) // 2 + 1)
+    if name in ("e", "escape", "forceescape"):
+        return _text_cost(value, cap, ESCAPE_GROWTH)
+    if name == "center":
+        return Cost(max(text_size(value, cap), _int(_arg(args, kwargs, 0, "width", 80))), 0, width(value))
+    if name == "indent":
+        return _indent_cost(value, _arg(args, kwargs, 0, "width", 4), cap)
+    if name == "replace":
+        old, new = _arg(args, kwargs, 0, "old", ""), _arg(args, kwargs, 1, "new", "")
+        return _replace_cost(value, old, new, _arg(args, kwargs, 2, "count"), cap)
+    if name == "truncate":
+        return Cost(text_size(value, cap) + text_size(_arg(args, kwargs, 2, "end", "..."), cap), 2)
+    if name == "format":  # soft_str(value) % (kwargs or args)
+        if not isinstance(value, str):
+            size = text_size(value, cap)
+            if size > cap:
+                return Cost(size)
+            value = str(value)
+        return Cost(percent_size(value, kwargs or args, cap))
+    if name == "urlencode":  # %XX for each of up to four UTF-8 bytes of a character
+        return Cost(12 * text_size(value, cap) + 2, _sequence_length(value), 1)
+    if name == "xmlattr":
+        return Cost(ESCAPE_GROWTH * text_size(value, cap) + 8 * _sequence_length(value), _sequence_length(value))
+    if name == "tojson":
+        chars, nodes = json_size(
+            value,
+            ensure_ascii=bool(_arg(args, kwargs, 0, "ensure_ascii", False)),
+            indent=_arg(args, kwargs, 1, "indent"),
+            separators=_arg(args, kwargs, 2, "separators"),
+            cap=cap,
+        )
+        return Cost(chars, 3 * nodes)
+    if name == "wordcount":  # finds every word first
+        return Cost(0, text_size(value, cap) // 2 + 1)
+    if name in ("list", "sort", "reverse"):
+        if name == "reverse" and isinstance(value, str):
+            return Cost(len(value), 0, width(value))
+        return Cost(0, len(value) if isinstance(value, str) else _sequence_length(value))
+    if name in ("unique", "dictsort", "groupby"):  # a set or sorted pairs beside the result
+        return Cost(0, 4 * _sequence_length(value))
+    if name == "batch":
+        count, per_batch = _sequence_length(value), _int(_arg(args, kwargs, 0, "linecount"))
+        fill = per_batch if _arg(args, kwargs, 1, "fill_with") is not None else 0
+        return Cost(0, count + count // max(per_batch, 1) + max(fill, 0) + 1)
+    if name == "slice":
+        return Cost(0, _sequence_length(value) + 2 * max(_int(_arg(args, kwargs, 0, "slices")), 0) + 1)
+    if name == "filesizeformat":
+        return Cost(64)
+    if name in _SMALL_FILTERS:
+        return Cost()
+    return None
+
+
+_SMALL_FILTERS = frozenset(
+    "abs attr count d default first float int items last length map max min random reject rejectattr round "
+    "select selectattr".split()
+)
+
+
+def method_cost(receiver: Any, name: str, args: tuple, kwargs: dict, cap: int) -> Cost | None:
+    """What calling receiver.name(*args, **kwargs) builds, for text, bytes, containers and ints; else None."""
+    if isinstance(receiver, (str, bytes)):
+        cost = _text_method_cost(receiver, name, args, kwargs, cap)
+        if cost is not None and isinstance(receiver, Markup):  # Markup's methods escape their arguments
+            cost = cost._replace(chars=cost.chars * ESCAPE_GROWTH)
+        return cost
+    if isinstance(receiver, (list, tuple, dict)) and name == "copy":
+        return Cost(0, len(receiver))
+    if isinstance(receiver, dict) and name == "fromkeys":
+        keys = _arg(args, kwargs, 0, "iterable")
+        return Cost(0, len(keys)) if hasattr(keys, "__len__") else None
+    if isinstance(receiver, int) and name == "to_bytes":
+        return Cost(max(_int(_arg(args, kwargs, 0, "length", 1)), 0), 0, 1)
+    return None
+
+
+def _text_method_cost(text: str | bytes, name: str, args: tuple, kwargs: dict, cap: int) -> Cost | None:
+    size, chars = len(text), 1 if isinstance(text, bytes) else width(text)
+    if name in ("capitalize", "casefold", "lower", "swapcase", "title", "upper"):
+        return Cost(size * (1 if chars == 1 else CASE_GROWTH), 0, chars)
+    if name in ("center", "ljust", "rjust", "zfill"):
+        fill = _arg(args, kwargs, 1, "fillchar", "")
+        return Cost(max(size, _int(_arg(args, kwargs, 0, "width"))), 0, width(text, fill) if chars == 1 else 4)
+    if name == "expandtabs":
+        tabs = text.count(b"\t" if isinstance(text, bytes) else "\t")
+        return Cost(size + tabs * max(_int(_arg(args, kwargs, 0, "tabsize", 8)), 0), 0, chars)
+    if name == "replace":
+        old, new, count = _arg(args, kwargs, 0, "old"), _arg(args, kwargs, 1, "new"), _arg(args, kwargs, 2, "count")
+        growth = max(len(new) - len(old), 0) if isinstance(new, (str, bytes)) and isinstance(old, (str, bytes)) else 0
+        return Cost(size + _occurrences(text, old, count, size) * growth, 0, 4)
+    if name == "translate":
+        table = _arg(args, kwargs, 0, "table")
+        values = table.values() if isinstance(table, dict) else table if isinstance(table, (list, tuple)) else ()
+        longest = max((len(value) for value in values if isinstance(value, (str, bytes))), default=1)
+        return Cost(size * max(longest, 1), 0, 4)
+    if name in ("split", "rsplit", "splitlines", "partition", "rpartition"):
+        return Cost(size, _parts(text, name, args, kwargs), chars)
+    if name in ("strip", "lstrip", "rstrip", "removeprefix", "removesuffix"):
+        return Cost(size, 0, chars)
+    if name == "encode":  # 'xmlcharrefreplace' writes '&#1114111;' for one character
+        return Cost(10 * size + 16, 0, 1)
+    if name == "decode":  # 'backslashreplace' writes '\\xff' for one byte
+        return Cost(4 * size + 16)
+    if name == "hex":
+        return Cost(3 * size + 2, 0, 1)
+    if name == "maketrans":
+        return Cost(0, sum(_sequence_length(arg) for arg in args))
+    if name in _SMALL_TEXT_METHODS or name.startswith("is"):
+        return Cost()
+    return None
+
+
+_SMALL_TEXT_METHODS = frozenset("count endswith find index rfind rindex startswith".split())
+
+
+def _parts(text: str | bytes, name: str, args: tuple, kwargs: dict) -> int:
+    """How many pieces split, rsplit, splitlines or partition make of text, at most."""
+    if name in ("partition", "rpartition"):
+        return 3
+    if name == "splitlines":
+        return line_count(text.decode("latin-1") if isinstance(text, bytes) else text)
+    separator, most = _arg(args, kwargs, 0, "sep"), _arg(args, kwargs, 1, "maxsplit", -1)
+    pieces = text.count(separator) + 1 if type(separator) is type(text) and separator else len(text) // 2 + 1
+    return min(pieces, most + 1) if isinstance(most, int) and most >= 0 else pieces
