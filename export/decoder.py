@@ -8,6 +8,7 @@ GPT-2 and Llama are the same network with different parts:
     positions         learned table added to tokens    rotary, applied to Q and K inside attention
     attention heads   n_kv_head == n_head              n_kv_head < n_head (grouped-query)
     Q/K/V biases      yes                              Qwen2 only
+    Q/K head norms    no                               Qwen3 (RMSNorm per head, before the rotary)
     output bias       yes                              no
     MLP               GELU(x W_fc) W_proj              (SiLU(x W_gate) * x W_up) W_down
     LM head           tied                             tied or untied
@@ -70,6 +71,8 @@ class Layer:
     mlp_norm: Norm
     up: Linear  # gated MLP: gate and up packed, out = 2 * inner (gate first); else out = inner
     down: Linear
+    q_norm: Norm | None = None  # (head_dim,): RMSNorm over each query head before the rotary (Qwen3)
+    k_norm: Norm | None = None  # (head_dim,): the same over each key head
 
 
 @dataclass

@@ -162,6 +162,8 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
                 mlp_norm=_norm(block.post_attention_layernorm),
                 up=_packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
                 down=_linear(mlp.down_proj, kept("mlp.down_proj")),
+                q_norm=_norm(a.q_norm) if c.qk_norm else None,
+                k_norm=_norm(a.k_norm) if c.qk_norm else None,
             )
         )
     cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
@@ -198,6 +200,7 @@ def llama_details(model: Llama) -> dict:
         "rope_scaling": c.rope_scaling,
         "rms_norm_eps": c.rms_norm_eps,
         "attention_bias": c.attention_bias,
+        "qk_norm": c.qk_norm,
         "tie_word_embeddings": c.tie_word_embeddings,
         "parameters": model.num_parameters(),
     }

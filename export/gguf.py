@@ -27,7 +27,7 @@ from .gguf_tokenizer import build_tokenizer_json
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 BLOCK = 32  # Q4_0 / Q4_1 / Q8_0 block length, and the MatMulNBits block_size they map onto
-LLAMA_LIKE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+LLAMA_LIKE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # GGUF block tensor -> HF name, for the Llama family (`model.layers.N.` + this)
 LLAMA_BLOCK = {
@@ -39,6 +39,8 @@ LLAMA_BLOCK = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms, (head_dim,)
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -258,12 +260,15 @@ def _tensor_map(config: dict) -> dict[str, _Entry]:
         shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden)}
         shapes |= {"attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim)}
         shapes |= {"ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
+        shapes |= {"attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,)}
         rotary_heads = {"attn_q": heads, "attn_k": kv_heads} if permute else {}
         entries = {"model.embed_tokens.weight": _Entry("token_embd.weight", (vocab, hidden))}
         for layer in range(config["num_hidden_layers"]):
             for gguf_suffix, hf_suffix in LLAMA_BLOCK.items():
                 stem, kind = gguf_suffix.split(".")
                 if kind == "bias" and not config["attention_bias"]:
+                    continue
+                if stem in ("attn_q_norm", "attn_k_norm") and config["model_type"] != "qwen3":
                     continue
                 weight = shapes.get(stem, (hidden,))
                 shape = weight if kind == "weight" else weight[:1]
@@ -304,7 +309,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
 def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     arch = meta.get("general.architecture")
     if arch not in (*LLAMA_LIKE, "gpt2"):
-        raise GGUFError(f"architecture {arch!r:.60} is not supported (llama, qwen2, gpt2 are)")
+        raise GGUFError(f"architecture {arch!r:.60} is not supported ({', '.join([*LLAMA_LIKE, 'gpt2'])} are)")
     for name, t in stored.items():
         if t.tensor_type not in SUPPORTED_TYPES:
             raise GGUFError(f"tensor {name} has type {t.tensor_type.name}, not supported")

@@ -42,7 +42,7 @@ from edgelm.nbits_gather import gather_from_nbits
 from edgelm.onnxfile import placeholder
 
 from ..runtime.contract import IONames
-from .decoder import Decoder, Linear, NBits, Norm
+from .decoder import Decoder, Layer, Linear, NBits, Norm
 
 MS_DOMAIN = "com.microsoft"
 LOGITS_TO_KEEP = "num_logits_to_keep"
@@ -179,6 +179,29 @@ class _GraphBuilder:
         shape = ["batch_size", "sequence_length", decoder.n_embd]
         return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
 
+    def head_norms(self, qkv: str, prefix: str, layer: Layer, decoder: Decoder) -> list[str]:
+        """GroupQueryAttention's query, key and value inputs: the packed product alone, or, with per-head norms
+        (Qwen3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is)."""
+        if layer.q_norm is None:
+            return [qkv, "", ""]
+        d = decoder
+        widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
+        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
+        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        heads = self.small_constant(f"{prefix}/head_shape", np.array([0, 0, -1, d.head_dim], dtype=np.int64))
+        flat = self.small_constant(f"{prefix}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
+        out = []
+        for name, norm, width in zip(("q", "k"), (layer.q_norm, layer.k_norm), widths, strict=False):
+            split = self.op("Reshape", [f"{prefix}/{name}", heads], f"{prefix}/{name}_heads")  # (B, T, heads, hs)
+            inputs = [split, self.constant(f"{prefix}.{name}_norm.weight", norm.weight)]
+            normed = self.op(
+                "SimplifiedLayerNormalization", inputs, f"{prefix}/{name}_norm", axis=-1, epsilon=d.norm_eps
+            )
+            self.float_output(normed, ["batch_size", "sequence_length", width // d.head_dim, d.head_dim])
+            out.append(self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed"))  # (B, T, heads * hs)
+        return [*out, f"{prefix}/v"]
+
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         h = self.linear(x, f"{prefix}.up", up)
         shape = ["batch_size", "sequence_length", decoder.inner_dim]
@@ -247,7 +270,7 @@ def build_fused_graph(
         g.nodes.append(
             helper.make_node(
                 "GroupQueryAttention",
-                [qkv, "", "", past_key, past_value, seqlens_k, total_length, *rotary],
+                [*g.head_norms(qkv, p, layer, d), past_key, past_value, seqlens_k, total_length, *rotary],
                 [f"{p}/attention", present_key, present_value],
                 name=f"{p}/GroupQueryAttention",
                 domain=MS_DOMAIN,

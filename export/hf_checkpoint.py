@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family folders (model_type llama, mistral, qwen2), read without transformers.
+"""Hugging Face Llama-family folders (model_type llama, mistral, qwen2, qwen3), read without transformers.
 
 A folder holds `config.json`, the weights (`model.safetensors`; or shards `model-0000N-of-0000M.safetensors`
 listed in `model.safetensors.index.json`; or `pytorch_model.bin`, loaded with `torch.load(weights_only=True)`),
@@ -124,13 +124,14 @@ def _first_id(value: object, key: str) -> int | None:
 
 
 def llama_config_from_hf(hf: dict) -> LlamaConfig:
-    """Map a Hugging Face config.json (llama, mistral, qwen2) onto LlamaConfig; refuse what Llama does not implement."""
+    """Map a Hugging Face config.json (llama, mistral, qwen2, qwen3) onto LlamaConfig; refuse what Llama does not
+    implement."""
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}: Llama-family models use 'silu'")
-    if model_type == "llama" and hf.get("attention_bias"):
+    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
         raise CheckpointError(
             "config.json sets attention_bias=true (an o_proj bias too), which edgelm does not implement"
         )
@@ -158,6 +159,7 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             attention_bias=model_type == "qwen2",  # Qwen2 always has Q/K/V biases; the config has no key for it
+            qk_norm=model_type == "qwen3",  # Qwen3 always norms its query and key heads
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
             bos_token_id=_first_id(hf.get("bos_token_id"), "bos_token_id"),
             eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
@@ -237,7 +239,7 @@ def read_extras(folder: str | Path) -> dict:
 
 
 def load_llama(folder: str | Path) -> Llama:
-    """Load a Hugging Face llama / mistral / qwen2 folder into the reference model (eval mode, fp32).
+    """Load a Hugging Face llama / mistral / qwen2 / qwen3 folder into the reference model (eval mode, fp32).
     The config's BOS/EOS ids are those of read_extras (generation_config.json first)."""
     folder = Path(folder)
     config = llama_config_from_hf(read_config(folder))

@@ -12,7 +12,8 @@ What differs from GPT-2, in one place:
 - grouped-query attention (Ainslie et al. 2023): n_kv_head <= n_head key/value heads, each shared by
   n_head / n_kv_head query heads; the cache holds n_kv_head heads, (B, n_kv_head, past + T, head_dim);
 - a SiLU-gated feed-forward, down(silu(gate(x)) * up(x)) (Shazeer 2020), with no biases;
-- no biases in the projections, except Q/K/V biases in Qwen2.
+- no biases in the projections, except Q/K/V biases in Qwen2;
+- Qwen3 only: an RMSNorm over each query and key head (width head_dim, its own weight) before the rotary.
 
 Parameter names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, ...), all `nn.Linear` in
 (out, in) layout, so a Hugging Face state dict loads with no renaming or transposing (hf_checkpoint.py).
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -50,10 +51,11 @@ class LlamaConfig:
     rope_theta: float = 10000.0  # RoPE base: frequency i is rope_theta ** (-2i / head_dim)
     rope_scaling: dict | None = None  # None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}
     attention_bias: bool = False  # biases on Q/K/V (Qwen2); o_proj never has one
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotary (Qwen3)
     tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)  # generation stops at any of these
-    model_type: str = "llama"  # "llama", "mistral" or "qwen2": the genai_config.json type
+    model_type: str = "llama"  # one of MODEL_TYPES: the manifest's architecture.type
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -187,6 +189,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(
         self,
@@ -200,6 +206,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.qk_norm:  # per head, over its head_dim values
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the cache holds rotated keys
         if past is not None:
             k = torch.cat([past[0], k], dim=2)  # (B, nkv, past + T, hs)

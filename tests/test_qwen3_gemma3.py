@@ -1,0 +1,187 @@
+"""Qwen3 (and Gemma 3) against transformers: tiny random models exported from a Hugging Face folder and from a
+GGUF file written in llama.cpp's layout, run by edgelm's runtime (both graphs) and onnxruntime-genai."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from test_gguf import _add_tokenizer  # noqa: E402  (pytest puts tests/ on the path)
+from test_llama_export import EOS, PROMPTS, SMALL, genai_greedy, hf_greedy, make_folder, quiet  # noqa: E402
+
+from edgelm.export.gguf import GGUFError, read_gguf  # noqa: E402
+from edgelm.export.onnx_export import export_package  # noqa: E402
+from edgelm.runtime import load  # noqa: E402
+
+TOLERANCE = 1e-4
+NEW_TOKENS = 32
+GRAPHS = ("fused", "standard")
+CASES = {
+    # name: (transformers class prefix, config overrides); head_dim 32 is not hidden / heads (16), as in Qwen3
+    "qwen3": ("Qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+}
+# HF name in a layer -> llama.cpp's (convert_hf_to_gguf writes Qwen3's Q and K rows unpermuted)
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
+    """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys)."""
+    c, arch = hf.config, hf.config.model_type
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", c.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", c.intermediate_size)
+    writer.add_uint32(f"{arch}.block_count", c.num_hidden_layers)
+    writer.add_uint32(f"{arch}.attention.head_count", c.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", c.num_key_value_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", c.head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", c.head_dim)
+    writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[rest]}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+            gguf_name = gguf_name.get(name, "output.weight")
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    _add_tokenizer(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    root = tmp_path_factory.mktemp("families")
+    cases = CASES.items()
+    return {case: (make_folder(root / case, family, overrides), root / case) for case, (family, overrides) in cases}
+
+
+@pytest.fixture(scope="module")
+def packages(folders) -> dict[tuple[str, str], Path]:
+    """Per case: both graphs from the folder, and the fused graph from a GGUF file of the same weights."""
+    out = {}
+    for case, (hf, folder) in folders.items():
+        for graph in GRAPHS:
+            out[case, graph] = folder.parent / f"{case}-{graph}"
+            export_package(folder, out[case, graph], attention=graph, progress=quiet)
+        path = write_gguf(hf, folder.parent / f"{case}.gguf")
+        out[case, "gguf"] = folder.parent / f"{case}-gguf"
+        export_package(path, out[case, "gguf"], progress=quiet)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(folders) -> dict[str, list[list[int]]]:
+    return {case: [hf_greedy(hf, p) for p in PROMPTS] for case, (hf, _) in folders.items()}
+
+
+SOURCES = (*GRAPHS, "gguf")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_equal_transformers(case, source, folders, packages):
+    hf, _ = folders[case]
+    model = load(packages[case, source], provider="cpu")
+    ids = np.array([PROMPTS[2]], dtype=np.int64)
+    logits, _ = model.forward(ids)
+    with torch.no_grad():
+        reference = hf(torch.from_numpy(ids)).logits.numpy()
+    difference = float(np.abs(logits - reference).max())
+    print(f"{case} {source}: max |logit difference| {difference:.2e}")
+    assert difference < TOLERANCE
+
+
+def test_reference_model_equals_transformers(folders):
+    from edgelm.export.onnx_export import open_source
+
+    for case, (hf, folder) in folders.items():
+        ids = torch.tensor([PROMPTS[2]])
+        with torch.no_grad():
+            difference = (open_source(folder).model(ids)[0] - hf(ids).logits).abs().max().item()
+        assert difference < TOLERANCE, case
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_equals_transformers_batch_1_and_padded(case, source, packages, expected):
+    model = load(packages[case, source], provider="cpu")
+    tokens = expected[case]
+    assert len(set(tokens[0])) > 4, tokens[0]  # a model repeating one token would make this test weak
+    assert model.generate(PROMPTS[0], NEW_TOKENS, temperature=0, ignore_eos=True).token_ids == tokens[0]
+    batch = model.generate_batch(PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
+    assert [r.token_ids for r in batch] == tokens
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_onnxruntime_genai_runs_the_package(case, packages, expected):
+    genai = json.loads((packages[case, "fused"] / "genai_config.json").read_text())
+    assert genai["model"]["type"] == case
+    for prompt, tokens in zip(PROMPTS[:2], expected[case][:2], strict=True):
+        assert EOS not in tokens  # else genai would stop early, by design
+        assert genai_greedy(packages[case, "fused"], prompt) == tokens
+
+
+def test_qwen3_gguf_config(folders, packages):
+    hf, folder = folders["qwen3"]
+    config = read_gguf(folder.parent / "qwen3.gguf").hf_config
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 32 != SMALL["hidden_size"] // 6
+
+
+@pytest.mark.parametrize("key", ["qwen3.attention.key_length", "qwen3.rope.freq_base"])
+def test_hostile_qwen3_metadata_is_one_line_error(key, folders, tmp_path):
+    hf, folder = folders["qwen3"]
+    reader = gguf.GGUFReader(folder.parent / "qwen3.gguf")
+    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", "qwen3")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == key:
+            writer.add_string(key, "many")
+        elif field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(field.name, value)
+        else:
+            writer.add_key_value(field.name, value, field.types[0])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match=key.replace(".", r"\.")) as error:
+        read_gguf(tmp_path / "bad.gguf")
+    assert "\n" not in str(error.value)
