@@ -77,8 +77,7 @@ class Layer:
 
 @dataclass
 class Decoder:
-    family: str  # "gpt2", "llama", "qwen2", "mistral": the manifest's architecture.type
-    genai_type: str  # onnxruntime-genai's model type for genai_config.json
+    family: str  # the manifest's architecture.type (export/families.py FAMILIES)
     vocab_size: int
     context_length: int
     n_embd: int

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ import torch
 
 from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint
 from .decoder import Decoder, Layer, Linear, NBits, Norm
+from .gguf import GGUFError, gpt2_config, gpt2_tensors, llama_config, llama_tensors
 from .hf_checkpoint import build_llama, llama_config_from_hf, load_llama, read_extras
-from .llama import MODEL_TYPES, Llama, rope_cos_sin
+from .llama import MODEL_TYPES, VARIANTS, Llama, rope_cos_sin
 from .model import GPT
 
 # checkpoint tensor name -> (bits, packed, scales, zero points, offsets or None) for a MatMulNBits node, or None
@@ -88,7 +90,6 @@ def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
     positions = t.wpe.weight if c.positional == "learned" else model.sinusoid
     return Decoder(
         family="gpt2",
-        genai_type="phi",  # see runtime/contract.py genai_config
         vocab_size=c.vocab_size,
         context_length=c.n_positions,
         n_embd=c.n_embd,
@@ -169,7 +170,6 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
     cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
     return Decoder(
         family=c.model_type,
-        genai_type=c.model_type,
         vocab_size=c.vocab_size,
         context_length=c.n_positions,
         n_embd=c.n_embd,
@@ -227,34 +227,62 @@ def checked_tokens(vocab_size: int, bos: int | None, eos: list[int], pad: int | 
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # the manifest's architecture.type
+    name: str  # the manifest's architecture.type: config.json's model_type
+    genai_type: str  # onnxruntime-genai's model type, written to genai_config.json
     load: Callable[[Path], torch.nn.Module]  # a Hugging Face-layout folder -> reference model (eval, fp32)
     decoder: Callable[..., Decoder]  # (reference model, *, blocks=None) -> what the fused graph is built from
     details: Callable[[torch.nn.Module], dict]  # facts for people, kept in the manifest
     tokens: Callable[[Path, torch.nn.Module], dict]  # folder -> bos_token_id, eos_token_ids, pad_token_id
     build: Callable[[dict, dict], torch.nn.Module]  # (Hugging Face config.json, state dict) -> model (GGUF files)
+    gguf_architecture: str | None = None  # general.architecture of a llama.cpp file of this family
+    gguf_config: Callable[[dict, dict, int], dict] | None = None  # (metadata, tensors, vocab) -> config.json
+    gguf_tensors: Callable[[dict], dict] | None = None  # config.json -> HF name -> where the file stores it
+
+
+def _llama_build(hf: dict, state: dict) -> Llama:
+    return build_llama(llama_config_from_hf(hf), state)
+
+
+# The Llama-family rows differ in data only: llama.py VARIANTS, and how llama.cpp writes them (Mistral files
+# say architecture "llama", so only the converted layout of the other three is read).
+LLAMA_GGUF = {  # model_type -> (transformers class, llama.cpp permuted Q/K rows)
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+
+
+def _llama_family(name: str) -> Family:
+    hf_class, permuted = LLAMA_GGUF.get(name, (None, False))
+    qk_norm = VARIANTS[name].qk_norm
+    return Family(
+        name,
+        name,
+        load_llama,
+        llama_decoder,
+        llama_details,
+        llama_tokens,
+        _llama_build,
+        gguf_architecture=name if hf_class else None,
+        gguf_config=partial(llama_config, arch=name, hf_class=hf_class) if hf_class else None,
+        gguf_tensors=partial(llama_tensors, permuted=permuted, qk_norm=qk_norm) if hf_class else None,
+    )
 
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         "gpt2",
+        "phi",  # genai's decoder-only type; its own "gpt2" expects a legacy combined past_%d cache
         load_checkpoint,
         gpt2_decoder,
         gpt2_details,
         gpt2_tokens,
         lambda hf, state: build_gpt(config_from_hf(hf), state),
+        gguf_architecture="gpt2",
+        gguf_config=gpt2_config,
+        gguf_tensors=gpt2_tensors,
     ),
-    **{
-        name: Family(
-            name,
-            load_llama,
-            llama_decoder,
-            llama_details,
-            llama_tokens,
-            lambda hf, state: build_llama(llama_config_from_hf(hf), state),
-        )
-        for name in MODEL_TYPES
-    },
+    **{name: _llama_family(name) for name in MODEL_TYPES},
 }
 
 
@@ -265,3 +293,11 @@ def family_for(model_type: object) -> Family:
             f"unsupported model_type {model_type!r}: edgelm exports {', '.join(sorted(FAMILIES))} models"
         )
     return FAMILIES[model_type]
+
+
+def gguf_family(architecture: object) -> Family:
+    """The family of a GGUF file's general.architecture."""
+    by_gguf = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
+    if architecture not in by_gguf:
+        raise GGUFError(f"architecture {architecture!r:.60} is not supported ({', '.join(sorted(by_gguf))} are)")
+    return by_gguf[architecture]

@@ -27,7 +27,6 @@ from .gguf_tokenizer import build_tokenizer_json
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 BLOCK = 32  # Q4_0 / Q4_1 / Q8_0 block length, and the MatMulNBits block_size they map onto
-LLAMA_LIKE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # GGUF block tensor -> HF name, for the Llama family (`model.layers.N.` + this)
 LLAMA_BLOCK = {
@@ -46,6 +45,7 @@ LLAMA_BLOCK = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+QK_NORMS = ("attn_q_norm", "attn_k_norm")
 # ... and for GPT-2 (`transformer.h.N.` + this)
 GPT2_BLOCK = {
     "attn_norm.weight": "ln_1.weight",
@@ -90,7 +90,7 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 @dataclass
 class GGUFModel:
     path: Path
-    architecture: str  # general.architecture: "llama", "qwen2" or "gpt2"
+    architecture: str  # general.architecture: one of export/families.py's gguf_architecture
     hf_config: dict  # what a Hugging Face config.json for this model would say
     tokenizer_json: str  # tokenizer.json text built from tokenizer.ggml.*
     chat_template: str | None  # tokenizer.chat_template
@@ -186,7 +186,8 @@ def _llama3_scaling(factors: np.ndarray, *, theta: float, head_dim: int) -> dict
     return scaling
 
 
-def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
+def llama_config(meta: dict, stored: dict, vocab: int, *, arch: str, hf_class: str) -> dict:
+    """config.json of a Llama-family file (`arch` the file's general.architecture)."""
     heads = _number(meta, f"{arch}.attention.head_count")
     hidden = _number(meta, f"{arch}.embedding_length")
     head_dim = _number(meta, f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads))
@@ -201,7 +202,7 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
         factors = np.asarray(dequantize(stored["rope_freqs.weight"].data, stored["rope_freqs.weight"].tensor_type))
         rope_scaling = _llama3_scaling(factors.reshape(-1), theta=theta, head_dim=head_dim)
     return {
-        "architectures": [LLAMA_LIKE[arch]],
+        "architectures": [hf_class],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -220,7 +221,7 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
     }
 
 
-def _gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
+def gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -235,49 +236,52 @@ def _gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
     }
 
 
-def _tensor_map(config: dict) -> dict[str, _Entry]:
-    """HF name -> where and how it is stored, for every tensor the config implies."""
-    if config["model_type"] == "gpt2":
-        hidden, inner, vocab = config["n_embd"], config["n_inner"], config["vocab_size"]
-        entries = {"transformer.wte.weight": _Entry("token_embd.weight", (vocab, hidden))}
-        entries["transformer.wpe.weight"] = _Entry("position_embd.weight", (config["n_positions"], hidden))
-        shapes = {"attn_qkv": (3 * hidden, hidden), "attn_output": (hidden, hidden)}
-        shapes |= {"ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
-        for layer in range(config["n_layer"]):
-            for gguf_suffix, hf_suffix in GPT2_BLOCK.items():
-                stem, kind = gguf_suffix.split(".")
-                weight = shapes.get(stem, (hidden,))
-                shape = weight if kind == "weight" else weight[:1]
-                entries[f"transformer.h.{layer}.{hf_suffix}"] = _Entry(
-                    f"blk.{layer}.{gguf_suffix}", shape, len(shape) == 2
-                )
-        entries["transformer.ln_f.weight"] = _Entry("output_norm.weight", (hidden,))
-        entries["transformer.ln_f.bias"] = _Entry("output_norm.bias", (hidden,))
-    else:
-        hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-        heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-        permute = config["model_type"] == "llama"
-        shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden)}
-        shapes |= {"attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim)}
-        shapes |= {"ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
-        shapes |= {"attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,)}
-        rotary_heads = {"attn_q": heads, "attn_k": kv_heads} if permute else {}
-        entries = {"model.embed_tokens.weight": _Entry("token_embd.weight", (vocab, hidden))}
-        for layer in range(config["num_hidden_layers"]):
-            for gguf_suffix, hf_suffix in LLAMA_BLOCK.items():
-                stem, kind = gguf_suffix.split(".")
-                if kind == "bias" and not config["attention_bias"]:
-                    continue
-                if stem in ("attn_q_norm", "attn_k_norm") and config["model_type"] != "qwen3":
-                    continue
-                weight = shapes.get(stem, (hidden,))
-                shape = weight if kind == "weight" else weight[:1]
-                entry = _Entry(f"blk.{layer}.{gguf_suffix}", shape, heads=rotary_heads.get(stem, 0))
-                entries[f"model.layers.{layer}.{hf_suffix}"] = entry
-        entries["model.norm.weight"] = _Entry("output_norm.weight", (hidden,))
+def _with_head(entries: dict[str, _Entry], config: dict, vocab: int, hidden: int) -> dict[str, _Entry]:
     if not config["tie_word_embeddings"]:
         entries["lm_head.weight"] = _Entry("output.weight", (vocab, hidden))
     return entries
+
+
+def gpt2_tensors(config: dict) -> dict[str, _Entry]:
+    """HF name -> where and how it is stored, for every tensor of a GPT-2 file."""
+    hidden, inner, vocab = config["n_embd"], config["n_inner"], config["vocab_size"]
+    entries = {"transformer.wte.weight": _Entry("token_embd.weight", (vocab, hidden))}
+    entries["transformer.wpe.weight"] = _Entry("position_embd.weight", (config["n_positions"], hidden))
+    shapes = {"attn_qkv": (3 * hidden, hidden), "attn_output": (hidden, hidden)}
+    shapes |= {"ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
+    for layer in range(config["n_layer"]):
+        for gguf_suffix, hf_suffix in GPT2_BLOCK.items():
+            stem, kind = gguf_suffix.split(".")
+            weight = shapes.get(stem, (hidden,))
+            shape = weight if kind == "weight" else weight[:1]
+            entries[f"transformer.h.{layer}.{hf_suffix}"] = _Entry(f"blk.{layer}.{gguf_suffix}", shape, len(shape) == 2)
+    entries["transformer.ln_f.weight"] = _Entry("output_norm.weight", (hidden,))
+    entries["transformer.ln_f.bias"] = _Entry("output_norm.bias", (hidden,))
+    return _with_head(entries, config, vocab, hidden)
+
+
+def llama_tensors(config: dict, *, permuted: bool = False, qk_norm: bool = False) -> dict[str, _Entry]:
+    """HF name -> where and how it is stored, for every tensor of a Llama-family file. permuted: llama.cpp
+    reordered the Q/K rows (its Llama converter, not Qwen's); qk_norm: per-head norms (Qwen3)."""
+    hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden)}
+    shapes |= {"attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim)}
+    shapes |= {"ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
+    shapes |= {"attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,)}
+    rotary_heads = {"attn_q": heads, "attn_k": kv_heads} if permuted else {}
+    entries = {"model.embed_tokens.weight": _Entry("token_embd.weight", (vocab, hidden))}
+    for layer in range(config["num_hidden_layers"]):
+        for gguf_suffix, hf_suffix in LLAMA_BLOCK.items():
+            stem, kind = gguf_suffix.split(".")
+            if (kind == "bias" and not config["attention_bias"]) or (stem in QK_NORMS and not qk_norm):
+                continue
+            weight = shapes.get(stem, (hidden,))
+            shape = weight if kind == "weight" else weight[:1]
+            entry = _Entry(f"blk.{layer}.{gguf_suffix}", shape, heads=rotary_heads.get(stem, 0))
+            entries[f"model.layers.{layer}.{hf_suffix}"] = entry
+    entries["model.norm.weight"] = _Entry("output_norm.weight", (hidden,))
+    return _with_head(entries, config, vocab, hidden)
 
 
 def _one_line(path: Path, error: Exception) -> str:
@@ -286,7 +290,7 @@ def _one_line(path: Path, error: Exception) -> str:
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
-    """Open a GGUF file of architecture llama, qwen2 or gpt2; GGUFError (one line) when it cannot be used."""
+    """Open a GGUF file of an architecture export/families.py names; GGUFError (one line) when it cannot be used."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -307,19 +311,20 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
 
 def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
+    from .families import gguf_family  # the families' rows name these readers
+
     arch = meta.get("general.architecture")
-    if arch not in (*LLAMA_LIKE, "gpt2"):
-        raise GGUFError(f"architecture {arch!r:.60} is not supported ({', '.join([*LLAMA_LIKE, 'gpt2'])} are)")
+    family = gguf_family(arch)
     for name, t in stored.items():
         if t.tensor_type not in SUPPORTED_TYPES:
             raise GGUFError(f"tensor {name} has type {t.tensor_type.name}, not supported")
     if "token_embd.weight" not in stored:
         raise GGUFError("tensor token_embd.weight is missing")
     vocab = int(stored["token_embd.weight"].shape[1])
-    config = _gpt2_config(meta, stored, vocab) if arch == "gpt2" else _llama_config(meta, arch, stored, vocab)
+    config = family.gguf_config(meta, stored, vocab)
     if config.get("num_hidden_layers", config.get("n_layer")) > len(stored):
         raise GGUFError(f"{len(stored)} tensors cannot hold the {meta[f'{arch}.block_count']} blocks it claims")
-    entries = _tensor_map(config)
+    entries = family.gguf_tensors(config)
     for hf_name, entry in entries.items():
         if entry.gguf_name not in stored:
             raise GGUFError(f"tensor {entry.gguf_name} ({hf_name}) is missing")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, read_config, read_json, read_pickle
-from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq
+from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, VARIANTS, Llama, LlamaConfig, rope_inv_freq
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -131,7 +131,8 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}: Llama-family models use 'silu'")
-    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+    variant = VARIANTS[model_type]
+    if not variant.qkv_bias and hf.get("attention_bias"):
         raise CheckpointError(
             "config.json sets attention_bias=true (an o_proj bias too), which edgelm does not implement"
         )
@@ -142,7 +143,7 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
         theta, scaling = _rope_from_hf(hf, n_positions)
         # A sliding window only changes attention once the context exceeds it; capping the context length at the
         # window means it never applies, so plain causal attention is exact (Mistral; Qwen2 when enabled).
-        window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
+        window = hf.get("sliding_window") if variant.window_always or hf.get("use_sliding_window") else None
         if window is not None and int(window) < n_positions:
             n_positions = int(window)
         n_head = int(hf["num_attention_heads"])
@@ -158,8 +159,8 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=model_type == "qwen2",  # Qwen2 always has Q/K/V biases; the config has no key for it
-            qk_norm=model_type == "qwen3",  # Qwen3 always norms its query and key heads
+            attention_bias=variant.qkv_bias,  # Qwen2's config has no key for its Q/K/V biases
+            qk_norm=variant.qk_norm,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
             bos_token_id=_first_id(hf.get("bos_token_id"), "bos_token_id"),
             eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),

@@ -30,7 +30,23 @@ import torch.nn.functional as F
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+@dataclass(frozen=True)
+class Variant:
+    """What a model_type fixes that its config.json does not say (hf_checkpoint.py maps the rest)."""
+
+    qkv_bias: bool = False  # Q/K/V biases, always (Qwen2); the others refuse config.json's attention_bias
+    qk_norm: bool = False  # per-head query/key RMSNorm (Qwen3)
+    window_always: bool = False  # config.json's sliding_window applies without use_sliding_window (Mistral)
+
+
+VARIANTS = {
+    "llama": Variant(),
+    "mistral": Variant(window_always=True),
+    "qwen2": Variant(qkv_bias=True),
+    "qwen3": Variant(qk_norm=True),
+}
+MODEL_TYPES = tuple(VARIANTS)
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
