@@ -19,8 +19,8 @@ import torch
 
 from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint
 from .decoder import Decoder, Layer, Linear, NBits, Norm
-from .gguf import GGUFError, gpt2_config, gpt2_tensors, llama_config, llama_tensors
-from .hf_checkpoint import build_llama, llama_config_from_hf, load_llama, read_extras
+from .gguf import GGUFError, gemma3_config, gemma3_tensors, gpt2_config, gpt2_tensors, llama_config, llama_tensors
+from .hf_checkpoint import build_llama, gemma3_config_from_hf, llama_config_from_hf, load_llama, read_extras, renamed
 from .llama import MODEL_TYPES, VARIANTS, Llama, rope_cos_sin
 from .model import GPT
 
@@ -66,7 +66,9 @@ def _packed(layers: list[torch.nn.Linear], nbits: NBits | None) -> Linear:
 
 
 def _norm(norm: torch.nn.Module) -> Norm:
-    return Norm(_array(norm.weight), None if getattr(norm, "bias", None) is None else _array(norm.bias))
+    """The graph's norms scale by their weight: an RMSNorm's offset (Gemma's 1 + w) is folded in, in fp32."""
+    weight = _array(norm.weight) + np.float32(getattr(norm, "offset", 0.0))
+    return Norm(weight, None if getattr(norm, "bias", None) is None else _array(norm.bias))
 
 
 def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
@@ -153,6 +155,7 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         def kept(*names: str) -> NBits | None:
             return kept_blocks(blocks, [f"{p}.{name}.weight" for name in names])  # noqa: B023  (called at once)
 
+        sandwich = block.sandwich  # Gemma 3: post_attention_layernorm follows attention, pre_feedforward leads the MLP
         layers.append(
             Layer(
                 attention_norm=_norm(block.input_layernorm),
@@ -160,14 +163,18 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
                     [a.q_proj, a.k_proj, a.v_proj], kept("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
                 ),
                 attention_out=_linear(a.o_proj, kept("self_attn.o_proj")),
-                mlp_norm=_norm(block.post_attention_layernorm),
+                mlp_norm=_norm(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm),
                 up=_packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
                 down=_linear(mlp.down_proj, kept("mlp.down_proj")),
                 q_norm=_norm(a.q_norm) if c.qk_norm else None,
                 k_norm=_norm(a.k_norm) if c.qk_norm else None,
+                attention_post_norm=_norm(block.post_attention_layernorm) if sandwich else None,
+                mlp_post_norm=_norm(block.post_feedforward_layernorm) if sandwich else None,
+                sliding_window=c.sliding_window if block.sliding else None,
             )
         )
     cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
+    local = rope_cos_sin(c, c.n_positions, local=True) if c.sliding_window else None
     return Decoder(
         family=c.model_type,
         vocab_size=c.vocab_size,
@@ -179,7 +186,7 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         inner_dim=c.n_inner,
         norm="rms",
         norm_eps=c.rms_norm_eps,
-        activation="silu",
+        activation="gelu_new" if c.hidden_act == "gelu_pytorch_tanh" else "silu",
         gated_mlp=True,
         embedding=_array(m.embed_tokens.weight),
         layers=layers,
@@ -188,6 +195,10 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
         rotary_cos=_array(cos),
         rotary_sin=_array(sin),
+        rotary_cos_local=None if local is None else _array(local[0]),
+        rotary_sin_local=None if local is None else _array(local[1]),
+        embedding_scale=float(np.float32(c.n_embd**0.5)) if c.embedding_scale else None,
+        attention_scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
     )
 
 
@@ -201,6 +212,8 @@ def llama_details(model: Llama) -> dict:
         "rms_norm_eps": c.rms_norm_eps,
         "attention_bias": c.attention_bias,
         "qk_norm": c.qk_norm,
+        **({"layer_types": c.layer_types, "sliding_window": c.sliding_window} if c.layer_types else {}),
+        **({"rope_local_theta": c.rope_local_theta} if c.sliding_window else {}),
         "tie_word_embeddings": c.tie_word_embeddings,
         "parameters": model.num_parameters(),
     }
@@ -269,6 +282,34 @@ def _llama_family(name: str) -> Family:
     )
 
 
+# Gemma 3's image-and-text checkpoints (model_type gemma3) keep the text model under another prefix
+# (transformers 5: model.language_model.*; 4.x: language_model.model.*) beside the vision tower, left out here.
+GEMMA3_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", None),
+    ("vision_tower.", None),
+    ("model.multi_modal_projector.", None),
+    ("multi_modal_projector.", None),
+)
+
+
+def _gemma3_family() -> Family:
+    return Family(
+        "gemma3_text",
+        "gemma3_text",
+        partial(load_llama, config_from_hf=gemma3_config_from_hf, renames=GEMMA3_RENAMES),
+        llama_decoder,
+        llama_details,
+        llama_tokens,
+        lambda hf, state: build_llama(gemma3_config_from_hf(hf), renamed(state, GEMMA3_RENAMES)),
+        gguf_architecture="gemma3",
+        gguf_config=gemma3_config,
+        gguf_tensors=gemma3_tensors,
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         "gpt2",
@@ -283,6 +324,8 @@ FAMILIES: dict[str, Family] = {
         gguf_tensors=gpt2_tensors,
     ),
     **{name: _llama_family(name) for name in MODEL_TYPES},
+    "gemma3_text": _gemma3_family(),
+    "gemma3": _gemma3_family(),  # its text part; the manifest says gemma3_text
 }
 
 

@@ -46,6 +46,23 @@ LLAMA_BLOCK = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 QK_NORMS = ("attn_q_norm", "attn_k_norm")
+# ... and for Gemma 3, whose norms come before and after attention and the MLP
+GEMMA3_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GEMMA3_FULL_EVERY = 6  # llama.cpp's loader: without a pattern key, layers 5, 11, ... are full attention
 # ... and for GPT-2 (`transformer.h.N.` + this)
 GPT2_BLOCK = {
     "attn_norm.weight": "ln_1.weight",
@@ -79,6 +96,7 @@ class _Entry:
     shape: tuple[int, ...]  # numpy shape as stored: (out, in) for a linear weight
     transpose: bool = False  # GPT-2 Conv1D: Hugging Face keeps (in, out)
     heads: int = 0  # > 0: undo llama.cpp's rotary row permutation over this many heads
+    shift: float = 0.0  # added on reading: -1 for Gemma's norms, which llama.cpp stores as 1 + w
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -117,6 +135,8 @@ class GGUFModel:
         weight = np.array(dequantize(stored.data, stored.tensor_type), dtype=np.float32).reshape(entry.shape)
         if entry.heads:
             weight = _unpermute_rows(weight, entry.heads)
+        if entry.shift:
+            weight += np.float32(entry.shift)
         return np.ascontiguousarray(weight.T) if entry.transpose else weight
 
     def matmul_nbits(self, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
@@ -236,6 +256,36 @@ def gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
     }
 
 
+def gemma3_config(meta: dict, stored: dict, vocab: int) -> dict:
+    """config.json of a Gemma 3 file. llama.cpp's converter writes the window but no layer pattern, sliding-layer
+    rotary base or attention scale: its loader fixes them (every 6th layer full, base 10000, head_dim ** -0.5 but
+    for the 27B's 62 layers); keys that newer writers add for them are read when present."""
+    config = llama_config(meta, stored, vocab, arch="gemma3", hf_class="Gemma3ForCausalLM")
+    n_layer, head_dim = config["num_hidden_layers"], config["head_dim"]
+    for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+        if meta.get(key):
+            raise GGUFError(f"metadata {key} is set: logit softcapping is not supported")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern")
+    if pattern is None:
+        pattern = [(i + 1) % GEMMA3_FULL_EVERY != 0 for i in range(n_layer)]
+    elif not isinstance(pattern, list) or len(pattern) != n_layer or not all(isinstance(p, bool) for p in pattern):
+        raise GGUFError(f"metadata gemma3.attention.sliding_window_pattern should be {n_layer} booleans")
+    scalar = config["hidden_size"] // config["num_attention_heads"] if n_layer == 62 else head_dim
+    del config["hidden_act"]
+    return config | {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],
+        "sliding_window": _number(meta, "gemma3.attention.sliding_window"),
+        "rope_local_base_freq": _number(meta, "gemma3.rope.freq_base_swa", 10000.0, kind=float),
+        "query_pre_attn_scalar": scalar,
+    }
+
+
+def gemma3_tensors(config: dict) -> dict[str, _Entry]:
+    return llama_tensors(config, qk_norm=True, block=GEMMA3_BLOCK, norm_shift=-1.0)
+
+
 def _with_head(entries: dict[str, _Entry], config: dict, vocab: int, hidden: int) -> dict[str, _Entry]:
     if not config["tie_word_embeddings"]:
         entries["lm_head.weight"] = _Entry("output.weight", (vocab, hidden))
@@ -260,9 +310,12 @@ def gpt2_tensors(config: dict) -> dict[str, _Entry]:
     return _with_head(entries, config, vocab, hidden)
 
 
-def llama_tensors(config: dict, *, permuted: bool = False, qk_norm: bool = False) -> dict[str, _Entry]:
+def llama_tensors(
+    config: dict, *, permuted: bool = False, qk_norm: bool = False, block: dict = LLAMA_BLOCK, norm_shift: float = 0.0
+) -> dict[str, _Entry]:
     """HF name -> where and how it is stored, for every tensor of a Llama-family file. permuted: llama.cpp
-    reordered the Q/K rows (its Llama converter, not Qwen's); qk_norm: per-head norms (Qwen3)."""
+    reordered the Q/K rows (its Llama converter, not Qwen's); qk_norm: per-head norms (Qwen3, Gemma 3);
+    block: the layer's names; norm_shift: added to every norm weight read."""
     hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden)}
@@ -272,15 +325,16 @@ def llama_tensors(config: dict, *, permuted: bool = False, qk_norm: bool = False
     rotary_heads = {"attn_q": heads, "attn_k": kv_heads} if permuted else {}
     entries = {"model.embed_tokens.weight": _Entry("token_embd.weight", (vocab, hidden))}
     for layer in range(config["num_hidden_layers"]):
-        for gguf_suffix, hf_suffix in LLAMA_BLOCK.items():
+        for gguf_suffix, hf_suffix in block.items():
             stem, kind = gguf_suffix.split(".")
             if (kind == "bias" and not config["attention_bias"]) or (stem in QK_NORMS and not qk_norm):
                 continue
             weight = shapes.get(stem, (hidden,))
             shape = weight if kind == "weight" else weight[:1]
-            entry = _Entry(f"blk.{layer}.{gguf_suffix}", shape, heads=rotary_heads.get(stem, 0))
+            shift = norm_shift if stem.endswith("norm") else 0.0
+            entry = _Entry(f"blk.{layer}.{gguf_suffix}", shape, heads=rotary_heads.get(stem, 0), shift=shift)
             entries[f"model.layers.{layer}.{hf_suffix}"] = entry
-    entries["model.norm.weight"] = _Entry("output_norm.weight", (hidden,))
+    entries["model.norm.weight"] = _Entry("output_norm.weight", (hidden,), shift=norm_shift)
     return _with_head(entries, config, vocab, hidden)
 
 

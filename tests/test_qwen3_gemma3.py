@@ -4,6 +4,7 @@ GGUF file written in llama.cpp's layout, run by edgelm's runtime (both graphs) a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from test_gguf import _add_tokenizer  # noqa: E402  (pytest puts tests/ on the path)
-from test_llama_export import EOS, PROMPTS, SMALL, genai_greedy, hf_greedy, make_folder, quiet  # noqa: E402
+from test_llama_export import EOS, PROMPTS, SMALL, TOKENIZER, genai_greedy, hf_greedy, quiet  # noqa: E402
 
 from edgelm.export.gguf import GGUFError, read_gguf  # noqa: E402
 from edgelm.export.onnx_export import export_package  # noqa: E402
@@ -22,9 +23,31 @@ from edgelm.runtime import load  # noqa: E402
 TOLERANCE = 1e-4
 NEW_TOKENS = 32
 GRAPHS = ("fused", "standard")
+WINDOW = 3  # shorter than every prompt: the sliding layers' mask and local rotary both count
 CASES = {
-    # name: (transformers class prefix, config overrides); head_dim 32 is not hidden / heads (16), as in Qwen3
-    "qwen3": ("Qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+    # name: (transformers config and model classes, config overrides); head_dim 32 is not hidden / heads (16)
+    "qwen3": (("Qwen3Config", "Qwen3ForCausalLM"), dict(head_dim=32, tie_word_embeddings=True)),
+    # llama.cpp's Gemma 3 layout: layers 0-4 sliding (local rotary base 10000), layer 5 full, with rope_theta
+    # and linear scaling (as the 1B's full layers), query_pre_attn_scalar = head_dim (what llama.cpp assumes)
+    "gemma3_text": (
+        ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        dict(
+            head_dim=32, num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=32,
+            initializer_range=0.05,  # with the sqrt(hidden) embedding scale, 0.15 gives a greedy run of one token
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+}  # fmt: skip
+# HF name in a layer -> llama.cpp's, where it differs by family (Gemma's norms around attention and the MLP)
+GGUF_RENAMES = {
+    "gemma3_text": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    }
 }
 # HF name in a layer -> llama.cpp's (convert_hf_to_gguf writes Qwen3's Q and K rows unpermuted)
 GGUF_NAMES = {
@@ -42,9 +65,31 @@ GGUF_NAMES = {
 }
 
 
+def make_folder(folder: Path, classes: tuple[str, str], overrides: dict) -> torch.nn.Module:
+    """A random transformers model saved with save_pretrained beside the bundled tokenizer (eval mode); its
+    norms drawn away from their initial values, so each one counts."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, classes[0])(**{**SMALL, **overrides})
+    model = getattr(transformers, classes[1])(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5) if "Gemma" in classes[1] else param.uniform_(0.5, 1.5)  # Gemma's 1 + w
+    model.save_pretrained(folder)
+    shutil.copyfile(TOKENIZER, folder / "tokenizer.json")
+    model.generation_config.eos_token_id = None  # transformers generates exactly NEW_TOKENS tokens
+    return model
+
+
 def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
-    """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys)."""
-    c, arch = hf.config, hf.config.model_type
+    """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys; Gemma's norms
+    as 1 + w, no lm_head, the window but no layer pattern or local rotary base)."""
+    c = hf.config
+    gemma = c.model_type == "gemma3_text"
+    arch = "gemma3" if gemma else c.model_type
+    names = GGUF_NAMES | GGUF_RENAMES.get(c.model_type, {})
     writer = gguf.GGUFWriter(path, arch)
     writer.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
     writer.add_uint32(f"{arch}.embedding_length", c.hidden_size)
@@ -54,18 +99,25 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
     writer.add_uint32(f"{arch}.attention.head_count_kv", c.num_key_value_heads)
     writer.add_uint32(f"{arch}.attention.key_length", c.head_dim)
     writer.add_uint32(f"{arch}.attention.value_length", c.head_dim)
-    writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters["full_attention"] if gemma else c.rope_parameters
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    if gemma:
+        writer.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{GGUF_NAMES[rest]}"
+            gguf_name = f"blk.{layer}.{names[rest]}"
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
             gguf_name = gguf_name.get(name, "output.weight")
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        shift = 1.0 if gemma and name.endswith("norm.weight") else 0.0
+        writer.add_tensor(gguf_name, tensor.float().numpy() + np.float32(shift))
     _add_tokenizer(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -86,7 +138,7 @@ def one_torch_thread():
 def folders(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
     root = tmp_path_factory.mktemp("families")
     cases = CASES.items()
-    return {case: (make_folder(root / case, family, overrides), root / case) for case, (family, overrides) in cases}
+    return {case: (make_folder(root / case, classes, overrides), root / case) for case, (classes, overrides) in cases}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +157,9 @@ def packages(folders) -> dict[tuple[str, str], Path]:
 
 @pytest.fixture(scope="module")
 def expected(folders) -> dict[str, list[list[int]]]:
-    return {case: [hf_greedy(hf, p) for p in PROMPTS] for case, (hf, _) in folders.items()}
+    out = {case: [hf_greedy(hf, p) for p in PROMPTS] for case, (hf, _) in folders.items()}
+    assert all(len(prompt) > WINDOW for prompt in PROMPTS)
+    return out
 
 
 SOURCES = (*GRAPHS, "gguf")
@@ -149,7 +203,7 @@ def test_greedy_equals_transformers_batch_1_and_padded(case, source, packages, e
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_onnxruntime_genai_runs_the_package(case, packages, expected):
     genai = json.loads((packages[case, "fused"] / "genai_config.json").read_text())
-    assert genai["model"]["type"] == case
+    assert genai["model"]["type"] == case  # onnxruntime-genai 0.18 knows qwen3 and gemma3_text
     for prompt, tokens in zip(PROMPTS[:2], expected[case][:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
         assert genai_greedy(packages[case, "fused"], prompt) == tokens
