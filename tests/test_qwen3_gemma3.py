@@ -215,21 +215,36 @@ def test_qwen3_gguf_config(folders, packages):
     assert config["model_type"] == "qwen3" and config["head_dim"] == 32 != SMALL["hidden_size"] // 6
 
 
-@pytest.mark.parametrize("key", ["qwen3.attention.key_length", "qwen3.rope.freq_base"])
-def test_hostile_qwen3_metadata_is_one_line_error(key, folders, tmp_path):
-    hf, folder = folders["qwen3"]
-    reader = gguf.GGUFReader(folder.parent / "qwen3.gguf")
-    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", "qwen3")
+HOSTILE = [  # (case, key, bad value): each file otherwise as written above
+    ("qwen3", "qwen3.attention.key_length", "many"),
+    ("qwen3", "qwen3.rope.freq_base", "many"),
+    ("gemma3_text", "gemma3.attention.sliding_window", "many"),
+    ("gemma3_text", "gemma3.attention.sliding_window", 0),
+    ("gemma3_text", "gemma3.rope.freq_base_swa", "many"),
+    ("gemma3_text", "gemma3.attention.sliding_window_pattern", "many"),
+    ("gemma3_text", "gemma3.final_logit_softcapping", 30.0),
+]
+
+
+@pytest.mark.parametrize("case,key,value", HOSTILE)
+def test_hostile_metadata_is_one_line_error(case, key, value, folders, tmp_path):
+    _, folder = folders[case]
+    reader = gguf.GGUFReader(folder.parent / f"{case}.gguf")
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", arch)
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", key):
             continue
-        value = field.contents()
-        if field.name == key:
-            writer.add_string(key, "many")
-        elif field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(field.name, value)
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(field.name, field.contents())
         else:
-            writer.add_key_value(field.name, value, field.types[0])
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_uint32(key, value)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
@@ -239,3 +254,37 @@ def test_hostile_qwen3_metadata_is_one_line_error(key, folders, tmp_path):
     with pytest.raises(GGUFError, match=key.replace(".", r"\.")) as error:
         read_gguf(tmp_path / "bad.gguf")
     assert "\n" not in str(error.value)
+
+
+def test_gemma3_gguf_config(folders):
+    """What llama.cpp's loader assumes for a Gemma 3 file: every 6th layer full, local base 10000."""
+    _, folder = folders["gemma3_text"]
+    config = read_gguf(folder.parent / "gemma3_text.gguf").hf_config
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["sliding_window"] == WINDOW and config["rope_local_base_freq"] == 10000.0
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and config["rope_theta"] == 1e5
+
+
+def test_gemma3_image_text_folder_exports_its_text_part(folders, tmp_path):
+    """model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
+    names for Gemma3ForConditionalGeneration), a vision tower beside them left out."""
+    from safetensors.torch import load_file, save_file
+
+    from edgelm.export.onnx_export import open_source
+
+    hf, folder = folders["gemma3_text"]
+    text = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "text_config": text, "eos_token_id": EOS})
+    )
+    state = {
+        "model.language_model." + k.removeprefix("model."): v
+        for k, v in load_file(folder / "model.safetensors").items()
+    }
+    state["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    save_file(state, tmp_path / "model.safetensors")
+    ids = torch.tensor([PROMPTS[2]])
+    source = open_source(tmp_path)
+    assert source.family.name == "gemma3_text"
+    with torch.no_grad():
+        assert (source.model(ids)[0] - hf(ids).logits).abs().max().item() < TOLERANCE
