@@ -288,3 +288,18 @@ def test_gemma3_image_text_folder_exports_its_text_part(folders, tmp_path):
     assert source.family.name == "gemma3_text"
     with torch.no_grad():
         assert (source.model(ids)[0] - hf(ids).logits).abs().max().item() < TOLERANCE
+
+
+def test_gemma3_gguf_weights_match_transformers_gguf_loader(folders):
+    """transformers' own GGUF reader (its Gemma 3 norm shift included) finds the HF weights in the file written
+    above, so the test file's layout is llama.cpp's as transformers reads it too, not only as edgelm does. (Its
+    config differs where the file is silent: query_pre_attn_scalar 256, no rope scaling; edgelm follows
+    llama.cpp's loader there.)"""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    hf, folder = folders["gemma3_text"]
+    loaded = AutoModelForCausalLM.from_pretrained(folder.parent, gguf_file="gemma3_text.gguf").state_dict()
+    expected = hf.state_dict()
+    assert set(loaded) == set(expected)
+    assert max((loaded[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
