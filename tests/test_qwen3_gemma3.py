@@ -226,12 +226,10 @@ HOSTILE = [  # (case, key, bad value): each file otherwise as written above
 ]
 
 
-@pytest.mark.parametrize("case,key,value", HOSTILE)
-def test_hostile_metadata_is_one_line_error(case, key, value, folders, tmp_path):
-    _, folder = folders[case]
-    reader = gguf.GGUFReader(folder.parent / f"{case}.gguf")
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", arch)
+def rewrite(source: Path, path: Path, key: str, add) -> Path:
+    """A copy of the GGUF file `source` with metadata `key` dropped and then `add(writer)` called."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name in ("general.architecture", key):
             continue
@@ -239,21 +237,38 @@ def test_hostile_metadata_is_one_line_error(case, key, value, folders, tmp_path)
             writer.add_array(field.name, field.contents())
         else:
             writer.add_key_value(field.name, field.contents(), field.types[0])
-    if isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    else:
-        writer.add_uint32(key, value)
+    add(writer)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+@pytest.mark.parametrize("case,key,value", HOSTILE)
+def test_hostile_metadata_is_one_line_error(case, key, value, folders, tmp_path):
+    _, folder = folders[case]
+    kind = {str: "add_string", float: "add_float32", int: "add_uint32"}[type(value)]
+    path = rewrite(folder.parent / f"{case}.gguf", tmp_path / "bad.gguf", key, lambda w: getattr(w, kind)(key, value))
     with pytest.raises(GGUFError, match=key.replace(".", r"\.")) as error:
-        read_gguf(tmp_path / "bad.gguf")
+        read_gguf(path)
     assert "\n" not in str(error.value)
+
+
+def test_gemma3_gguf_pattern_and_local_base_keys_are_read(folders, tmp_path):
+    """Newer writers' keys for what llama.cpp's Gemma 3 loader otherwise assumes."""
+    _, folder = folders["gemma3_text"]
+    pattern = [True, False, True, True, True, False]
+
+    def add(writer):
+        writer.add_sliding_window_pattern(pattern)
+        writer.add_rope_freq_base_swa(5000.0)
+
+    config = read_gguf(rewrite(folder.parent / "gemma3_text.gguf", tmp_path / "keys.gguf", "", add)).hf_config
+    assert config["layer_types"] == ["sliding_attention" if p else "full_attention" for p in pattern]
+    assert config["rope_local_base_freq"] == 5000.0
 
 
 def test_gemma3_gguf_config(folders):
