@@ -318,3 +318,44 @@ def test_gemma3_gguf_weights_match_transformers_gguf_loader(folders):
     expected = hf.state_dict()
     assert set(loaded) == set(expected)
     assert max((loaded[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
+
+
+GEMMA_PIECES = [  # a small SentencePiece vocabulary in Gemma's GGUF spelling: runs of spaces stored as spaces
+    "▁", *"abcdefghijklmnopqrstuvwxyz", "  ", "   ", "\n", ",", "!", "H", "W", "th", "he", "▁t", "▁th", "▁the", "at",
+    "▁c", "▁ca", "▁cat", "in", "▁in", "▁s", "▁sa", "▁sat", "ha", "▁h", "▁hat", "ll", "el", "ell", "ello", "He",
+    "Hell", "Hello", "▁▁", "sp", "ac", "es", "ace", "aces", "spaces", "▁spaces", "us", "er", "user",
+]  # fmt: skip
+
+
+def test_gemma_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    """A Gemma GGUF vocabulary (tokenizer model llama, no space prefix, byte fallback, scores that do not follow
+    the merge order) gives transformers' GGUF tokenizer's ids."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from edgelm.export.gguf_tokenizer import build_tokenizer_json
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens += [f"<0x{b:02X}>" for b in range(256)] + GEMMA_PIECES
+    types = [3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * len(GEMMA_PIECES)
+    writer = gguf.GGUFWriter(tmp_path / "tok.gguf", "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(list(np.random.default_rng(0).standard_normal(len(tokens))))
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    meta = {field.name: field.contents() for field in gguf.GGUFReader(tmp_path / "tok.gguf").fields.values()}
+    ours = Tokenizer.from_str(build_tokenizer_json(meta))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tok.gguf")
+    for text in ["the cat sat in the hat", "  two  spaces   here", "Hello, Wörld! 😀", "<start_of_turn>user\n", " the"]:
+        ids = ours.encode(text).ids
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=True) == text.replace("<start_of_turn>", "")
