@@ -359,3 +359,18 @@ def test_gemma_sentencepiece_tokenizer_matches_transformers(tmp_path):
         ids = ours.encode(text).ids
         assert ids == theirs(text)["input_ids"], text
         assert ours.decode(ids, skip_special_tokens=True) == text.replace("<start_of_turn>", "")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_genai_type_is_what_the_package_records_and_older_packages_keep_theirs(case, packages):
+    """The manifest records the family's genai type; a manifest from before that record still maps GPT-2 to
+    genai's "phi" and names the others' own type."""
+    from edgelm.runtime.contract import MANIFEST_FILE, Manifest, genai_config
+
+    data = json.loads((packages[case, "fused"] / MANIFEST_FILE).read_text())
+    assert data["architecture"]["genai_type"] == case
+    assert genai_config(Manifest.parse(data))["model"]["type"] == case
+    del data["architecture"]["genai_type"]
+    assert genai_config(Manifest.parse(data))["model"]["type"] == case
+    data["architecture"]["type"] = "gpt2"
+    assert genai_config(Manifest.parse(data))["model"]["type"] == "phi"
