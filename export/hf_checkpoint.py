@@ -190,7 +190,7 @@ def gemma3_config_from_hf(hf: dict) -> LlamaConfig:
             raise CheckpointError("config.json of model_type 'gemma3' has no text_config")
         hf = {**hf["text_config"], "model_type": "gemma3_text"}
     hf = {**GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in GEMMA3_DEFAULTS}}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
         if hf.get(key):
             raise CheckpointError(f"config.json sets {key}={hf[key]!r}, which edgelm does not implement")
     if hf["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -220,7 +220,6 @@ def gemma3_config_from_hf(hf: dict) -> LlamaConfig:
             rms_norm_eps=float(hf["rms_norm_eps"]),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=bool(hf.get("attention_bias", False)),
             qk_norm=True,
             tie_word_embeddings=bool(hf["tie_word_embeddings"]),
             bos_token_id=_first_id(hf.get("bos_token_id"), "bos_token_id"),

@@ -374,3 +374,21 @@ def test_genai_type_is_what_the_package_records_and_older_packages_keep_theirs(c
     assert genai_config(Manifest.parse(data))["model"]["type"] == case
     data["architecture"]["type"] = "gpt2"
     assert genai_config(Manifest.parse(data))["model"]["type"] == "phi"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"final_logit_softcapping": 30.0}, {"attn_logit_softcapping": 50.0}, {"attention_bias": True},
+     {"hidden_activation": "silu"}, {"layer_types": ["sliding_attention"]}],
+)  # fmt: skip
+def test_gemma3_config_edgelm_does_not_implement_is_refused(change, folders, tmp_path):
+    from edgelm.export.checkpoint import CheckpointError
+    from edgelm.export.onnx_export import open_source
+
+    _, folder = folders["gemma3_text"]
+    shutil.copytree(folder, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text()) | change
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=next(iter(change))) as error:
+        open_source(tmp_path / "model")
+    assert "\n" not in str(error.value)
