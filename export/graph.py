@@ -181,7 +181,7 @@ class _GraphBuilder:
 
     def head_norms(self, qkv: str, prefix: str, layer: Layer, decoder: Decoder) -> list[str]:
         """GroupQueryAttention's query, key and value inputs: the packed product alone, or, with per-head norms
-        (Qwen3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is)."""
+        (Qwen3, Gemma 3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is)."""
         if layer.q_norm is None:
             return [qkv, "", ""]
         d = decoder
