@@ -8,6 +8,11 @@ GPT-2 and Llama are the same network with different parts:
     positions         learned table added to tokens    rotary, applied to Q and K inside attention
     attention heads   n_kv_head == n_head              n_kv_head < n_head (grouped-query)
     Q/K/V biases      yes                              Qwen2 only
+    Q/K head norms    no                               Qwen3, Gemma 3 (RMSNorm per head, before the rotary)
+
+Gemma 3 adds, each a field below: an embedding scale, norms after attention and after the MLP, a GELU-tanh
+gate, its own attention scale, and sliding-window layers with their own rotary caches. Its RMSNorm's
+(1 + w) is folded into the Norm weights by the family adapter, so the graph's norms stay plain.
     output bias       yes                              no
     MLP               GELU(x W_fc) W_proj              (SiLU(x W_gate) * x W_up) W_down
     LM head           tied                             tied or untied
@@ -70,12 +75,17 @@ class Layer:
     mlp_norm: Norm
     up: Linear  # gated MLP: gate and up packed, out = 2 * inner (gate first); else out = inner
     down: Linear
+    q_norm: Norm | None = None  # (head_dim,): RMSNorm over each query head before the rotary (Qwen3)
+    k_norm: Norm | None = None  # (head_dim,): the same over each key head
+    attention_post_norm: Norm | None = None  # on the attention output, before the residual Add (Gemma 3)
+    mlp_post_norm: Norm | None = None  # on the MLP output, before the residual Add (Gemma 3)
+    sliding_window: int | None = None  # queries see the last this many positions (theirs included), with
+    # the Decoder's local rotary caches; None: full causal attention
 
 
 @dataclass
 class Decoder:
-    family: str  # "gpt2", "llama", "qwen2", "mistral": the manifest's architecture.type
-    genai_type: str  # onnxruntime-genai's model type for genai_config.json
+    family: str  # the manifest's architecture.type (export/families.py FAMILIES)
     vocab_size: int
     context_length: int
     n_embd: int
@@ -95,12 +105,18 @@ class Decoder:
     position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
     rotary_cos: np.ndarray | None = None  # (P, head_dim / 2): rotary positions inside attention (Llama)
     rotary_sin: np.ndarray | None = None
+    rotary_cos_local: np.ndarray | None = None  # (P, head_dim / 2): the sliding-window layers' (Gemma 3)
+    rotary_sin_local: np.ndarray | None = None
+    embedding_scale: float | None = None  # token embeddings times this (Gemma 3: sqrt(n_embd) in fp32)
+    attention_scale: float | None = None  # scores times this; None: 1 / sqrt(head_dim)
 
     def __post_init__(self) -> None:
         assert self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}"
         assert self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}"
         assert self.n_head % self.n_kv_head == 0, f"n_head {self.n_head} is not a multiple of n_kv_head"
         assert (self.position_table is None) != (self.rotary_cos is None), "positions: a table or rotary, not both"
+        sliding = any(layer.sliding_window is not None for layer in self.layers)
+        assert not sliding or self.rotary_cos_local is not None, "sliding-window layers need local rotary caches"
 
     @property
     def n_layer(self) -> int:

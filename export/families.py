@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ import torch
 
 from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint, read_json
 from .decoder import Decoder, Layer, Linear, NBits, Norm
-from .hf_checkpoint import build_llama, llama_config_from_hf, load_llama, read_extras
-from .llama import MODEL_TYPES, Llama, rope_cos_sin
+from .gguf import GGUFError, gemma3_config, gemma3_tensors, gpt2_config, gpt2_tensors, llama_config, llama_tensors
+from .hf_checkpoint import build_llama, gemma3_config_from_hf, llama_config_from_hf, load_llama, read_extras, renamed
+from .llama import MODEL_TYPES, VARIANTS, Llama, rope_cos_sin
 from .model import GPT
 
 # checkpoint tensor name -> (bits, packed, scales, zero points, offsets or None) for a MatMulNBits node, or None
@@ -63,7 +65,9 @@ def _packed(layers: list[torch.nn.Linear], nbits: NBits | None) -> Linear:
 
 
 def _norm(norm: torch.nn.Module) -> Norm:
-    return Norm(_array(norm.weight), None if getattr(norm, "bias", None) is None else _array(norm.bias))
+    """The graph's norms scale by their weight: an RMSNorm's offset (Gemma's 1 + w) is folded in, in fp32."""
+    weight = _array(norm.weight) + np.float32(getattr(norm, "offset", 0.0))
+    return Norm(weight, None if getattr(norm, "bias", None) is None else _array(norm.bias))
 
 
 def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
@@ -87,7 +91,6 @@ def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
     positions = t.wpe.weight if c.positional == "learned" else model.sinusoid
     return Decoder(
         family="gpt2",
-        genai_type="phi",  # see runtime/contract.py genai_config
         vocab_size=c.vocab_size,
         context_length=c.n_positions,
         n_embd=c.n_embd,
@@ -152,6 +155,7 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         def kept(*names: str) -> NBits | None:
             return kept_blocks(blocks, [f"{p}.{name}.weight" for name in names])  # noqa: B023  (called at once)
 
+        sandwich = block.sandwich  # Gemma 3: post_attention_layernorm follows attention, pre_feedforward leads the MLP
         layers.append(
             Layer(
                 attention_norm=_norm(block.input_layernorm),
@@ -159,15 +163,20 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
                     [a.q_proj, a.k_proj, a.v_proj], kept("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
                 ),
                 attention_out=_linear(a.o_proj, kept("self_attn.o_proj")),
-                mlp_norm=_norm(block.post_attention_layernorm),
+                mlp_norm=_norm(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm),
                 up=_packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
                 down=_linear(mlp.down_proj, kept("mlp.down_proj")),
+                q_norm=_norm(a.q_norm) if c.qk_norm else None,
+                k_norm=_norm(a.k_norm) if c.qk_norm else None,
+                attention_post_norm=_norm(block.post_attention_layernorm) if sandwich else None,
+                mlp_post_norm=_norm(block.post_feedforward_layernorm) if sandwich else None,
+                sliding_window=c.sliding_window if block.sliding else None,
             )
         )
     cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
+    local = rope_cos_sin(c, c.n_positions, local=True) if c.sliding_window else None
     return Decoder(
         family=c.model_type,
-        genai_type=c.model_type,
         vocab_size=c.vocab_size,
         context_length=c.n_positions,
         n_embd=c.n_embd,
@@ -177,7 +186,7 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         inner_dim=c.n_inner,
         norm="rms",
         norm_eps=c.rms_norm_eps,
-        activation="silu",
+        activation="gelu_new" if c.hidden_act == "gelu_pytorch_tanh" else "silu",
         gated_mlp=True,
         embedding=_array(m.embed_tokens.weight),
         layers=layers,
@@ -186,6 +195,10 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
         rotary_cos=_array(cos),
         rotary_sin=_array(sin),
+        rotary_cos_local=None if local is None else _array(local[0]),
+        rotary_sin_local=None if local is None else _array(local[1]),
+        embedding_scale=float(np.float32(c.n_embd**0.5)) if c.embedding_scale else None,
+        attention_scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
     )
 
 
@@ -198,6 +211,9 @@ def llama_details(model: Llama) -> dict:
         "rope_scaling": c.rope_scaling,
         "rms_norm_eps": c.rms_norm_eps,
         "attention_bias": c.attention_bias,
+        "qk_norm": c.qk_norm,
+        **({"layer_types": c.layer_types, "sliding_window": c.sliding_window} if c.layer_types else {}),
+        **({"rope_local_theta": c.rope_local_theta} if c.sliding_window else {}),
         "tie_word_embeddings": c.tie_word_embeddings,
         "parameters": model.num_parameters(),
     }
@@ -226,34 +242,92 @@ def checked_tokens(vocab_size: int, bos: int | None, eos: list[int], pad: int | 
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # the manifest's architecture.type
+    name: str  # the manifest's architecture.type: config.json's model_type
+    genai_type: str  # onnxruntime-genai's model type, written to genai_config.json
     load: Callable[[Path], torch.nn.Module]  # a Hugging Face-layout folder -> reference model (eval, fp32)
     decoder: Callable[..., Decoder]  # (reference model, *, blocks=None) -> what the fused graph is built from
     details: Callable[[torch.nn.Module], dict]  # facts for people, kept in the manifest
     tokens: Callable[[Path, torch.nn.Module], dict]  # folder -> bos_token_id, eos_token_ids, pad_token_id
     build: Callable[[dict, dict], torch.nn.Module]  # (Hugging Face config.json, state dict) -> model (GGUF files)
+    gguf_architecture: str | None = None  # general.architecture of a llama.cpp file of this family
+    gguf_config: Callable[[dict, dict, int], dict] | None = None  # (metadata, tensors, vocab) -> config.json
+    gguf_tensors: Callable[[dict], dict] | None = None  # config.json -> HF name -> where the file stores it
+
+
+def _llama_build(hf: dict, state: dict) -> Llama:
+    return build_llama(llama_config_from_hf(hf), state)
+
+
+# The Llama-family rows differ in data only: llama.py VARIANTS, and how llama.cpp writes them (Mistral files
+# say architecture "llama", so only the converted layout of the other three is read).
+LLAMA_GGUF = {  # model_type -> (transformers class, llama.cpp permuted Q/K rows)
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+
+
+def _llama_family(name: str) -> Family:
+    hf_class, permuted = LLAMA_GGUF.get(name, (None, False))
+    qk_norm = VARIANTS[name].qk_norm
+    return Family(
+        name,
+        name,
+        load_llama,
+        llama_decoder,
+        llama_details,
+        llama_tokens,
+        _llama_build,
+        gguf_architecture=name if hf_class else None,
+        gguf_config=partial(llama_config, arch=name, hf_class=hf_class) if hf_class else None,
+        gguf_tensors=partial(llama_tensors, permuted=permuted, qk_norm=qk_norm) if hf_class else None,
+    )
+
+
+# Gemma 3's image-and-text checkpoints (model_type gemma3) keep the text model under another prefix
+# (transformers 5: model.language_model.*; 4.x: language_model.model.*) beside the vision tower, left out here.
+GEMMA3_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", None),
+    ("vision_tower.", None),
+    ("model.multi_modal_projector.", None),
+    ("multi_modal_projector.", None),
+)
+
+
+def _gemma3_family() -> Family:
+    return Family(
+        "gemma3_text",
+        "gemma3_text",
+        partial(load_llama, config_from_hf=gemma3_config_from_hf, renames=GEMMA3_RENAMES),
+        llama_decoder,
+        llama_details,
+        llama_tokens,
+        lambda hf, state: build_llama(gemma3_config_from_hf(hf), renamed(state, GEMMA3_RENAMES)),
+        gguf_architecture="gemma3",
+        gguf_config=gemma3_config,
+        gguf_tensors=gemma3_tensors,
+    )
 
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         "gpt2",
+        "phi",  # genai's decoder-only type; its own "gpt2" expects a legacy combined past_%d cache
         load_checkpoint,
         gpt2_decoder,
         gpt2_details,
         gpt2_tokens,
         lambda hf, state: build_gpt(config_from_hf(hf), state),
+        gguf_architecture="gpt2",
+        gguf_config=gpt2_config,
+        gguf_tensors=gpt2_tensors,
     ),
-    **{
-        name: Family(
-            name,
-            load_llama,
-            llama_decoder,
-            llama_details,
-            llama_tokens,
-            lambda hf, state: build_llama(llama_config_from_hf(hf), state),
-        )
-        for name in MODEL_TYPES
-    },
+    **{name: _llama_family(name) for name in MODEL_TYPES},
+    "gemma3_text": _gemma3_family(),
+    "gemma3": _gemma3_family(),  # its text part; the manifest says gemma3_text
 }
 
 
@@ -264,3 +338,11 @@ def family_for(model_type: object) -> Family:
             f"unsupported model_type {model_type!r}: edgelm exports {', '.join(sorted(FAMILIES))} models"
         )
     return FAMILIES[model_type]
+
+
+def gguf_family(architecture: object) -> Family:
+    """The family of a GGUF file's general.architecture."""
+    by_gguf = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
+    if architecture not in by_gguf:
+        raise GGUFError(f"architecture {architecture!r:.60} is not supported ({', '.join(sorted(by_gguf))} are)")
+    return by_gguf[architecture]

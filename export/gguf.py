@@ -28,7 +28,6 @@ from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 BLOCK = 32  # Q4_0 / Q4_1 / Q8_0 block length, and the MatMulNBits block_size they map onto
-LLAMA_LIKE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TOKEN_IDS = ("bos", "eos", "eot", "padding", "unknown")  # the tokenizer.ggml.{name}_token_id keys export reads
 
 # GGUF block tensor -> HF name, for the Llama family (`model.layers.N.` + this)
@@ -41,11 +40,31 @@ LLAMA_BLOCK = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms, (head_dim,)
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+QK_NORMS = ("attn_q_norm", "attn_k_norm")
+# ... and for Gemma 3, whose norms come before and after attention and the MLP
+GEMMA3_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GEMMA3_FULL_EVERY = 6  # llama.cpp's loader: without a pattern key, layers 5, 11, ... are full attention
 # ... and for GPT-2 (`transformer.h.N.` + this)
 GPT2_BLOCK = {
     "attn_norm.weight": "ln_1.weight",
@@ -79,6 +98,7 @@ class _Entry:
     shape: tuple[int, ...]  # numpy shape as stored: (out, in) for a linear weight
     transpose: bool = False  # GPT-2 Conv1D: Hugging Face keeps (in, out)
     heads: int = 0  # > 0: undo llama.cpp's rotary row permutation over this many heads
+    shift: float = 0.0  # added on reading: -1 for Gemma's norms, which llama.cpp stores as 1 + w
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -90,7 +110,7 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 @dataclass
 class GGUFModel:
     path: Path
-    architecture: str  # general.architecture: "llama", "qwen2" or "gpt2"
+    architecture: str  # general.architecture: one of export/families.py's gguf_architecture
     hf_config: dict  # what a Hugging Face config.json for this model would say
     tokenizer_json: str  # tokenizer.json text built from tokenizer.ggml.*
     chat_template: str | None  # tokenizer.chat_template
@@ -117,6 +137,8 @@ class GGUFModel:
         weight = np.array(dequantize(stored.data, stored.tensor_type), dtype=np.float32).reshape(entry.shape)
         if entry.heads:
             weight = _unpermute_rows(weight, entry.heads)
+        if entry.shift:
+            weight += np.float32(entry.shift)
         return np.ascontiguousarray(weight.T) if entry.transpose else weight
 
     def matmul_nbits(self, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
@@ -211,7 +233,8 @@ def _llama3_scaling(factors: np.ndarray, *, theta: float, head_dim: int) -> dict
     return scaling
 
 
-def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
+def llama_config(meta: dict, stored: dict, vocab: int, *, arch: str, hf_class: str) -> dict:
+    """config.json of a Llama-family file (`arch` the file's general.architecture)."""
     heads = _number(meta, f"{arch}.attention.head_count")
     hidden = _number(meta, f"{arch}.embedding_length")
     kv_heads = _number(meta, f"{arch}.attention.head_count_kv", heads)
@@ -240,7 +263,7 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
         factors = np.asarray(dequantize(stored["rope_freqs.weight"].data, stored["rope_freqs.weight"].tensor_type))
         rope_scaling = _llama3_scaling(factors.reshape(-1), theta=theta, head_dim=head_dim)
     return {
-        "architectures": [LLAMA_LIKE[arch]],
+        "architectures": [hf_class],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -259,7 +282,7 @@ def _llama_config(meta: dict, arch: str, stored: dict, vocab: int) -> dict:
     }
 
 
-def _gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
+def gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
     hidden, heads = _number(meta, "gpt2.embedding_length"), _number(meta, "gpt2.attention.head_count")
     if hidden % heads:
         raise GGUFError(f"embedding_length {hidden} is not a multiple of head_count {heads}")
@@ -277,46 +300,86 @@ def _gpt2_config(meta: dict, stored: dict, vocab: int) -> dict:
     }
 
 
-def _tensor_map(config: dict) -> dict[str, _Entry]:
-    """HF name -> where and how it is stored, for every tensor the config implies."""
-    if config["model_type"] == "gpt2":
-        hidden, inner, vocab = config["n_embd"], config["n_inner"], config["vocab_size"]
-        entries = {"transformer.wte.weight": _Entry("token_embd.weight", (vocab, hidden))}
-        entries["transformer.wpe.weight"] = _Entry("position_embd.weight", (config["n_positions"], hidden))
-        shapes = {"attn_qkv": (3 * hidden, hidden), "attn_output": (hidden, hidden)}
-        shapes |= {"ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
-        for layer in range(config["n_layer"]):
-            for gguf_suffix, hf_suffix in GPT2_BLOCK.items():
-                stem, kind = gguf_suffix.split(".")
-                weight = shapes.get(stem, (hidden,))
-                shape = weight if kind == "weight" else weight[:1]
-                entries[f"transformer.h.{layer}.{hf_suffix}"] = _Entry(
-                    f"blk.{layer}.{gguf_suffix}", shape, len(shape) == 2
-                )
-        entries["transformer.ln_f.weight"] = _Entry("output_norm.weight", (hidden,))
-        entries["transformer.ln_f.bias"] = _Entry("output_norm.bias", (hidden,))
-    else:
-        hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-        heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-        permute = config["model_type"] == "llama"
-        shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden)}
-        shapes |= {"attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim)}
-        shapes |= {"ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
-        rotary_heads = {"attn_q": heads, "attn_k": kv_heads} if permute else {}
-        entries = {"model.embed_tokens.weight": _Entry("token_embd.weight", (vocab, hidden))}
-        for layer in range(config["num_hidden_layers"]):
-            for gguf_suffix, hf_suffix in LLAMA_BLOCK.items():
-                stem, kind = gguf_suffix.split(".")
-                if kind == "bias" and not config["attention_bias"]:
-                    continue
-                weight = shapes.get(stem, (hidden,))
-                shape = weight if kind == "weight" else weight[:1]
-                entry = _Entry(f"blk.{layer}.{gguf_suffix}", shape, heads=rotary_heads.get(stem, 0))
-                entries[f"model.layers.{layer}.{hf_suffix}"] = entry
-        entries["model.norm.weight"] = _Entry("output_norm.weight", (hidden,))
+def gemma3_config(meta: dict, stored: dict, vocab: int) -> dict:
+    """config.json of a Gemma 3 file. llama.cpp's converter writes the window but no layer pattern, sliding-layer
+    rotary base or attention scale: its loader fixes them (every 6th layer full, base 10000, head_dim ** -0.5 but
+    for the 27B's 62 layers); keys that newer writers add for them are read when present."""
+    config = llama_config(meta, stored, vocab, arch="gemma3", hf_class="Gemma3ForCausalLM")
+    n_layer, head_dim = config["num_hidden_layers"], config["head_dim"]
+    for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+        if meta.get(key):
+            raise GGUFError(f"metadata {key} is set: logit softcapping is not supported")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern")
+    if pattern is None:
+        pattern = [(i + 1) % GEMMA3_FULL_EVERY != 0 for i in range(n_layer)]
+    elif not isinstance(pattern, list) or len(pattern) != n_layer or not all(isinstance(p, bool) for p in pattern):
+        raise GGUFError(f"metadata gemma3.attention.sliding_window_pattern should be {n_layer} booleans")
+    scalar = config["hidden_size"] // config["num_attention_heads"] if n_layer == 62 else head_dim
+    del config["hidden_act"]
+    return config | {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],
+        "sliding_window": _number(meta, "gemma3.attention.sliding_window"),
+        "rope_local_base_freq": _number(meta, "gemma3.rope.freq_base_swa", 10000.0, kind=float),
+        "query_pre_attn_scalar": scalar,
+    }
+
+
+def gemma3_tensors(config: dict) -> dict[str, _Entry]:
+    return llama_tensors(config, qk_norm=True, block=GEMMA3_BLOCK, norm_shift=-1.0)
+
+
+def _with_head(entries: dict[str, _Entry], config: dict, vocab: int, hidden: int) -> dict[str, _Entry]:
     if not config["tie_word_embeddings"]:
         entries["lm_head.weight"] = _Entry("output.weight", (vocab, hidden))
     return entries
+
+
+def gpt2_tensors(config: dict) -> dict[str, _Entry]:
+    """HF name -> where and how it is stored, for every tensor of a GPT-2 file."""
+    hidden, inner, vocab = config["n_embd"], config["n_inner"], config["vocab_size"]
+    entries = {"transformer.wte.weight": _Entry("token_embd.weight", (vocab, hidden))}
+    entries["transformer.wpe.weight"] = _Entry("position_embd.weight", (config["n_positions"], hidden))
+    shapes = {"attn_qkv": (3 * hidden, hidden), "attn_output": (hidden, hidden)}
+    shapes |= {"ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
+    for layer in range(config["n_layer"]):
+        for gguf_suffix, hf_suffix in GPT2_BLOCK.items():
+            stem, kind = gguf_suffix.split(".")
+            weight = shapes.get(stem, (hidden,))
+            shape = weight if kind == "weight" else weight[:1]
+            entries[f"transformer.h.{layer}.{hf_suffix}"] = _Entry(f"blk.{layer}.{gguf_suffix}", shape, len(shape) == 2)
+    entries["transformer.ln_f.weight"] = _Entry("output_norm.weight", (hidden,))
+    entries["transformer.ln_f.bias"] = _Entry("output_norm.bias", (hidden,))
+    return _with_head(entries, config, vocab, hidden)
+
+
+def llama_tensors(
+    config: dict, *, permuted: bool = False, qk_norm: bool = False, block: dict = LLAMA_BLOCK, norm_shift: float = 0.0
+) -> dict[str, _Entry]:
+    """HF name -> where and how it is stored, for every tensor of a Llama-family file. permuted: llama.cpp
+    reordered the Q/K rows (its Llama converter, not Qwen's); qk_norm: per-head norms (Qwen3, Gemma 3);
+    block: the layer's names; norm_shift: added to every norm weight read."""
+    hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden)}
+    shapes |= {"attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim)}
+    shapes |= {"ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
+    shapes |= {"attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,)}
+    rotary_heads = {"attn_q": heads, "attn_k": kv_heads} if permuted else {}
+    entries = {"model.embed_tokens.weight": _Entry("token_embd.weight", (vocab, hidden))}
+    for layer in range(config["num_hidden_layers"]):
+        for gguf_suffix, hf_suffix in block.items():
+            stem, kind = gguf_suffix.split(".")
+            if (kind == "bias" and not config["attention_bias"]) or (stem in QK_NORMS and not qk_norm):
+                continue
+            weight = shapes.get(stem, (hidden,))
+            shape = weight if kind == "weight" else weight[:1]
+            shift = norm_shift if stem.endswith("norm") else 0.0
+            entry = _Entry(f"blk.{layer}.{gguf_suffix}", shape, heads=rotary_heads.get(stem, 0), shift=shift)
+            entries[f"model.layers.{layer}.{hf_suffix}"] = entry
+    entries["model.norm.weight"] = _Entry("output_norm.weight", (hidden,), shift=norm_shift)
+    return _with_head(entries, config, vocab, hidden)
 
 
 def _one_line(path: Path, error: Exception) -> str:
@@ -325,7 +388,7 @@ def _one_line(path: Path, error: Exception) -> str:
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
-    """Open a GGUF file of architecture llama, qwen2 or gpt2; GGUFError (one line) when it cannot be used."""
+    """Open a GGUF file of an architecture export/families.py names; GGUFError (one line) when it cannot be used."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -346,19 +409,20 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
 
 def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
+    from .families import gguf_family  # the families' rows name these readers
+
     arch = meta.get("general.architecture")
-    if arch not in (*LLAMA_LIKE, "gpt2"):
-        raise GGUFError(f"architecture {arch!r:.60} is not supported (llama, qwen2, gpt2 are)")
+    family = gguf_family(arch)
     for name, t in stored.items():
         if t.tensor_type not in SUPPORTED_TYPES:
             raise GGUFError(f"tensor {name} has type {t.tensor_type.name}, not supported")
     if "token_embd.weight" not in stored:
         raise GGUFError("tensor token_embd.weight is missing")
     vocab = int(stored["token_embd.weight"].shape[1])
-    config = _gpt2_config(meta, stored, vocab) if arch == "gpt2" else _llama_config(meta, arch, stored, vocab)
+    config = family.gguf_config(meta, stored, vocab)
     if config.get("num_hidden_layers", config.get("n_layer")) > len(stored):
         raise GGUFError(f"{len(stored)} tensors cannot hold the {meta[f'{arch}.block_count']} blocks it claims")
-    entries = _tensor_map(config)
+    entries = family.gguf_tensors(config)
     for hf_name, entry in entries.items():
         if entry.gguf_name not in stored:
             raise GGUFError(f"tensor {entry.gguf_name} ({hf_name}) is missing")

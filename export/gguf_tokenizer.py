@@ -6,6 +6,9 @@ A GGUF file carries its vocabulary as metadata, not as a tokenizer.json. Two kin
   tokenizer.json files say the same). An unknown name is refused: a wrong split gives wrong ids silently.
 - `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral ship it. Merges
   are recovered from the scores: a token is the merge of any two tokens that spell it, ranked by its score.
+  Gemma files (general.architecture gemma*) differ twice, as transformers' GGUF reader also handles them: their
+  runs of spaces are stored as spaces, not "▁", and their merge order is the tokens' order in the file, not
+  their scores. Gemma writes add_space_prefix false: no "▁" is prepended.
 Token types (llama.cpp's llama_token_type): 3 control -> special added token, 4 user-defined -> added token.
 """
 
@@ -90,6 +93,9 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ValueError("a llama-style (SentencePiece) tokenizer needs one tokenizer.ggml.scores entry per token")
+    if str(meta.get("general.architecture", "")).startswith("gemma"):
+        tokens = ["▁" * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
+        scores = [-float(index) for index in range(len(tokens))]  # earlier in the file merges first
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # checked: one per token
     for index, score in enumerate(scores):  # the merge ranks: a NaN compares false with every other score
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):

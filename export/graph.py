@@ -42,7 +42,7 @@ from edgelm.nbits_gather import gather_from_nbits
 from edgelm.onnxfile import placeholder
 
 from ..runtime.contract import IONames
-from .decoder import Decoder, Linear, NBits, Norm
+from .decoder import Decoder, Layer, Linear, NBits, Norm
 
 MS_DOMAIN = "com.microsoft"
 LOGITS_TO_KEEP = "num_logits_to_keep"
@@ -179,26 +179,46 @@ class _GraphBuilder:
         shape = ["batch_size", "sequence_length", decoder.n_embd]
         return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
 
+    def head_norms(self, qkv: str, prefix: str, layer: Layer, decoder: Decoder) -> list[str]:
+        """GroupQueryAttention's query, key and value inputs: the packed product alone, or, with per-head norms
+        (Qwen3, Gemma 3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is)."""
+        if layer.q_norm is None:
+            return [qkv, "", ""]
+        d = decoder
+        widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
+        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
+        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        heads = self.small_constant(f"{prefix}/head_shape", np.array([0, 0, -1, d.head_dim], dtype=np.int64))
+        flat = self.small_constant(f"{prefix}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
+        out = []
+        for name, norm, width in zip(("q", "k"), (layer.q_norm, layer.k_norm), widths, strict=False):
+            split = self.op("Reshape", [f"{prefix}/{name}", heads], f"{prefix}/{name}_heads")  # (B, T, heads, hs)
+            inputs = [split, self.constant(f"{prefix}.{name}_norm.weight", norm.weight)]
+            normed = self.op(
+                "SimplifiedLayerNormalization", inputs, f"{prefix}/{name}_norm", axis=-1, epsilon=d.norm_eps
+            )
+            self.float_output(normed, ["batch_size", "sequence_length", width // d.head_dim, d.head_dim])
+            out.append(self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed"))  # (B, T, heads * hs)
+        return [*out, f"{prefix}/v"]
+
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
+        """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
+        it: two MatMulNBits showed no clear win)."""
         h = self.linear(x, f"{prefix}.up", up)
         shape = ["batch_size", "sequence_length", decoder.inner_dim]
+        gate = h
+        if decoder.gated_mlp:
+            sizes = self.small_constant(f"{prefix}/split_sizes", np.array([decoder.inner_dim] * 2, dtype=np.int64))
+            names = [f"{prefix}/gate", f"{prefix}/up"]
+            self.nodes.append(helper.make_node("Split", [h, sizes], names, name=f"{prefix}/Split", axis=-1))
+            gate, h = names
         if decoder.activation == "silu":
-            if decoder.gated_mlp:  # one MatMul for gate and up, split after it (two MatMulNBits: no clear win)
-                sizes = self.small_constant(f"{prefix}/split_sizes", np.array([decoder.inner_dim] * 2, dtype=np.int64))
-                self.nodes.append(
-                    helper.make_node(
-                        "Split", [h, sizes], [f"{prefix}/gate", f"{prefix}/up"], name=f"{prefix}/Split", axis=-1
-                    )
-                )
-                gate, h = f"{prefix}/gate", f"{prefix}/up"
-            else:
-                gate = h
-            silu = self.op("Mul", [gate, self.op("Sigmoid", [gate], f"{prefix}/Sigmoid")], f"{prefix}/SiLU")
-            h = silu if not decoder.gated_mlp else self.op("Mul", [silu, h], f"{prefix}/gated")
-            return h
-        assert not decoder.gated_mlp, "a gated MLP with GELU is not built yet"
-        gelu = "Gelu" if decoder.activation == "gelu" else "FastGelu"  # exact erf form, or GPT-2's tanh form
-        return self.float_output(self.op(gelu, [h], f"{prefix}/{gelu}", domain=MS_DOMAIN), shape)
+            act = self.op("Mul", [gate, self.op("Sigmoid", [gate], f"{prefix}/Sigmoid")], f"{prefix}/SiLU")
+        else:
+            gelu = "Gelu" if decoder.activation == "gelu" else "FastGelu"  # exact erf form, or the tanh form
+            act = self.float_output(self.op(gelu, [gate], f"{prefix}/{gelu}", domain=MS_DOMAIN), shape)
+        return self.op("Mul", [act, h], f"{prefix}/gated") if decoder.gated_mlp else act
 
 
 def build_fused_graph(
@@ -223,12 +243,18 @@ def build_fused_graph(
     else:
         x = g.op("Gather", [g.constant("embed.weight", d.embedding), io.input_ids], "embed/Gather", axis=0)
         head = g.constant("lm_head.weight_T", d.lm_head)
+    if d.embedding_scale is not None:
+        scale = g.small_constant("embed/scale", np.array(d.embedding_scale, dtype=np.float32))
+        x = g.op("Mul", [x, scale], "embed/Mul")  # (B, T, C)
     if d.position_table is not None:
         positions = g.op("Gather", [g.constant("positions.weight", d.position_table), io.position_ids], "pos/Gather")
         x = g.op("Add", [x, positions], "embeddings/Add")  # (B, T, C)
-    rotary = []
+    rotary, local_rotary = [], []
     if d.rotary_cos is not None:
         rotary = [g.constant("rotary.cos", d.rotary_cos), g.constant("rotary.sin", d.rotary_sin)]
+    if d.rotary_cos_local is not None:
+        local_rotary = [g.constant("rotary.cos_local", d.rotary_cos_local)]
+        local_rotary.append(g.constant("rotary.sin_local", d.rotary_sin_local))
 
     # Each row's length and the longest total, from the attention mask, for every attention node.
     lengths = g.op("ReduceSum", [io.attention_mask, axis_1], "mask/ReduceSum", keepdims=0)  # (B,)
@@ -244,23 +270,32 @@ def build_fused_graph(
         qkv = g.linear(h, f"{p}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
         past_key, past_value = io.past(i)
         present_key, present_value = io.present(i)
+        # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
+        # own position in local_window_size, as transformers' sliding_window does: checked against it)
+        window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}
+        caches = local_rotary if layer.sliding_window is not None else rotary
         g.nodes.append(
             helper.make_node(
                 "GroupQueryAttention",
-                [qkv, "", "", past_key, past_value, seqlens_k, total_length, *rotary],
+                [*g.head_norms(qkv, p, layer, d), past_key, past_value, seqlens_k, total_length, *caches],
                 [f"{p}/attention", present_key, present_value],
                 name=f"{p}/GroupQueryAttention",
                 domain=MS_DOMAIN,
                 num_heads=d.n_head,
                 kv_num_heads=d.n_kv_head,
-                scale=1.0 / float(np.sqrt(d.head_dim)),
+                scale=d.attention_scale or 1.0 / float(np.sqrt(d.head_dim)),
                 **({"do_rotary": 1, "rotary_interleaved": 0} if rotary else {}),
+                **window,
             )
         )
         attention = g.float_output(f"{p}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
         out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+        if layer.attention_post_norm is not None:
+            out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
         h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
         down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
+        if layer.mlp_post_norm is not None:
+            down = g.norm(down, f"{p}.mlp_post_norm", layer.mlp_post_norm, d)
         if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
             nxt = f"layers.{i + 1}.attention_norm"
             h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")

@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family folders (model_type llama, mistral, qwen2), read without transformers.
+"""Hugging Face Llama-family folders (model_type llama, mistral, qwen2, qwen3), read without transformers.
 
 A folder holds `config.json`, the weights (`model.safetensors`; or shards `model-0000N-of-0000M.safetensors`
 listed in `model.safetensors.index.json`; or `pytorch_model.bin`, loaded with `torch.load(weights_only=True)`),
@@ -25,7 +25,7 @@ from .checkpoint import (
     read_pickle,
 )
 from .limits import MAX_NORM_EPSILON
-from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq
+from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, VARIANTS, Llama, LlamaConfig, rope_inv_freq
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -146,13 +146,15 @@ def _first_id(value: object, key: str) -> int | None:
 
 
 def llama_config_from_hf(hf: dict) -> LlamaConfig:
-    """Map a Hugging Face config.json (llama, mistral, qwen2) onto LlamaConfig; refuse what Llama does not implement."""
+    """Map a Hugging Face config.json (llama, mistral, qwen2, qwen3) onto LlamaConfig; refuse what Llama does not
+    implement."""
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}: Llama-family models use 'silu'")
-    if model_type == "llama" and hf.get("attention_bias"):
+    variant = VARIANTS[model_type]
+    if not variant.qkv_bias and hf.get("attention_bias"):
         raise CheckpointError(
             "config.json sets attention_bias=true (an o_proj bias too), which edgelm does not implement"
         )
@@ -163,7 +165,7 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
         theta, scaling = _rope_from_hf(hf, n_positions)
         # A sliding window only changes attention once the context exceeds it; capping the context length at the
         # window means it never applies, so plain causal attention is exact (Mistral; Qwen2 when enabled).
-        window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
+        window = hf.get("sliding_window") if variant.window_always or hf.get("use_sliding_window") else None
         capped = window is not None and config_number(hf, "sliding_window") < n_positions
         n_positions = config_context_length(
             window if capped else n_positions, "sliding_window" if capped else "max_position_embeddings"
@@ -181,7 +183,8 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
             rms_norm_eps=config_number(hf, "rms_norm_eps", 1e-6, kind=float, below=MAX_NORM_EPSILON),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=model_type == "qwen2",  # Qwen2 always has Q/K/V biases; the config has no key for it
+            attention_bias=variant.qkv_bias,  # Qwen2's config has no key for its Q/K/V biases
+            qk_norm=variant.qk_norm,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
             bos_token_id=_first_id(hf.get("bos_token_id"), "bos_token_id"),
             eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
@@ -193,6 +196,89 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"config.json is invalid: {e}") from None
+
+
+GEMMA3_DEFAULTS = {  # transformers' Gemma3TextConfig defaults: a gemma3 config's text_config may leave them out
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def gemma3_config_from_hf(hf: dict) -> LlamaConfig:
+    """Map a Gemma 3 config.json onto LlamaConfig: gemma3_text, or gemma3 (image and text), whose text part
+    (`text_config`) is exported; refuse what the reference model does not implement."""
+    if hf.get("model_type") == "gemma3":
+        if not isinstance(hf.get("text_config"), dict):
+            raise CheckpointError("config.json of model_type 'gemma3' has no text_config")
+        hf = {**hf["text_config"], "model_type": "gemma3_text"}
+    hf = {**GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in GEMMA3_DEFAULTS}}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
+        if hf.get(key):
+            raise CheckpointError(f"config.json sets {key}={hf[key]!r}, which edgelm does not implement")
+    if hf["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"unsupported hidden_activation {hf['hidden_activation']!r} for Gemma 3")
+    try:
+        n_positions = config_context_length(config_number(hf, "max_position_embeddings"), "max_position_embeddings")
+        n_layer = config_number(hf, "num_hidden_layers")
+        # transformers 5: per layer type {"full_attention": {...}, "sliding_attention": {...}}; 4.x: flat keys
+        params = hf.get("rope_parameters") or {}
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        theta, scaling = _rope_from_hf({"rope_parameters": full} if full else hf, n_positions)
+        if local.get("rope_type", "default") != "default":
+            raise CheckpointError(f"sliding-layer rope_type {local['rope_type']!r} is not supported")
+        pattern = config_number(hf, "sliding_window_pattern", 6)  # the older key: every pattern-th layer is full
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)
+        ]
+        n_head = config_number(hf, "num_attention_heads")
+        return LlamaConfig(
+            vocab_size=config_number(hf, "vocab_size"),
+            n_positions=n_positions,
+            n_embd=config_number(hf, "hidden_size"),
+            n_layer=n_layer,
+            n_head=n_head,
+            n_kv_head=config_number(hf, "num_key_value_heads", n_head),
+            head_dim=config_number(hf, "head_dim"),
+            n_inner=config_number(hf, "intermediate_size"),
+            rms_norm_eps=config_number(hf, "rms_norm_eps", kind=float, below=MAX_NORM_EPSILON),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qk_norm=True,
+            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            bos_token_id=_first_id(hf.get("bos_token_id"), "bos_token_id"),
+            eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
+            model_type="gemma3_text",
+            hidden_act="gelu_pytorch_tanh",
+            norm_offset=1.0,
+            embedding_scale=True,
+            sandwich_norms=True,
+            query_pre_attn_scalar=config_number(hf, "query_pre_attn_scalar", kind=float),
+            layer_types=list(layer_types),
+            sliding_window=config_number(hf, "sliding_window") if "sliding_attention" in layer_types else None,
+            rope_local_theta=float(local.get("rope_theta", hf["rope_local_base_freq"])),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json is invalid: {e}") from None
+
+
+def renamed(state: dict[str, torch.Tensor], renames: tuple[tuple[str, str | None], ...]) -> dict[str, torch.Tensor]:
+    """`state` with each name's first matching prefix replaced (None: the tensor is dropped)."""
+    out = {}
+    for name, tensor in state.items():
+        for prefix, replacement in renames:
+            if name.startswith(prefix):
+                if replacement is not None:
+                    out[replacement + name[len(prefix) :]] = tensor
+                break
+        else:
+            out[name] = tensor
+    return out
 
 
 def build_llama(config: LlamaConfig, state: dict[str, torch.Tensor]) -> Llama:
@@ -223,11 +309,12 @@ def build_llama(config: LlamaConfig, state: dict[str, torch.Tensor]) -> Llama:
     model.load_state_dict(loaded, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)  # the buffer is not in the state dict; it was built on meta
-    if not torch.isfinite(model.inv_freq).all():
-        raise CheckpointError(
-            f"rotary frequencies are not finite (rope_theta {config.rope_theta}, rope_scaling {config.rope_scaling})"
-        )
+    model.inv_freq = rope_inv_freq(config)  # the buffers are not in the state dict; they were built on meta
+    model.inv_freq_local = rope_inv_freq(config, local=True)
+    for freq in (model.inv_freq, model.inv_freq_local):
+        if not torch.isfinite(freq).all():
+            rope = f"rope_theta {config.rope_theta}, rope_scaling {config.rope_scaling}"
+            raise CheckpointError(f"rotary frequencies are not finite ({rope})")
     return model.eval()
 
 
@@ -264,11 +351,14 @@ def read_extras(folder: str | Path) -> dict:
     }
 
 
-def load_llama(folder: str | Path) -> Llama:
-    """Load a Hugging Face llama / mistral / qwen2 folder into the reference model (eval mode, fp32).
+def load_llama(
+    folder: str | Path, *, config_from_hf=llama_config_from_hf, renames: tuple[tuple[str, str | None], ...] = ()
+) -> Llama:
+    """Load a Hugging Face llama / mistral / qwen2 / qwen3 folder (or, with the family's config mapping and
+    tensor renames, a Gemma 3 one) into the reference model (eval mode, fp32).
     The config's BOS/EOS ids are those of read_extras (generation_config.json first)."""
     folder = Path(folder)
-    config = llama_config_from_hf(read_config(folder))
+    config = config_from_hf(read_config(folder))
     extras = read_extras(folder)
     config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
-    return build_llama(config, read_safetensors_folder(folder))
+    return build_llama(config, renamed(read_safetensors_folder(folder), renames))

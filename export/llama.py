@@ -1,4 +1,4 @@
-"""The reference Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2).
+"""The reference Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Gemma 3 text).
 
 The same interface as model.py's GPT, so export and parity checks treat both families alike:
 
@@ -12,7 +12,15 @@ What differs from GPT-2, in one place:
 - grouped-query attention (Ainslie et al. 2023): n_kv_head <= n_head key/value heads, each shared by
   n_head / n_kv_head query heads; the cache holds n_kv_head heads, (B, n_kv_head, past + T, head_dim);
 - a SiLU-gated feed-forward, down(silu(gate(x)) * up(x)) (Shazeer 2020), with no biases;
-- no biases in the projections, except Q/K/V biases in Qwen2.
+- no biases in the projections, except Q/K/V biases in Qwen2;
+- Qwen3 and Gemma 3: an RMSNorm over each query and key head (width head_dim, its own weight) before the rotary.
+
+Gemma 3 (fields off by default, so the others never see them): token embeddings times sqrt(n_embd); RMSNorm
+scaling by (1 + weight); a norm after attention and after the MLP as well as before each (its
+post_attention_layernorm is that post-attention norm, and pre_feedforward_layernorm the MLP's input norm);
+a GELU-tanh gate; attention scaled by query_pre_attn_scalar ** -0.5; and sliding-window layers
+(`layer_types`), whose queries see only the last `sliding_window` positions (their own included), with
+their own rotary base and no rope scaling.
 
 Parameter names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, ...), all `nn.Linear` in
 (out, in) layout, so a Hugging Face state dict loads with no renaming or transposing (hf_checkpoint.py).
@@ -31,7 +39,25 @@ from .limits import check_table_memory
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+@dataclass(frozen=True)
+class Variant:
+    """What a model_type fixes that its config.json does not say (hf_checkpoint.py maps the rest)."""
+
+    qkv_bias: bool = False  # Q/K/V biases, always (Qwen2); the others refuse config.json's attention_bias
+    qk_norm: bool = False  # per-head query/key RMSNorm (Qwen3)
+    window_always: bool = False  # config.json's sliding_window applies without use_sliding_window (Mistral)
+
+
+VARIANTS = {
+    "llama": Variant(),
+    "mistral": Variant(window_always=True),
+    "qwen2": Variant(qkv_bias=True),
+    "qwen3": Variant(qk_norm=True),
+}
+MODEL_TYPES = tuple(VARIANTS)
+GEMMA_TYPES = ("gemma3_text",)  # hf_checkpoint.py gemma3_config_from_hf
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -52,16 +78,32 @@ class LlamaConfig:
     rope_theta: float = 10000.0  # RoPE base: frequency i is rope_theta ** (-2i / head_dim)
     rope_scaling: dict | None = None  # None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}
     attention_bias: bool = False  # biases on Q/K/V (Qwen2); o_proj never has one
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotary (Qwen3)
     tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)  # generation stops at any of these
-    model_type: str = "llama"  # "llama", "mistral" or "qwen2": the genai_config.json type
+    model_type: str = "llama"  # one of MODEL_TYPES or GEMMA_TYPES: the manifest's architecture.type
+    hidden_act: str = "silu"  # the gate's activation: "silu" or "gelu_pytorch_tanh" (Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 in Gemma 3
+    embedding_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to fp32 (Gemma 3)
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scores times this ** -0.5; None: head_dim
+    layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: all full attention
+    sliding_window: int | None = None  # a sliding layer's query sees the last this many positions
+    rope_local_theta: float = 10000.0  # the sliding layers' rotary base (no scaling)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.n_embd // self.n_head  # the documented default, not an override
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+        if self.model_type not in MODEL_TYPES + GEMMA_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES + GEMMA_TYPES}, got {self.model_type!r}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {self.hidden_act!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types must be {self.n_layer} of {LAYER_TYPES}, got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ValueError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         if self.head_dim % 2 != 0:
@@ -118,11 +160,13 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Rotary frequencies (head_dim/2,): theta ** (-2i / head_dim), with the config's scaling applied."""
+def rope_inv_freq(config: LlamaConfig, *, local: bool = False) -> torch.Tensor:
+    """Rotary frequencies (head_dim/2,): theta ** (-2i / head_dim), with the config's scaling applied; local:
+    the sliding layers' (rope_local_theta, unscaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
@@ -142,11 +186,12 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-def rope_cos_sin(config: LlamaConfig, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(config: LlamaConfig, n_positions: int, *, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * frequency, each (n_positions, head_dim/2): the caches ONNX Runtime's
     GroupQueryAttention (do_rotary=1, rotary_interleaved=0) takes."""
     check_table_memory(n_positions, config.head_dim, "the rotary cos and sin tables, (positions, head_dim / 2) each,")
-    angles = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(config)  # (P, hs/2)
+    inv_freq = rope_inv_freq(config, local=local)
+    angles = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1) * inv_freq  # (P, hs/2)
     return torch.cos(angles), torch.sin(angles)
 
 
@@ -157,28 +202,39 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated_half * sin
 
 
-def attention_bias(attention_mask: torch.Tensor, past_length: int, T: int) -> torch.Tensor:
+def attention_bias(
+    attention_mask: torch.Tensor,
+    past_length: int,
+    T: int,
+    window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Additive bias (B, 1, T, past + T): 0 where query i (absolute position past + i) may see key j, that is
     j <= past + i and key j is not padding; a large finite negative number elsewhere (so a fully padded row
-    gives a uniform softmax, not NaN)."""
+    gives a uniform softmax, not NaN). A sliding layer (window, position_ids (B, T)) also hides keys whose
+    position is `window` or more before the query's: positions, not slots, as a right-padded row's cache has
+    padding slots between its prompt and the tokens generated after it."""
     device = attention_mask.device
     query_pos = torch.arange(T, device=device).unsqueeze(1) + past_length  # (T, 1)
     key_pos = torch.arange(past_length + T, device=device).unsqueeze(0)  # (1, past + T)
     allowed = (key_pos <= query_pos).unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, T, past + T)
+    if window is not None:
+        key_positions = attention_mask.long().cumsum(-1) - 1  # (B, past + T): each real key's position
+        allowed = allowed & (key_positions.unsqueeze(1) > position_ids.unsqueeze(-1) - window)
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
     return bias.masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019)."""
+    """x / sqrt(mean(x^2) + eps) * (offset + weight) (Zhang & Sennrich 2019; Gemma's offset 1)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (self.offset + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 class Attention(nn.Module):
@@ -190,6 +246,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+        self.qk_norm = config.qk_norm
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
 
     def forward(
         self,
@@ -203,6 +264,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.qk_norm:  # per head, over its head_dim values
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the cache holds rotated keys
         if past is not None:
             k = torch.cat([past[0], k], dim=2)  # (B, nkv, past + T, hs)
@@ -211,7 +274,7 @@ class Attention(nn.Module):
         group = self.n_head // self.n_kv_head
         k_heads = k.repeat_interleave(group, dim=1)  # (B, nh, past + T, hs)
         v_heads = v.repeat_interleave(group, dim=1)
-        scores = (q @ k_heads.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, past + T)
+        scores = (q @ k_heads.transpose(-2, -1)) * self.scale  # (B, nh, T, past + T)
         y = F.softmax(scores + bias, dim=-1) @ v_heads  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.o_proj(y), (k, v)
@@ -223,21 +286,33 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
         self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
         self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
+        self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, sliding: bool = False):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(config.n_embd, eps, offset)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, eps, offset)  # sandwich: after attention
         self.mlp = GatedMLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.n_embd, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.n_embd, eps, offset)
+        self.sliding = sliding  # a sliding-window layer: the local mask and rotary
 
     def forward(self, x, bias, cos, sin, past):
         attn_out, present = self.self_attn(self.input_layernorm(x), bias, cos, sin, past)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn_out)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), present
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, present
@@ -247,17 +322,19 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        self.layer_types = config.layer_types or ["full_attention"] * config.n_layer
         self.model = nn.ModuleDict(
             dict(
                 embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
-                layers=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                norm=RMSNorm(config.n_embd, config.rms_norm_eps),
+                layers=nn.ModuleList([Block(config, kind == "sliding_attention") for kind in self.layer_types]),
+                norm=RMSNorm(config.n_embd, config.rms_norm_eps, config.norm_offset),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (hs/2,)
+        self.register_buffer("inv_freq_local", rope_inv_freq(config, local=True), persistent=False)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -290,15 +367,25 @@ class Llama(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past_length, total, device=input_ids.device).unsqueeze(0).expand(B, T)
         bias = attention_bias(attention_mask, past_length, T)
+        sliding = "sliding_attention" in self.layer_types
+        window = self.config.sliding_window
+        local_bias = attention_bias(attention_mask, past_length, T, window, position_ids) if sliding else bias
 
-        angles = position_ids.unsqueeze(-1).float() * self.inv_freq  # (B, T, hs/2)
-        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, hs): both halves of a pair
-        cos, sin = angles.cos(), angles.sin()
+        def cos_sin(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            angles = position_ids.unsqueeze(-1).float() * inv_freq  # (B, T, hs/2)
+            angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, hs): both halves of a pair
+            return angles.cos(), angles.sin()
+
+        rotary = cos_sin(self.inv_freq)
+        local_rotary = cos_sin(self.inv_freq_local) if sliding else rotary
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        if self.config.embedding_scale:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         present: Past = []
         for i, block in enumerate(self.model.layers):
-            x, layer_present = block(x, bias, cos, sin, None if past_key_values is None else past_key_values[i])
+            layer_bias, (cos, sin) = (local_bias, local_rotary) if block.sliding else (bias, rotary)
+            x, layer_present = block(x, layer_bias, cos, sin, None if past_key_values is None else past_key_values[i])
             present.append(layer_present)
         x = self.model.norm(x)
         if last_token_logits:

@@ -203,6 +203,7 @@ def build_manifest(
         n_kv_head=config.n_kv_head,
         head_dim=config.head_dim,
         details=source.family.details(source.model),
+        genai_type=source.family.genai_type,
     )
     tokens = Tokens(
         file="tokenizer.json" if "tokenizer.json" in {*source.files, *source.texts} else None,

@@ -69,7 +69,7 @@ class Architecture:
     """What the runtime needs of the network's shape; `details` holds family facts for people (width,
     positions, rope_theta, parameter count), which the runtime never reads."""
 
-    type: str  # where the package came from: "gpt2", "llama", "qwen2", "mistral"
+    type: str  # where the package came from: "gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma3_text"
     vocab_size: int
     context_length: int  # the most tokens (prompt + generated) the model attends over
     n_layer: int
@@ -77,6 +77,7 @@ class Architecture:
     n_kv_head: int  # key/value heads (< n_head: grouped-query attention); the cache holds these
     head_dim: int
     details: dict = field(default_factory=dict)
+    genai_type: str | None = None  # onnxruntime-genai's model type (the family's); None in packages before it
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Manifest:
             n_kv_head=n_kv_head,
             head_dim=integer(arch, "head_dim", in_arch, minimum=1),
             details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
+            genai_type=arch.get("genai_type") if isinstance(arch.get("genai_type"), str) else None,
         )
         eos = token_list(tok.get("eos_token_ids"), in_tok)
         pad = optional_id(tok.get("pad_token_id"))
@@ -190,11 +192,11 @@ class Manifest:
 
 
 def genai_config(manifest: Manifest) -> dict:
-    """genai_config.json for a package, as onnxruntime-genai reads it. GPT-2 is written as genai's
-    decoder-only "phi" type: genai's own "gpt2" type expects a legacy combined past_%d cache, while the
-    generic decoder path with separate key/value names runs our graph as it is."""
+    """genai_config.json for a package, as onnxruntime-genai reads it. The model type is the one the package
+    records (its family's, export/families.py); a package from before that record names its type, with GPT-2
+    as genai's decoder-only "phi" type (genai's own "gpt2" type expects a legacy combined past_%d cache)."""
     arch, io, tok = manifest.architecture, manifest.io, manifest.tokenizer
-    genai_type = {"gpt2": "phi"}.get(arch.type, arch.type)
+    genai_type = arch.genai_type or {"gpt2": "phi"}.get(arch.type, arch.type)
     inputs = {"input_ids": io.input_ids, "attention_mask": io.attention_mask}
     if io.position_ids is not None:
         inputs["position_ids"] = io.position_ids
