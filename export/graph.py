@@ -305,9 +305,12 @@ def build_fused_graph(
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     if d.tied and d.head_nbits is not None:
-        symmetric = d.head_nbits.zero_points is None and d.head_nbits.block_offsets is None
-        assert symmetric, "a tied embedding gathers symmetric blocks only"
+        nbits = d.head_nbits
+        assert nbits.zero_points is None, "a tied embedding gathers blocks with the default zero point only"
         gather = next(n for n in model.graph.node if n.name == "embed/Gather")
-        packed, scales = _nbits_names("lm_head", d.head_nbits)  # what the head's MatMulNBits reads
-        gather_from_nbits(model, gather, packed, scales, bits=d.head_nbits.bits, block_size=d.head_nbits.block_size)
+        packed, scales = _nbits_names("lm_head", nbits)  # what the head's MatMulNBits reads
+        offsets = "lm_head.weight_block_offsets" if nbits.block_offsets is not None else None  # (K / block, V)
+        gather_from_nbits(
+            model, gather, packed, scales, bits=nbits.bits, block_size=nbits.block_size, offsets=offsets
+        )
     return model, g.weights
