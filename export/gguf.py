@@ -28,7 +28,7 @@ from .gguf_tokenizer import build_tokenizer_json
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 # codebook types: read (dequantized by gguf-py), but no exact MatMulNBits form (export/gguf_blocks.py)
-SUPPORTED_TYPES |= {Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0}
+SUPPORTED_TYPES |= {kind for kind in Q if kind.name.startswith(("IQ", "TQ"))}
 LLAMA_LIKE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # GGUF block tensor -> HF name, for the Llama family (`model.layers.N.` + this)

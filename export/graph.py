@@ -310,7 +310,5 @@ def build_fused_graph(
         gather = next(n for n in model.graph.node if n.name == "embed/Gather")
         packed, scales = _nbits_names("lm_head", nbits)  # what the head's MatMulNBits reads
         offsets = "lm_head.weight_block_offsets" if nbits.block_offsets is not None else None  # (K / block, V)
-        gather_from_nbits(
-            model, gather, packed, scales, bits=nbits.bits, block_size=nbits.block_size, offsets=offsets
-        )
+        gather_from_nbits(model, gather, packed, scales, bits=nbits.bits, block_size=nbits.block_size, offsets=offsets)
     return model, g.weights
