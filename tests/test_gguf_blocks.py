@@ -155,13 +155,13 @@ def test_codebook_types_have_no_runs():
     assert to_runs(Q.IQ4_NL, rows, 256) is None
 
 
-def _transformers_logits(path: Path) -> np.ndarray:
+def _transformers_logits(path: Path, prompt: list[int] = PROMPT) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
     with torch.no_grad():
-        return model(torch.tensor([PROMPT])).logits[0].double().numpy()
+        return model(torch.tensor([prompt])).logits[0].double().numpy()
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +262,48 @@ def test_dequantize_gives_fp32_and_kept_refuses_requantizing(tmp_path, capsys):
     assert main(["export", str(path), str(tmp_path / "fp32"), "--dequantize"]) == 0
     assert json.loads((tmp_path / "fp32" / "edgelm.json").read_text())["precision"] == "fp32"
     quantize_package(tmp_path / "fp32", tmp_path / "int8", mode="dynamic", evaluate=False, progress=quiet)
+
+
+# --- files made by llama.cpp's own quantizer ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["Q2_K", "Q4_K_M", "Q5_K_M"])
+def test_llamacpp_fixture_kept_exactly(preset, tmp_path):
+    """llama.cpp's real choices (Q4_K_M: Q4_K Q/K beside a Q6_K V in one node, a Q6_K tied table): every
+    MatMulNBits weight is gguf-py's dequantized tensor, and the logits are transformers' GGUF loader's."""
+    path = FIXTURES / f"tiny-llama.{preset}.gguf"
+    manifest = export_package(path, tmp_path / "pkg", accuracy_level=0, progress=quiet)
+    assert manifest["recipe"]["float_linears"] == 0 and manifest["recipe"]["kept_linears"] == 4
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1e-4
+    weights = read_gguf(path)
+    graph = onnx.load(str(tmp_path / "pkg" / "model.onnx")).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    kinds = set()
+    for node, parts in PACKED.items():
+        got, _ = _node_weights(graph, inits, f"layers.0.{node}")
+        expected = np.concatenate([weights.tensor(f"model.layers.0.{part}.weight") for part in parts])
+        kinds |= {weights.quant_type(f"model.layers.0.{part}.weight") for part in parts}
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max(), err_msg=node)
+    head, _ = _node_weights(graph, inits, "logits")
+    np.testing.assert_allclose(head, weights.tensor("model.embed_tokens.weight"), rtol=1e-6, atol=1e-7)
+    assert weights.quant_type("model.embed_tokens.weight") == "Q6_K"
+    assert kinds == {"Q2_K": {"Q2_K", "Q3_K"}, "Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}}[preset]
+    prompt = [5, 17, 300, 42, 9, 100, 77]  # the fixtures' vocabulary is 512
+    expected = _transformers_logits(path, prompt)
+    logits, _ = load(tmp_path / "pkg").forward(np.array([prompt]))
+    np.testing.assert_allclose(logits[0], expected, rtol=0, atol=1e-4)
+
+
+SMOLLM2_K = Path.home() / ".cache" / "edgelm" / "kquants" / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+
+
+@pytest.mark.skipif(not SMOLLM2_K.is_file(), reason=f"no {SMOLLM2_K} (make it: benchmarks/make_kquants.py)")
+def test_smollm2_q4_k_m_keeps_every_linear(tmp_path):
+    """SmolLM2's Q4_K_M as llama.cpp writes it: 576 is no multiple of 256, so most linears are Q5_0."""
+    manifest = export_package(SMOLLM2_K, tmp_path / "pkg", progress=quiet)
+    recipe = manifest["recipe"]
+    assert recipe["kept_linears"] == 120 and recipe["float_linears"] == 0 and recipe["lm_head"] == "int8"
+    assert recipe["gguf_types"]["embed_tokens"] == {"Q8_0": 1}
+    assert set(recipe["gguf_types"]["mlp.down_proj"]) == {"Q4_K", "Q6_K"}
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    assert size < 1.5 * SMOLLM2_K.stat().st_size  # Q5_0 takes 8-bit blocks: 1.44x (docs/results.md)
