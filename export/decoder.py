@@ -93,6 +93,7 @@ class Decoder:
     final_norm: Norm
     lm_head: np.ndarray | None  # (C, V); None: tied, the embedding's transpose
     head_nbits: NBits | None = None  # the LM head (and a tied embedding, with zero_points None) as blocks
+    embedding_nbits: NBits | None = None  # untied: the token embedding as blocks, its rows gathered from them
     position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
     rotary_cos: np.ndarray | None = None  # (P, head_dim / 2): rotary positions inside attention (Llama)
     rotary_sin: np.ndarray | None = None

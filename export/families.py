@@ -106,6 +106,7 @@ def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
         final_norm=_norm(t.ln_f),
         lm_head=None if c.tie_word_embeddings else _array(model.lm_head.weight).T,
         head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "transformer.wte.weight"),
+        embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["transformer.wte.weight"]),
         position_table=_array(positions),
     )
 
@@ -183,6 +184,7 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         final_norm=_norm(m.norm),
         lm_head=None if c.tie_word_embeddings else _array(model.lm_head.weight).T,
         head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
+        embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["model.embed_tokens.weight"]),
         rotary_cos=_array(cos),
         rotary_sin=_array(sin),
     )

@@ -176,8 +176,12 @@ def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tup
         "float_linears": len(linears) - len(kept),  # a float part (F16, BF16, F32) or a type with no exact blocks
         "lm_head": f"int{head.bits}" if head is not None else "fp32",
     }
+    if not decoder.tied:
+        table = decoder.embedding_nbits
+        recipe["embedding"] = f"int{table.bits}" if table is not None else "fp32"
     bits = [nbits.bits for nbits in kept]
-    precision = "int4" if 4 in bits else "int8" if bits or head is not None else "fp32"
+    tables = head is not None or decoder.embedding_nbits is not None
+    precision = "int4" if 4 in bits else "int8" if bits or tables else "fp32"
     return precision, recipe
 
 
@@ -290,13 +294,15 @@ def export_package(
     keep = False
     if blocks is not None:
         precision, recipe = kept_recipe(decoder, source, accuracy_level=accuracy_level)
-        keep = recipe["kept_linears"] > 0 or decoder.head_nbits is not None  # an F32 / F16 file has nothing to keep
+        tables = (decoder.head_nbits, decoder.embedding_nbits)
+        keep = recipe["kept_linears"] > 0 or tables != (None, None)  # an F32 / F16 file has nothing to keep
         if keep:
             manifest.precision, manifest.recipe = precision, recipe
             progress(
                 f"      kept GGUF blocks: {recipe['kept_linears']} linears as MatMulNBits "
                 f"({', '.join(f'{n} {b}' for b, n in recipe['kept_bits'].items()) or 'none'}), "
                 f"{recipe['float_linears']} float, LM head {recipe['lm_head']}"
+                + (f", embedding {recipe['embedding']}" if "embedding" in recipe else "")
             )
     elif source.blocks is not None and any(kind not in FLOAT_TYPES for kind in source.quant_types.values()):
         progress("      GGUF blocks dequantized to fp32 (" + ("--dequantize" if fused else "standard graph") + ")")

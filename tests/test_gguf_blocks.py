@@ -247,6 +247,23 @@ def test_quantized_tied_embedding_stays_quantized_and_greedy_matches(tmp_path):
     assert load(tmp_path / "pkg").generate(PROMPT, 16, ignore_eos=True).token_ids == expected
 
 
+def test_untied_quantized_embedding_stays_quantized(tmp_path):
+    """An untied Q4_K embedding (4 bits, offsets) gathers its rows from its own blocks; the Q6_K head is a node."""
+    path = write_llama(tmp_path / "untied.gguf", {"token_embd": Q.Q4_K, "output": Q.Q6_K}, layers=1, tied=False)
+    manifest = export_package(path, tmp_path / "pkg", accuracy_level=0, progress=quiet)
+    assert manifest["recipe"]["embedding"] == "int4" and manifest["recipe"]["lm_head"] == "int8"
+    graph = onnx.load(str(tmp_path / "pkg" / "model.onnx")).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    assert "embed.weight" not in inits and "embed.weight_block_offsets" in inits
+    table = _unpack(
+        4, inits["embed.weight_Q4"], inits["embed.weight_scales"], 32, inits["embed.weight_block_offsets"].T
+    )
+    expected = read_gguf(path).tensor("model.embed_tokens.weight")
+    np.testing.assert_allclose(table, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    logits, _ = load(tmp_path / "pkg").forward(np.array([PROMPT]))
+    np.testing.assert_allclose(logits[0], _transformers_logits(path), rtol=0, atol=1e-4)
+
+
 def test_dequantize_gives_fp32_and_kept_refuses_requantizing(tmp_path, capsys):
     path = write_llama(tmp_path / "iq.gguf", {"0.ffn_down": Q.IQ4_NL, "0.attn_q": Q.Q4_K}, layers=1, seed=5)
     assert main(["export", str(path), str(tmp_path / "kept"), "--accuracy-level", "0"]) == 0
