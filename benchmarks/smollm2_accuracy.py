@@ -60,7 +60,7 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     gguf = fetch_gguf()
-    runs = {"fp32": timed_edgelm("export", str(gguf), str(out / "fp32"), "--overwrite")}
+    runs = {"fp32": timed_edgelm("export", str(gguf), str(out / "fp32"), "--dequantize", "--overwrite")}
     fp32 = load(out / "fp32", provider="cpu")
     reports = {"fp32": evaluate_package(fp32, HELDOUT, max_tokens=args.eval_tokens)}
     for mode in args.modes.split(","):

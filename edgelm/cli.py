@@ -211,17 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
     p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="GGUF files: dequantize every weight to fp32 (a package about 4x the file). By default a GGUF "
+        "file's quantized weights (Q4_0 .. Q8_0, Q2_K .. Q6_K) stay in their own blocks as MatMulNBits, exactly",
+    )
+    p.add_argument(
         "--keep-gguf-quantization",
         action="store_true",
-        help="GGUF files: keep Q4_0 / Q4_1 / Q8_0 linear weights in their own blocks (MatMulNBits) instead of "
-        "dequantizing them to fp32: an int4 package with no second rounding",
+        help="accepted for old scripts: keeping a GGUF file's blocks is now the default (fails for a folder)",
     )
     p.add_argument(
         "--accuracy-level",
         type=int,
         choices=(0, 4),
         default=4,
-        help="with --keep-gguf-quantization: MatMulNBits' accuracy_level, 4 (default) int8 activations, 0 float",
+        help="kept GGUF blocks: MatMulNBits' accuracy_level, 4 (default) int8 activations, 0 float",
     )
     p.add_argument(
         "--tolerance",
@@ -542,6 +547,7 @@ def _export(args) -> int:
         attention=args.attention,
         last_token_logits=args.last_token_logits,
         untie=args.untied,
+        dequantize=args.dequantize,
         keep_gguf_quantization=args.keep_gguf_quantization,
         accuracy_level=args.accuracy_level,
         tolerance=args.tolerance,

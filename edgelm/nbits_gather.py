@@ -2,7 +2,7 @@
 quantized blocks (com.microsoft MatMulNBits, https://github.com/microsoft/onnxruntime/blob/main/docs/ContribOperators.md).
 
 Shared by quantize/ (the int4 recipe quantizes the head, then points the embedding at it) and export/
-(a GGUF file's own Q8_0 / Q4_0 blocks kept for a tied head), so it lives outside both.
+(a GGUF file's own blocks kept for a tied head), so it lives outside both.
 """
 
 from __future__ import annotations
@@ -13,11 +13,19 @@ from onnx import helper, numpy_helper
 
 
 def gather_from_nbits(
-    model: onnx.ModelProto, gather: onnx.NodeProto, packed: str, scales: str, *, bits: int, block_size: int
+    model: onnx.ModelProto,
+    gather: onnx.NodeProto,
+    packed: str,
+    scales: str,
+    *,
+    bits: int,
+    block_size: int,
+    offsets: str | None = None,
 ) -> None:
     """Rewire a tied-embedding Gather to read MatMulNBits' packed weights (vocab, n_blocks, blob) and
     dequantize only the gathered rows: symmetric, so the zero point is 2^(bits-1); 4-bit values are
-    packed two to a byte, low nibble first; times the block scale."""
+    packed two to a byte, low nibble first; times the block scale; plus, given `offsets` (the name of a
+    (n_blocks, vocab) float initializer, the head's block offsets: export/graph.py), each block's offset."""
     assert bits in (4, 8), f"MatMulNBits gather supports 4 or 8 bits, got {bits}"
     graph = model.graph
     index = list(graph.node).index(gather)
@@ -58,8 +66,17 @@ def gather_from_nbits(
         n("Gather", [scales, ids], f"{p}_scales", axis=0),  # (B, T, n_blocks)
         n("Unsqueeze", [f"{p}_scales", f"{p}_last"], f"{p}_scales4"),
         n("Mul", [f"{p}_centered", f"{p}_scales4"], f"{p}_blocks"),
-        helper.make_node("Reshape", [f"{p}_blocks", f"{p}_row_shape"], [rows_out], name=f"{p}_rows"),
     ]
+    blocks = f"{p}_blocks"
+    if offsets is not None:  # w = scale * (q - zero point) + offset
+        nodes += [
+            n("Gather", [offsets, ids], f"{p}_offset_columns", axis=1),  # (n_blocks, B, T)
+            n("Transpose", [f"{p}_offset_columns"], f"{p}_offsets", perm=[1, 2, 0]),  # (B, T, n_blocks)
+            n("Unsqueeze", [f"{p}_offsets", f"{p}_last"], f"{p}_offsets4"),
+            n("Add", [blocks, f"{p}_offsets4"], f"{p}_shifted"),
+        ]
+        blocks = f"{p}_shifted"
+    nodes.append(helper.make_node("Reshape", [blocks, f"{p}_row_shape"], [rows_out], name=f"{p}_rows"))
     graph.node.remove(transpose)
     graph.node.remove(gather)
     for offset, node in enumerate(nodes):

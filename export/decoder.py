@@ -34,15 +34,16 @@ ACTIVATIONS = ("gelu_new", "gelu", "silu")
 @dataclass
 class NBits:
     """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - zero_point) * scale
-    + offset for the block of `block_size` consecutive k in column n; from a GGUF file's own Q4_0 / Q4_1 / Q8_0
-    blocks. The graph adds the offsets as (block sums of x) @ block_offsets beside the MatMulNBits node."""
+    + offset for the block of `block_size` consecutive k in column n; from a GGUF file's own quantized blocks
+    (export/gguf_blocks.py). The graph adds the offsets as (block sums of x) @ block_offsets beside the
+    MatMulNBits node."""
 
     bits: int  # 4 or 8
     packed: np.ndarray  # uint8 (N, K / block_size, block_size * bits / 8): out features first
     scales: np.ndarray  # float32 (N, K / block_size)
     zero_points: np.ndarray | None  # uint8 (N, K / block_size), one per block, unpacked; None: all 2^(bits - 1)
-    block_offsets: np.ndarray | None = None  # float32 (K / block_size, N): Q4_1's minimums; None: all 0
-    block_size: int = 32
+    block_offsets: np.ndarray | None = None  # float32 (K / block_size, N): the types' minimums; None: all 0
+    block_size: int = 32  # 16 or 32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,7 +102,8 @@ class Decoder:
     layers: list[Layer]
     final_norm: Norm
     lm_head: np.ndarray | None  # (C, V); None: tied, the embedding's transpose
-    head_nbits: NBits | None = None  # the LM head (and a tied embedding, which then needs zero_points None) as blocks
+    head_nbits: NBits | None = None  # the LM head (and a tied embedding, with zero_points None) as blocks
+    embedding_nbits: NBits | None = None  # untied: the token embedding as blocks, its rows gathered from them
     position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
     rotary_cos: np.ndarray | None = None  # (P, head_dim / 2): rotary positions inside attention (Llama)
     rotary_sin: np.ndarray | None = None

@@ -19,31 +19,32 @@ import torch
 from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint, read_json
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 from .gguf import GGUFError, gemma3_config, gemma3_tensors, gpt2_config, gpt2_tensors, llama_config, llama_tensors
+from .gguf_blocks import Runs, pack, widen
 from .hf_checkpoint import build_llama, gemma3_config_from_hf, llama_config_from_hf, load_llama, read_extras, renamed
 from .llama import MODEL_TYPES, VARIANTS, Llama, rope_cos_sin
 from .model import GPT
 
-# checkpoint tensor name -> (bits, packed, scales, zero points, offsets or None) for a MatMulNBits node, or None
-# where the tensor has no such blocks (export/gguf.py GGUFModel.matmul_nbits)
-Blocks = Callable[[str], tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None]
+# checkpoint tensor name -> its MatMulNBits runs (export/gguf_blocks.py), or None where the tensor has none
+# (export/gguf.py GGUFModel.matmul_nbits)
+Blocks = Callable[[str], Runs | None]
 
 
 def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
     """The MatMulNBits blocks of a linear made of the checkpoint weights `names`, packed along its outputs
-    in that order, when every part has blocks of the same bits; None (the linear stays float) otherwise."""
+    in that order; None (the linear stays float) when a part has no blocks. Parts of different types meet
+    in the widest bits and shortest runs (a Q4_K query beside a Q6_K value: 8 bits, runs of 16), exactly."""
     parts = [blocks(name) for name in names] if blocks is not None else [None]
-    if any(part is None for part in parts) or len({part[0] for part in parts}) != 1:
+    if any(part is None for part in parts):
         return None
-    bits = parts[0][0]
-    packed = np.concatenate([part[1] for part in parts])  # (N, K / 32, bytes per block)
-    scales = np.concatenate([part[2] for part in parts]).reshape(packed.shape[:2])  # (N, K / 32)
-    zero_points = np.concatenate([part[3] for part in parts]).reshape(packed.shape[:2])  # (N, K / 32)
-    symmetric = bool(np.all(zero_points == 2 ** (bits - 1)))  # Q8_0, Q4_0: MatMulNBits' default zero point
+    bits, block_size = max(part.bits for part in parts), min(part.block_size for part in parts)
+    parts = [widen(part, bits, block_size) for part in parts]
+    values = np.concatenate([part.values for part in parts])  # (N, K)
     offsets = None
-    if any(part[4] is not None for part in parts):  # Q4_1 parts; the others' blocks have offset 0
-        pieces = [part[4] if part[4] is not None else np.zeros_like(part[2]) for part in parts]
-        offsets = np.ascontiguousarray(np.concatenate(pieces).reshape(packed.shape[:2]).T)  # (K / 32, N)
-    return NBits(bits, packed, scales, None if symmetric else zero_points, offsets)
+    if any(part.offsets is not None for part in parts):  # the others' runs have offset 0
+        pieces = [part.offsets if part.offsets is not None else np.zeros_like(part.scales) for part in parts]
+        offsets = np.ascontiguousarray(np.concatenate(pieces).T)  # (K / block_size, N)
+    scales = np.concatenate([part.scales for part in parts])  # (N, K / block_size)
+    return NBits(bits, pack(values, bits, block_size), scales, None, offsets, block_size)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
@@ -107,15 +108,14 @@ def gpt2_decoder(model: GPT, *, blocks: Blocks | None = None) -> Decoder:
         final_norm=_norm(t.ln_f),
         lm_head=None if c.tie_word_embeddings else _array(model.lm_head.weight).T,
         head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "transformer.wte.weight"),
+        embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["transformer.wte.weight"]),
         position_table=_array(positions),
     )
 
 
 def _head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | None:
-    """The LM head's blocks; a tied embedding gathers from them too, which needs a symmetric type."""
-    nbits = kept_blocks(blocks, [embedding if tied else "lm_head.weight"])
-    asymmetric = nbits is not None and (nbits.zero_points is not None or nbits.block_offsets is not None)
-    return None if tied and asymmetric else nbits
+    """The LM head's blocks; a tied embedding gathers its rows from them too (edgelm/nbits_gather.py)."""
+    return kept_blocks(blocks, [embedding if tied else "lm_head.weight"])
 
 
 def gpt2_details(model: GPT) -> dict:
@@ -193,6 +193,7 @@ def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         final_norm=_norm(m.norm),
         lm_head=None if c.tie_word_embeddings else _array(model.lm_head.weight).T,
         head_nbits=_head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
+        embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["model.embed_tokens.weight"]),
         rotary_cos=_array(cos),
         rotary_sin=_array(sin),
         rotary_cos_local=None if local is None else _array(local[0]),

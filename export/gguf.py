@@ -21,14 +21,16 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from .gguf_blocks import Runs, to_runs
 from .gguf_header import HeaderError, read_header
 from .gguf_tokenizer import build_tokenizer_json
 from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-BLOCK = 32  # Q4_0 / Q4_1 / Q8_0 block length, and the MatMulNBits block_size they map onto
 TOKEN_IDS = ("bos", "eos", "eot", "padding", "unknown")  # the tokenizer.ggml.{name}_token_id keys export reads
+# codebook types: read (dequantized by gguf-py), but no exact MatMulNBits form (export/gguf_blocks.py)
+SUPPORTED_TYPES |= {kind for kind in Q if kind.name.startswith(("IQ", "TQ"))}
 
 # GGUF block tensor -> HF name, for the Llama family (`model.layers.N.` + this)
 LLAMA_BLOCK = {
@@ -141,44 +143,17 @@ class GGUFModel:
             weight += np.float32(entry.shift)
         return np.ascontiguousarray(weight.T) if entry.transpose else weight
 
-    def matmul_nbits(self, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
-        """(bits, B, scales, zero_points, offsets) for an ONNX Runtime com.microsoft MatMulNBits node (block_size 32)
-        that computes x @ W with W the (in, out) matrix of linear weight `name`, from its Q4_0/Q4_1/Q8_0 blocks
-        without requantizing; None for other types. B: uint8 (N, K/32, 32*bits/8); scales: float32 (N*K/32,);
-        zero_points: uint8 (N*K/32,), one per block, unpacked (8 for 4 bits, 128 for 8: ONNX Runtime's integer
-        defaults, which keep it on its fast kernels); offsets: float32 (N*K/32,) for Q4_1, else None.
-        N = out features, K = in features; w = (q - zero_point) * scale + offset.
-        """
+    def matmul_nbits(self, name: str) -> Runs | None:
+        """Linear weight `name` (N = out features, K = in features) as MatMulNBits runs, from its own quantized
+        blocks without requantizing (export/gguf_blocks.py); None for float types and those with no such form."""
         entry, stored = self._lookup(name)
-        kind = stored.tensor_type
-        if kind not in (Q.Q4_0, Q.Q4_1, Q.Q8_0) or len(entry.shape) != 2:
+        if len(entry.shape) != 2:
             return None
-        n_out, n_in = entry.shape
-        blocks = np.asarray(stored.data).reshape(n_out, n_in // BLOCK, -1)  # (N, K/32, bytes per block)
-        scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
-        offsets = None
-        if kind == Q.Q8_0:  # w = d * q, q int8 -> stored q + 128 with zero point 128
-            bits = 8
-            packed = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-            zero_points = np.full(scales.shape, 128, np.uint8)
-        else:
-            bits = 4
-            nibbles = blocks[..., 2:18] if kind == Q.Q4_0 else blocks[..., 4:20]  # (N, K/32, 16)
-            # GGUF: element j in the low nibble of byte j, element j + 16 in its high nibble
-            values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (N, K/32, 32)
-            zero_points = np.full(scales.shape, 8, np.uint8)  # Q4_0: w = d * (q - 8)
-            if kind == Q.Q4_1:  # w = d * q + m = d * (q - 8) + (m + 8 d): the graph adds the offsets (block sums
-                # of x times them); centred on 8, the two terms cancel less than d * q and m would
-                minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/32)
-                offsets = minimum + 8 * scales  # exact in float32 unless |m| and |8 d| lie 2^13 apart
-            # MatMulNBits: element 2i in the low nibble of byte i, element 2i + 1 in its high nibble
-            packed = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)  # (N, K/32, 16)
-        arrays = [packed, scales, zero_points] + ([offsets] if offsets is not None else [])
-        if entry.heads:
-            arrays = [_unpermute_rows(a, entry.heads) for a in arrays]
-        packed, scales, zero_points, *rest = arrays
-        offsets = rest[0].reshape(-1) if rest else None
-        return bits, np.ascontiguousarray(packed), scales.reshape(-1), zero_points.reshape(-1), offsets
+        runs = to_runs(stored.tensor_type, stored.data, entry.shape[1])
+        if runs is None or not entry.heads:
+            return runs
+        values, scales, offsets = (None if a is None else _unpermute_rows(a, entry.heads) for a in runs[2:])
+        return runs._replace(values=values, scales=scales, offsets=offsets)
 
 
 def _number(

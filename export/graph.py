@@ -238,10 +238,15 @@ def build_fused_graph(
         columns = g.op("Gather", [table, io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
         x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)
         head = table
-    elif d.head_nbits is not None:
-        x = g.op("Gather", [g.constant("embed.weight", d.embedding), io.input_ids], "embed/Gather", axis=0)
+    elif d.embedding_nbits is not None:  # its own blocks, (V, C / block, blob): a stand-in rewired as above
+        g.nbits_weights("embed", d.embedding_nbits)
+        if d.embedding_nbits.block_offsets is not None:
+            g.constant("embed.weight_block_offsets", d.embedding_nbits.block_offsets)  # (C / block, V)
+        columns = g.op("Gather", ["embed.weight_T", io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
+        x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)
     else:
         x = g.op("Gather", [g.constant("embed.weight", d.embedding), io.input_ids], "embed/Gather", axis=0)
+    if not d.tied and d.head_nbits is None:
         head = g.constant("lm_head.weight_T", d.lm_head)
     if d.embedding_scale is not None:
         scale = g.small_constant("embed/scale", np.array(d.embedding_scale, dtype=np.float32))
@@ -339,10 +344,11 @@ def build_fused_graph(
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
-    if d.tied and d.head_nbits is not None:
-        symmetric = d.head_nbits.zero_points is None and d.head_nbits.block_offsets is None
-        assert symmetric, "a tied embedding gathers symmetric blocks only"
+    table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
+    if table is not None:  # the embedding gathers rows of blocks (the head's, when tied)
+        assert table.zero_points is None, "an embedding gathers blocks with the default zero point only"
         gather = next(n for n in model.graph.node if n.name == "embed/Gather")
-        packed, scales = _nbits_names("lm_head", d.head_nbits)  # what the head's MatMulNBits reads
-        gather_from_nbits(model, gather, packed, scales, bits=d.head_nbits.bits, block_size=d.head_nbits.block_size)
+        packed, scales = _nbits_names(prefix, table)
+        offsets = f"{prefix}.weight_block_offsets" if table.block_offsets is not None else None  # (K / block, V)
+        gather_from_nbits(model, gather, packed, scales, bits=table.bits, block_size=table.block_size, offsets=offsets)
     return model, g.weights

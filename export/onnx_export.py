@@ -38,6 +38,7 @@ from ..runtime.package import file_sha256, list_files, write_json
 from .checkpoint import CheckpointError, check_finite, combined_hash, read_config, source_hashes, tokenizer_files
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for
+from .gguf_blocks import LAYOUT_NAMES as LAYOUT
 from .graph import LOGITS_TO_KEEP, build_fused_graph
 from .hf_checkpoint import read_extras
 from .parity import check_parity, check_parity_shared
@@ -98,8 +99,9 @@ def open_folder(folder: Path) -> Source:
     family = family_for(hf_config.get("model_type"))
     model = family.load(folder)
     hashes = source_hashes(folder)
-    if (folder / "tokenizer.json").is_file():
-        check_tokenizer_file(folder / "tokenizer.json", model.config.vocab_size)
+    files = tokenizer_files(folder)  # each one text (UTF-8) or JSON first: the errors name the file's kind
+    if "tokenizer.json" in files:
+        check_tokenizer_file(files["tokenizer.json"], model.config.vocab_size)
     return Source(
         model=model,
         family=family,
@@ -108,7 +110,7 @@ def open_folder(folder: Path) -> Source:
         sha256=combined_hash(hashes),
         hashes=hashes,
         # the package writes its own tokenizer_config.json (export/tokenizer_config.py)
-        files={n: p for n, p in tokenizer_files(folder).items() if n != TOKENIZER_CONFIG_FILE},
+        files={n: p for n, p in files.items() if n != TOKENIZER_CONFIG_FILE},
         chat_template=read_extras(folder)["chat_template"],
     )
 
@@ -161,10 +163,32 @@ def _untie(model: torch.nn.Module) -> None:
     model.config.tie_word_embeddings = False
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _group(name: str) -> str:
+    """A tensor's group in the manifest: its name without the layer: "self_attn.q_proj", "embed_tokens"."""
+    parts = name.removesuffix(".weight").split(".")
+    if "layers" in parts or "h" in parts:  # model.layers.N.x / transformer.h.N.x
+        return ".".join(parts[parts.index("layers" if "layers" in parts else "h") + 2 :])
+    return ".".join(parts[1:] if parts[0] in ("model", "transformer") else parts)
+
+
+def gguf_types(quant_types: dict[str, str]) -> dict[str, dict[str, int]]:
+    """Per tensor group, how many of its tensors each GGUF type holds: {"self_attn.v_proj": {"Q8_0": 15,
+    "Q6_K": 15}, ...}; 1-D tensors (norms, biases) left out."""
+    groups: dict[str, dict[str, int]] = {}
+    for name, kind in quant_types.items():
+        if name.endswith(".weight") and "norm" not in name and not name.endswith(("ln_1.weight", "ln_2.weight")):
+            counts = groups.setdefault(_group(name), {})
+            counts[kind] = counts.get(kind, 0) + 1
+    return groups
+
+
 def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tuple[str, dict]:
     """(precision, recipe) of a package whose linears keep the GGUF file's own blocks where they can."""
     linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.attention_out, layer.up, layer.down)]
-    bits = [linear.nbits.bits for linear in linears if linear.nbits is not None]
+    kept = [linear.nbits for linear in linears if linear.nbits is not None]
     head = decoder.head_nbits
     types: dict[str, int] = {}
     for kind in source.quant_types.values():
@@ -172,15 +196,27 @@ def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tup
     recipe = {
         "mode": "gguf",
         "op": "MatMulNBits",
-        "block_size": 32,
+        "block_sizes": sorted({nbits.block_size for nbits in [*kept, *([head] if head else [])]}),
         "accuracy_level": accuracy_level,
         "types": types,  # GGUF tensor type -> number of tensors, over the whole file
-        "kept_linears": len(bits),
-        "float_linears": len(linears) - len(bits),  # a part without blocks, or packed parts of differing bits
+        "gguf_types": gguf_types(source.quant_types),  # per tensor group
+        "kept_linears": len(kept),
+        "kept_bits": {f"int{b}": sum(n.bits == b for n in kept) for b in sorted({n.bits for n in kept})},
+        "float_linears": len(linears) - len(kept),  # a float part (F16, BF16, F32) or a type with no exact blocks
         "lm_head": f"int{head.bits}" if head is not None else "fp32",
     }
-    precision = "int4" if 4 in bits else "int8" if bits or head is not None else "fp32"
+    if not decoder.tied:
+        table = decoder.embedding_nbits
+        recipe["embedding"] = f"int{table.bits}" if table is not None else "fp32"
+    bits = [nbits.bits for nbits in kept]
+    tables = head is not None or decoder.embedding_nbits is not None
+    precision = "int4" if 4 in bits else "int8" if bits or tables else "fp32"
     return precision, recipe
+
+
+def dequantized_tensors(source: Source) -> list[str]:
+    """Quantized tensors with no exact MatMulNBits form (the IQ and TQ families: codebook values): float."""
+    return [f"{name} ({kind})" for name, kind in source.quant_types.items() if kind not in (*FLOAT_TYPES, *LAYOUT)]
 
 
 def build_manifest(
@@ -238,35 +274,34 @@ def export_package(
     attention: str = "fused",
     last_token_logits: bool = False,
     untie: bool = False,
+    dequantize: bool = False,
     keep_gguf_quantization: bool = False,
     accuracy_level: int = 4,
     tolerance: float | None = None,
     overwrite: bool = False,
     progress: Progress = print,
 ) -> dict:
-    """Checkpoint folder -> model package folder. Writes to a temporary folder beside `out_dir` and
-    renames it into place at the end, so a failed export leaves no half-written package. Returns the
+    """Checkpoint folder or GGUF file -> model package folder. Writes to a temporary folder beside `out_dir`
+    and renames it into place at the end, so a failed export leaves no half-written package. Returns the
     manifest (as JSON). attention: "fused" (the default) or "standard"; last_token_logits applies to
-    "standard" (the fused graph takes the number of positions to keep as an input). keep_gguf_quantization:
-    a GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights stay in their blocks (MatMulNBits nodes, run with
-    `accuracy_level`: 4 quantizes activations to int8, 0 keeps them float) instead of fp32. tolerance: the
-    largest |logit difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept
-    blocks at accuracy_level 4."""
+    "standard" (the fused graph takes the number of positions to keep as an input). A GGUF file's quantized
+    weights stay in their own blocks (MatMulNBits nodes, run with `accuracy_level`: 4 quantizes activations
+    to int8, 0 keeps them float; export/gguf_blocks.py) unless `dequantize` asks for an fp32 package or the
+    graph is "standard"; keep_gguf_quantization (the old opt-in) insists on it. tolerance: the largest |logit
+    difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept blocks at
+    accuracy_level 4."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     if attention == "fused" and last_token_logits:
         raise ValueError("last_token_logits is for the standard graph; the fused graph takes num_logits_to_keep")
     fused = attention == "fused"
+    if keep_gguf_quantization and dequantize:
+        raise ValueError("keep_gguf_quantization and dequantize contradict each other; choose one")
     if keep_gguf_quantization and not fused:
         raise ValueError("keeping a GGUF file's quantization needs the fused graph")
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise ValueError(f"accuracy_level must be 0, 1, 2, 3 or 4, got {accuracy_level}")
-    int8_activations = keep_gguf_quantization and accuracy_level == 4
-    if tolerance is None:
-        tolerance = INT8_ACTIVATION_TOLERANCE if int8_activations else PARITY_TOLERANCE
-        if keep_gguf_quantization and not int8_activations:
-            tolerance = KEPT_FLOAT_TOLERANCE
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     progress(f"[1/4] loading checkpoint {checkpoint}")
     source = open_source(checkpoint)
@@ -281,18 +316,34 @@ def export_package(
         f"      {source.family.name}: {parameters / 1e6:.1f}M parameters, {config.n_layer} layers, "
         f"context {config.n_positions}"
     )
-    blocks = source.blocks if keep_gguf_quantization else None
+    blocks = source.blocks if fused and not dequantize else None
     decoder = source.family.decoder(model, blocks=blocks) if fused else None
     position_ids = not fused or decoder.position_table is not None
     manifest = build_manifest(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
     )
-    if keep_gguf_quantization:
-        manifest.precision, manifest.recipe = kept_recipe(decoder, source, accuracy_level=accuracy_level)
-        progress(
-            f"      kept GGUF blocks: {manifest.recipe['kept_linears']} linears as MatMulNBits, "
-            f"{manifest.recipe['float_linears']} float, LM head {manifest.recipe['lm_head']}"
-        )
+    keep = False
+    if blocks is not None:
+        precision, recipe = kept_recipe(decoder, source, accuracy_level=accuracy_level)
+        tables = (decoder.head_nbits, decoder.embedding_nbits)
+        keep = recipe["kept_linears"] > 0 or tables != (None, None)  # an F32 / F16 file has nothing to keep
+        if keep:
+            manifest.precision, manifest.recipe = precision, recipe
+            progress(
+                f"      kept GGUF blocks: {recipe['kept_linears']} linears as MatMulNBits "
+                f"({', '.join(f'{n} {b}' for b, n in recipe['kept_bits'].items()) or 'none'}), "
+                f"{recipe['float_linears']} float, LM head {recipe['lm_head']}"
+                + (f", embedding {recipe['embedding']}" if "embedding" in recipe else "")
+            )
+    elif source.blocks is not None and any(kind not in FLOAT_TYPES for kind in source.quant_types.values()):
+        progress("      GGUF blocks dequantized to fp32 (" + ("--dequantize" if fused else "standard graph") + ")")
+    unkept = dequantized_tensors(source)
+    if unkept:
+        progress(f"      dequantized to fp32, no exact MatMulNBits form: {', '.join(unkept)}")
+    int8_activations = keep and accuracy_level == 4
+    if tolerance is None:
+        tolerance = KEPT_FLOAT_TOLERANCE if keep else PARITY_TOLERANCE
+        tolerance = INT8_ACTIVATION_TOLERANCE if int8_activations else tolerance
 
     with staged as staging:
         progress(
@@ -309,7 +360,7 @@ def export_package(
         del graph
         progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
         if fused:
-            max_diff = check_parity_shared(model, staging / MODEL_FILE, prepacking=keep_gguf_quantization)
+            max_diff = check_parity_shared(model, staging / MODEL_FILE, prepacking=keep)
         else:
             max_diff = check_parity(model, staging / MODEL_FILE, last_token_logits=last_token_logits)
         if max_diff == float("inf"):  # PyTorch's were finite (parity.py raises otherwise): float32 overflowed

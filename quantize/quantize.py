@@ -119,6 +119,11 @@ def quantize_package(
     spec = read_package(package)  # verifies every file's sha256
     if spec.manifest is None:
         raise PackageError(f"{package} is not an edgelm package (no {MANIFEST_FILE}); export it with edgelm first")
+    if spec.manifest.recipe.get("mode") == "gguf":  # re-rounding the file's blocks would only add error
+        raise PackageError(
+            f"{package} keeps its GGUF file's own quantized blocks ({spec.precision}); to quantize another way, "
+            "export the file with --dequantize and quantize that fp32 package"
+        )
     if spec.precision != "fp32":
         raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
     weights = sorted(set(external_data_locations(spec.model_path)))  # model.onnx.data; none in older packages

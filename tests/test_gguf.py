@@ -173,48 +173,43 @@ def test_tokenizer_matches_transformers(tmp_path):
         assert (model.bos_token_id, model.eos_token_ids) == (0, [0])
 
 
-def _unpack(bits: int, packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, offsets=None) -> np.ndarray:
-    """MatMulNBits' (N, K/32, blob) blocks back to an (N, K) weight: element 2i low nibble, 2i+1 high;
-    (q - zero point) * scale + offset, one zero point, scale and offset (Q4_1's minimum) per block."""
+def _unpack(bits: int, packed: np.ndarray, scales: np.ndarray, block_size: int = 32, offsets=None) -> np.ndarray:
+    """MatMulNBits' (N, K/block, blob) blocks with the default zero point back to an (N, K) weight: element 2i
+    low nibble, 2i+1 high; (q - 2^(bits-1)) * scale + offset, one scale and offset (N, K/block) per block."""
     if bits == 4:
-        values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:2], 32)
+        values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:2], block_size)
     else:
         values = packed
     n, blocks = packed.shape[:2]
-    weight = (values.astype(np.float32) - zero_points.reshape(n, blocks, 1).astype(np.float32)) * scales.reshape(
-        n, blocks, 1
-    )
+    weight = (values.astype(np.float32) - 2 ** (bits - 1)) * scales.reshape(n, blocks, 1)
     if offsets is not None:
         weight = weight + offsets.reshape(n, blocks, 1)
-    return weight.reshape(n, blocks * 32).astype(np.float32)
+    return weight.reshape(n, blocks * block_size).astype(np.float32)
 
 
-def _matmul_nbits(x: np.ndarray, bits: int, packed, scales, zero_points, offsets=None) -> np.ndarray:
-    """ONNX Runtime's MatMulNBits on the blocks with uint8 zero points (packed two a byte for 4 bits), plus
-    the block sums of x times the offsets where there are any."""
+def run_matmul_nbits(x: np.ndarray, nbits, *, accuracy_level: int = 0) -> np.ndarray:
+    """ONNX Runtime's MatMulNBits on an NBits (export/decoder.py) with the default zero point, plus the
+    block sums of x times the offsets where there are any: what export/graph.py builds."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    n, blocks, _ = packed.shape
-    if bits == 4:  # even block in the low nibble, each column padded to whole bytes
-        padded = np.zeros((n, blocks + blocks % 2), np.uint8)
-        padded[:, :blocks] = zero_points.reshape(n, blocks)
-        zero_points = (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+    k, n = nbits.shape
     node = helper.make_node(
         "MatMulNBits",
-        ["x", "B", "scales", "zp"],
+        ["x", "B", "scales"],
         ["y"],
         domain="com.microsoft",
-        K=blocks * 32,
+        K=k,
         N=n,
-        bits=bits,
-        block_size=32,
+        bits=nbits.bits,
+        block_size=nbits.block_size,
+        accuracy_level=accuracy_level,
     )
-    inits = [numpy_helper.from_array(a, name) for a, name in ((packed, "B"), (scales, "scales"), (zero_points, "zp"))]
+    inits = [numpy_helper.from_array(a, name) for a, name in ((nbits.packed, "B"), (nbits.scales, "scales"))]
     graph = helper.make_graph(
         [node],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, blocks * 32])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
         inits,
     )
@@ -223,33 +218,39 @@ def _matmul_nbits(x: np.ndarray, bits: int, packed, scales, zero_points, offsets
     )
     session = ort.InferenceSession(onnx_model.SerializeToString(), providers=["CPUExecutionProvider"])
     y = session.run(None, {"x": x})[0]
-    if offsets is not None:
-        y = y + x.reshape(len(x), blocks, 32).sum(-1) @ offsets.reshape(n, blocks).T
+    if nbits.block_offsets is not None:
+        y = y + x.reshape(len(x), -1, nbits.block_size).sum(-1) @ nbits.block_offsets
     return y
 
 
 def test_matmul_nbits_matches_dequantized_weights(case):
+    from edgelm.export.families import kept_blocks
+    from edgelm.export.gguf_blocks import dequantized
+
     model = read_gguf(case)
     rng = np.random.default_rng(1)
     seen = set()
     for name in model.tensor_names:
-        blocks = model.matmul_nbits(name)
+        runs = model.matmul_nbits(name)
         kind = model.quant_type(name)
-        assert (blocks is None) == (kind not in ("Q4_0", "Q4_1", "Q8_0")), name
-        if blocks is None:
+        assert (runs is None) == (kind in ("F32", "F16")), name
+        if runs is None:
             continue
         seen.add(kind)
         # (in, out) weight: Llama stores (out, in) in HF orientation, GPT-2's Conv1D (in, out)
         weight = model.tensor(name)
         dense = weight if any(f".{c}." in name for c in ("c_attn", "c_proj", "c_fc")) else weight.T
-        np.testing.assert_allclose(_unpack(*blocks).T, dense, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(dequantized(runs).T, dense, rtol=1e-5, atol=1e-6, err_msg=name)
         x = rng.standard_normal((3, dense.shape[0])).astype(np.float32)
-        np.testing.assert_allclose(_matmul_nbits(x, *blocks), x @ dense, rtol=1e-4, atol=1e-4, err_msg=name)
+        y = run_matmul_nbits(x, kept_blocks(model.matmul_nbits, [name]))
+        np.testing.assert_allclose(y, x @ dense, rtol=1e-4, atol=1e-4, err_msg=name)
     assert seen == {"Q4_0", "Q4_1", "Q8_0"}
 
 
 def test_q4_1_flat_block_keeps_its_minimum(tmp_path):
     """A Q4_1 block whose values are all equal has scale 0: it must still come out as its minimum."""
+    from edgelm.export.gguf_blocks import dequantized
+
     path = write_gguf(tmp_path, "qwen2", kinds=(Q.Q4_1,))
     model = read_gguf(path)
     name = "model.layers.0.mlp.up_proj.weight"
@@ -257,7 +258,7 @@ def test_q4_1_flat_block_keeps_its_minimum(tmp_path):
     blocks = np.asarray(stored.data).reshape(INNER, HIDDEN // 32, 20).copy()
     blocks[0, 0, 0:2] = 0  # d = 0 in the first block: every weight is m
     model._stored["blk.0.ffn_up.weight"] = type(stored)(**{**stored._asdict(), "data": blocks.reshape(INNER, -1)})
-    np.testing.assert_allclose(_unpack(*model.matmul_nbits(name)), model.tensor(name), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dequantized(model.matmul_nbits(name)), model.tensor(name), rtol=1e-5, atol=1e-6)
 
 
 # --- hostile files ---------------------------------------------------------------------------------------------
@@ -388,14 +389,16 @@ def test_smollm2_metadata(smollm2):
 
 def test_smollm2_rotary_rows_are_unpermuted(smollm2):
     """Re-applying llama.cpp's permutation to our q/k gives the stored rows back; v is untouched."""
+    from edgelm.export.gguf_blocks import dequantized
+
     for stem, hf, heads in (("attn_q", "q_proj", 9), ("attn_k", "k_proj", 3), ("attn_v", "v_proj", 0)):
         stored = smollm2._stored[f"blk.3.{stem}.weight"]
         raw = gguf.quants.dequantize(stored.data, stored.tensor_type)
         ours = smollm2.tensor(f"model.layers.3.self_attn.{hf}.weight")
         np.testing.assert_array_equal(_permute(ours, heads) if heads else ours, raw)
         assert not heads or not np.array_equal(ours, raw)
-        blocks = smollm2.matmul_nbits(f"model.layers.3.self_attn.{hf}.weight")
-        np.testing.assert_allclose(_unpack(*blocks), ours, rtol=1e-5, atol=1e-6)
+        runs = smollm2.matmul_nbits(f"model.layers.3.self_attn.{hf}.weight")
+        np.testing.assert_allclose(dequantized(runs), ours, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ GREEDY_TOKENS = 32
 PROMPT = [5, 17, 300, 42, 9]
 # token_embd Q8_0 (tied: the head MatMulNBits 8 bits, the embedding gathers its blocks); layer 0: Q/K/V all
 # 4-bit (Q4_0 and Q4_1: kept), output Q8_0, gate Q4_0 + up Q4_1 (kept), down F16 (float); layer 1: Q8_0 Q
-# with 4-bit K/V (bits differ: QKV stays float)
+# with 4-bit K/V (bits differ: the node takes 8 bits, the 4-bit values widened exactly)
 KEEP_KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16)
 
 
@@ -53,8 +53,8 @@ def _edgelm_greedy(package) -> list[int]:
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_gguf_export_greedy_equals_transformers(tmp_path, tied):
     path = write_gguf(tmp_path, "llama", kinds=(Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1), tied=tied)
-    manifest = export_package(path, tmp_path / "pkg", progress=quiet)
-    assert manifest["parity"]["max_abs_logit_diff"] <= 1e-4
+    manifest = export_package(path, tmp_path / "pkg", dequantize=True, progress=quiet)
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1e-4 and manifest["precision"] == "fp32"
     expected = _transformers_greedy(path)
     assert len(set(expected)) > 3, "a degenerate model would not test much"
     assert _edgelm_greedy(tmp_path / "pkg") == expected
@@ -78,36 +78,33 @@ def test_kept_blocks_dequantize_to_the_gguf_weights(kept):
         "layers.0.qkv/MatMulNBits": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "layers.0.attention_out/MatMulNBits": ["self_attn.o_proj"],
         "layers.0.mlp.up/MatMulNBits": ["mlp.gate_proj", "mlp.up_proj"],
+        "layers.1.qkv/MatMulNBits": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "layers.1.attention_out/MatMulNBits": ["self_attn.o_proj"],
     }
     for name, hf in parts.items():
         node = nodes.get(name) or nodes[f"{name}/blocks"]  # with Q4_1 parts: the integer-zero-point product
         bits = next(a.i for a in node.attribute if a.name == "bits")
+        assert len(node.input) == 3, "the default zero point: ONNX Runtime's fast kernels"
         packed, scales = inits[node.input[1]], inits[node.input[2]]
-        n, blocks = packed.shape[:2]
-        zero_points = np.full(scales.size, 2 ** (bits - 1))
-        if len(node.input) > 3:
-            stored = inits[node.input[3]]
-            assert stored.dtype == np.uint8, "integer zero points: ONNX Runtime has no fast kernel for float ones"
-            zero_points = np.stack([stored & 0x0F, stored >> 4], -1).reshape(n, -1)[:, :blocks] if bits == 4 else stored
         offsets = inits.get(node.input[1].rsplit(".", 1)[0] + ".weight_block_offsets")  # (K/32, N): Q4_1's minimums
         layer = name.split(".")[1]
-        q4_1 = any(weights.quant_type(f"model.layers.{layer}.{part}.weight") == "Q4_1" for part in hf)
-        assert (offsets is not None) == q4_1, name
+        kinds = {weights.quant_type(f"model.layers.{layer}.{part}.weight") for part in hf}
+        assert (offsets is not None) == ("Q4_1" in kinds), name
+        assert bits == (8 if "Q8_0" in kinds else 4), name
         expected = np.concatenate([weights.tensor(f"model.layers.{layer}.{part}.weight") for part in hf])
-        unpacked = _unpack(bits, packed, scales, zero_points, None if offsets is None else offsets.T)
+        unpacked = _unpack(bits, packed, scales, 32, None if offsets is None else offsets.T)
         np.testing.assert_allclose(unpacked, expected, rtol=1e-6, atol=1e-7)
     head = nodes["logits"]
     assert next(a.i for a in head.attribute if a.name == "bits") == 8 and len(head.input) == 3  # symmetric Q8_0
     packed, scales = inits[head.input[1]], inits[head.input[2]]
-    table = _unpack(8, packed, scales, np.full(scales.size, 128))
-    np.testing.assert_array_equal(table, weights.tensor("model.embed_tokens.weight"))
-    # layer 1's Q (Q8_0) and K/V (4 bits) cannot share one node; its down projection is F16: float MatMuls
+    np.testing.assert_array_equal(_unpack(8, packed, scales), weights.tensor("model.embed_tokens.weight"))
+    # layer 0's down projection is F16: a float MatMul
     matmuls = {n.name for n in graph.node if n.op_type == "MatMul"}
-    assert {"layers.1.qkv/MatMul", "layers.0.mlp.down/MatMul"} <= matmuls
+    assert "layers.0.mlp.down/MatMul" in matmuls
     assert not any(i.name == "lm_head.weight_T" for i in graph.initializer), "the tied table is stored once, as blocks"
     assert manifest["precision"] == "int4"
     assert manifest["recipe"]["mode"] == "gguf" and manifest["recipe"]["lm_head"] == "int8"
+    assert manifest["recipe"]["gguf_types"]["embed_tokens"] == {"Q8_0": 1}
 
 
 def test_kept_package_greedy_equals_transformers(kept):

@@ -51,7 +51,7 @@ def chat_prompt(model: Model, question: str) -> str:
 @pytest.fixture(scope="module")
 def fp32_package(smollm2_gguf, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "fp32"
-    export_package(smollm2_gguf, out, progress=quiet)
+    export_package(smollm2_gguf, out, dequantize=True, progress=quiet)
     return out
 
 
