@@ -28,7 +28,7 @@ def sharded(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("sharded") / "src"
     folder.mkdir()
-    make_hf_llama(folder, "Llama", dict(num_hidden_layers=2), max_shard_size="100KB")
+    make_hf_llama(folder, "Llama", dict(num_hidden_layers=2, vocab_size=2048), max_shard_size="400KB")
     shutil.copyfile(REPO / "models" / "shakespeare" / "tokenizer.json", folder / "tokenizer.json")
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
     (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
