@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .errors import PackageError
 
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "edgelm.json"
 MANIFEST_FORMAT = "edgelm-package"
 MANIFEST_VERSION = 2  # 2 added architecture.n_kv_head and tokenizer.chat_template; 1 still reads
@@ -26,6 +28,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # special tokens and chat template for transformers and genai
 KV_CACHE_KINDS = ("concat", "shared_buffer")
 KV_DTYPES = ("float32", "float16")
+LOGITS_TO_KEEP = "num_logits_to_keep"  # the fused graph's optional input name (IONames.logits_to_keep)
 
 
 @dataclass
@@ -96,7 +99,7 @@ class Manifest:
     architecture: Architecture
     io: IONames
     tokenizer: Tokens
-    model_file: str = "model.onnx"
+    model_file: str = MODEL_FILE
     precision: str = "fp32"  # "fp32", "int8-dynamic", "int8-static", "int4", "fp16", ...
     recipe: dict = field(default_factory=lambda: {"mode": "fp32"})
     export: dict = field(default_factory=dict)  # opset, graph kind, tool versions
