@@ -18,8 +18,9 @@ from edgelm.onnxfile import PROTOBUF_LIMIT
 from ..runtime import PackageError, load
 from ..runtime.contract import MANIFEST_FILE
 from ..runtime.files import read_text
+from ..runtime.onnx_external import external_data_locations
 from ..runtime.outputs import StagedOutput
-from ..runtime.package import external_data_locations, list_files, read_package, write_json
+from ..runtime.package import list_files, read_package, write_json
 from .calibration import DecoderCalibrationReader
 from .evaluate import evaluate_package
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options

@@ -10,14 +10,13 @@ Three kinds of folder load:
 
 Everything the runtime needs comes from these JSON files; nothing is guessed from names. Every path
 a JSON file names must resolve inside the package folder, and so must every external-data location
-inside model.onnx (read with a small protobuf walker, since the runtime does not depend on `onnx`).
+inside model.onnx (runtime/onnx_external.py reads them without `onnx`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from .contract import (
 )
 from .errors import PackageError, PackageNotFoundError
 from .files import kind_of
+from .onnx_external import check_ranges, external_data
 
 HF_CONFIG_FILE = "config.json"
 
@@ -285,154 +285,6 @@ def verify_files(folder: Path, manifest: dict, *, background: bool = False) -> P
     return PendingHashes(later) if later else None
 
 
-# ---- external data in model.onnx -------------------------------------------------------------------
-#
-# An initializer (or a Constant's tensor, at any depth of subgraphs) may keep its bytes in another file:
-# TensorProto.external_data is a list of key/value entries, one with key "location", a path relative to
-# the model file. ONNX Runtime refuses locations outside the model's folder only since late 2025
-# (microsoft/onnxruntime#26776); older releases, which pyproject allows, follow "../../etc/passwd", an
-# absolute path or a symlink anywhere. So the runtime checks every location before the session opens
-# the model. It cannot import `onnx`; it walks the protobuf wire format instead, descending only through
-# the fields that can lead to a TensorProto (field numbers from onnx/onnx.proto) and skipping everything
-# else, weights included, by length. The file is memory-mapped: only the graph's structure is read.
-
-_ONNX_PATHS = {  # message -> {field number: message type of that (length-delimited) field}
-    "ModelProto": {7: "GraphProto", 20: "TrainingInfoProto", 25: "FunctionProto"},
-    "TrainingInfoProto": {1: "GraphProto", 2: "GraphProto"},
-    "FunctionProto": {7: "NodeProto"},
-    "GraphProto": {1: "NodeProto", 5: "TensorProto", 15: "SparseTensorProto"},
-    "NodeProto": {5: "AttributeProto"},
-    "AttributeProto": {
-        5: "TensorProto",  # t
-        6: "GraphProto",  # g
-        10: "TensorProto",  # tensors
-        11: "GraphProto",  # graphs
-        22: "SparseTensorProto",  # sparse_tensor
-        23: "SparseTensorProto",  # sparse_tensors
-    },
-    "SparseTensorProto": {1: "TensorProto", 2: "TensorProto"},
-    "TensorProto": {13: "StringStringEntryProto"},  # external_data
-}
-
-
-class _Malformed(Exception):
-    pass
-
-
-def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise _Malformed
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, pos
-
-
-def _length_delimited(buf: memoryview, start: int, end: int):
-    """Yield (field number, start, end) of each length-delimited field of the message in buf[start:end]."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(buf, pos, end)
-        wire_type = key & 7
-        if wire_type == 0:  # varint
-            _, pos = _varint(buf, pos, end)
-        elif wire_type == 1:  # 64-bit
-            pos += 8
-        elif wire_type == 2:  # bytes, string, sub-message, packed repeated
-            length, pos = _varint(buf, pos, end)
-            if pos + length > end:
-                raise _Malformed
-            yield key >> 3, pos, pos + length
-            pos += length
-        elif wire_type == 5:  # 32-bit
-            pos += 4
-        else:  # groups (3, 4) are not used by ONNX; 6 and 7 do not exist
-            raise _Malformed
-    if pos != end:
-        raise _Malformed
-
-
-@dataclass
-class ExternalData:
-    """One tensor's bytes in another file: TensorProto.external_data's location, offset and length."""
-
-    tensor: str
-    location: str
-    offset: str | None  # as written (a decimal string); None when absent (0)
-    length: str | None  # None when absent (to the end of the file)
-
-
-def external_data(model_path: Path) -> list[ExternalData]:
-    """Every tensor of model.onnx that keeps its bytes in another file, at any depth of the graph."""
-    if model_path.stat().st_size == 0:
-        return []  # ONNX Runtime refuses an empty file itself
-    found = []
-    with open(model_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        with memoryview(mapped) as buf:
-            try:
-                stack = [("ModelProto", 0, len(buf))]  # a stack, not recursion: subgraphs nest arbitrarily deep
-                while stack:
-                    message, start, end = stack.pop()
-                    if message == "TensorProto":  # name (8) and external_data (13) entries: key (1), value (2)
-                        name, entries = "", {}
-                        for number, s, e in _length_delimited(buf, start, end):
-                            if number == 8:
-                                name = bytes(buf[s:e]).decode("utf-8")
-                            elif number == 13:
-                                entry = {n: bytes(buf[a:b]) for n, a, b in _length_delimited(buf, s, e)}
-                                entries[entry.get(1, b"").decode("utf-8")] = entry.get(2, b"").decode("utf-8")
-                        if "location" in entries:
-                            found.append(
-                                ExternalData(name, entries["location"], entries.get("offset"), entries.get("length"))
-                            )
-                        continue
-                    children = _ONNX_PATHS[message]
-                    for number, s, e in _length_delimited(buf, start, end):
-                        if number in children:
-                            stack.append((children[number], s, e))
-            except (_Malformed, UnicodeDecodeError):
-                raise PackageError(f"{model_path.name} is not a valid ONNX file (corrupt or truncated)") from None
-    return found
-
-
-def external_data_locations(model_path: Path) -> list[str]:
-    """The external-data locations model.onnx names, from every tensor at any depth of the graph."""
-    return [entry.location for entry in external_data(model_path)]
-
-
-def _check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str, Path]) -> None:
-    """Each tensor's byte range must be a number inside its file, and no two may overlap: ONNX Runtime reads
-    whatever range it is given, and a file edgelm (or any ONNX saver) writes never shares bytes between tensors.
-    A range without a length (ONNX Runtime then takes the tensor's own size) is checked for its offset only."""
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
-    for entry in entries:
-        size = files[entry.location].stat().st_size
-        where = f"tensor {entry.tensor!r} in {model_path.name}"
-        try:
-            offset = int(entry.offset) if entry.offset is not None else 0
-            length = int(entry.length) if entry.length is not None else 0
-        except ValueError:
-            raise PackageError(f"{where}: external data offset/length must be integers") from None
-        if offset < 0 or length < 0 or offset + length > size:
-            raise PackageError(
-                f"{where}: external data bytes {offset}..{offset + length} lie outside {entry.location} ({size} bytes)"
-            )
-        if length:
-            by_file.setdefault(entry.location, []).append((offset, offset + length, entry.tensor))
-    for location, ranges in by_file.items():
-        ranges.sort()
-        for (_, end, first), (start, _, second) in zip(ranges, ranges[1:], strict=False):
-            if start < end:
-                raise PackageError(
-                    f"tensors {first!r} and {second!r} in {model_path.name} overlap in {location} from byte "
-                    f"{start}; each tensor must have bytes of its own (a corrupt or crafted model file)"
-                )
-
-
 def _check_listed(folder: Path, manifest: Manifest, paths: list[Path]) -> None:
     """With verification, every file the runtime reads must be one whose sha256 was just checked."""
     listed = {inside(folder, name, "listed file") for name in manifest.files}
@@ -503,7 +355,7 @@ def _check_files(folder: Path, spec: PackageSpec, *, verify: bool) -> PackageSpe
     external = list(dict.fromkeys(files.values()))
     for path in external:
         regular_file(path, f"external data of {spec.model_path.name}")
-    _check_ranges(spec.model_path, entries, files)
+    check_ranges(spec.model_path, entries, files)
     if verify:
         optional = [p for p in (spec.tokenizer_path, spec.chat_template_path) if p is not None]
         read = [spec.model_path, *external, *optional]

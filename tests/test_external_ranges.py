@@ -1,4 +1,4 @@
-"""External data ranges (runtime/package.py): two tensors of model.onnx whose (offset, length) ranges in
+"""External data ranges (runtime/onnx_external.py): two tensors of model.onnx whose (offset, length) ranges in
 model.onnx.data overlap, or a range past the file's end, are refused at load with a PackageError, even in a
 package whose manifest signs the edited files (ONNX Runtime itself reads whatever range it is given)."""
 
@@ -12,7 +12,8 @@ import onnx
 import pytest
 
 from edgelm.runtime import PackageError, load
-from edgelm.runtime.package import external_data, list_files, write_json
+from edgelm.runtime.onnx_external import external_data
+from edgelm.runtime.package import list_files, write_json
 
 
 def resigned_with(package: Path, folder: Path, change) -> Path:

@@ -104,7 +104,7 @@ def test_quantized_package_keeps_its_own_weights_in_model_onnx_data(mode, quanti
     import onnx
 
     from edgelm.onnxfile import ALIGNMENT, INLINE_LIMIT
-    from edgelm.runtime.package import external_data_locations
+    from edgelm.runtime.onnx_external import external_data_locations
 
     package = quantized[mode]
     assert set(external_data_locations(package / "model.onnx")) == {"model.onnx.data"}

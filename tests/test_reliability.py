@@ -32,7 +32,8 @@ from edgelm.runtime import (
 )
 from edgelm.runtime import package as package_module
 from edgelm.runtime import session as session_module
-from edgelm.runtime.package import external_data_locations, list_files
+from edgelm.runtime.onnx_external import external_data_locations
+from edgelm.runtime.package import list_files
 
 ORT_INTERNALS = ("[ONNXRuntimeError]", "onnxruntime::", "onnxruntime_src")
 
@@ -268,7 +269,7 @@ def test_symlinks_inside_the_folder_are_fine(package, model, tmp_path):
 
 # ONNX external data. ONNX Runtime 1.31 refuses locations that leave the model's folder itself, but
 # releases before late 2025 (pyproject allows >= 1.18) follow them anywhere; the runtime therefore reads
-# the locations out of model.onnx itself (runtime/package.py, a protobuf walker) and refuses them before
+# the locations out of model.onnx itself (runtime/onnx_external.py, a protobuf walker) and refuses them before
 # the session opens the file. `sessions == []` checks that it does so on any ONNX Runtime version.
 
 
