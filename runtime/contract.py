@@ -135,10 +135,7 @@ class Manifest:
             raise PackageError(f"{where}: architecture, io and tokenizer must be objects")
         # messages name the object a key is in: "edgelm.json architecture: n_head ..."
         in_arch, in_io, in_tok = f"{where} architecture", f"{where} io", f"{where} tokenizer"
-        n_head = integer(arch, "n_head", in_arch, minimum=1)
-        n_kv_head = integer(arch, "n_kv_head", in_arch, minimum=1) if "n_kv_head" in arch else n_head
-        if n_head % n_kv_head:
-            raise PackageError(f"{in_arch}: n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})")
+        n_head, n_kv_head = heads(arch, in_arch, n_head_key="n_head", n_kv_head_key="n_kv_head")
         architecture = Architecture(
             type=str(arch.get("type", "")),
             vocab_size=integer(arch, "vocab_size", in_arch, minimum=1),
@@ -248,7 +245,7 @@ def genai_config(manifest: Manifest) -> dict:
     }
 
 
-# ---- field validators, shared with the readers of genai and Optimum folders (runtime/package.py) ----
+# ---- field validators, shared with the readers of genai and Optimum folders (runtime/foreign.py) ----
 
 
 def integer(data: dict, key: str, where: str, *, minimum: int = 0) -> int:
@@ -256,6 +253,16 @@ def integer(data: dict, key: str, where: str, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PackageError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def heads(data: dict, where: str, *, n_head_key: str, n_kv_head_key: str) -> tuple[int, int]:
+    """Query and key/value head counts (KV heads default to the query heads); each KV head must serve the
+    same number of query heads (grouped-query attention)."""
+    n_head = integer(data, n_head_key, where, minimum=1)
+    n_kv_head = integer(data, n_kv_head_key, where, minimum=1) if n_kv_head_key in data else n_head
+    if n_head % n_kv_head:
+        raise PackageError(f"{where}: {n_head_key} ({n_head}) must be a multiple of {n_kv_head_key} ({n_kv_head})")
+    return n_head, n_kv_head
 
 
 def optional_id(value: object) -> int | None:

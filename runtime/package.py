@@ -25,20 +25,17 @@ from pathlib import Path
 from .contract import (
     GENAI_CONFIG_FILE,
     MANIFEST_FILE,
+    MODEL_FILE,
+    TOKENIZER_FILE,
     Architecture,
     IONames,
     Manifest,
     Tokens,
-    integer,
-    io_name,
-    optional_id,
-    token_list,
 )
 from .errors import PackageError, PackageNotFoundError
 from .files import kind_of
+from .foreign import HF_CONFIG_FILE, ForeignPackage, read_genai, read_optimum
 from .onnx_external import check_ranges, external_data
-
-HF_CONFIG_FILE = "config.json"
 
 
 @dataclass
@@ -104,8 +101,8 @@ def inside(folder: Path, name: object, what: str) -> Path:
 
 
 def _tokenizer(folder: Path) -> Path | None:
-    path = folder / "tokenizer.json"
-    return inside(folder, "tokenizer.json", "tokenizer") if path.is_file() else None
+    path = folder / TOKENIZER_FILE
+    return inside(folder, TOKENIZER_FILE, "tokenizer") if path.is_file() else None
 
 
 def _from_manifest(folder: Path, data: dict) -> PackageSpec:
@@ -125,102 +122,15 @@ def _from_manifest(folder: Path, data: dict) -> PackageSpec:
     )
 
 
-def _from_genai(folder: Path, config: dict) -> PackageSpec:
-    where = GENAI_CONFIG_FILE
-    model = config.get("model")
-    decoder = model.get("decoder") if isinstance(model, dict) else None
-    if not isinstance(decoder, dict):
-        raise PackageError(f"{where}: model.decoder is missing")
-    inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
-    if not isinstance(inputs, dict) or not isinstance(outputs, dict):
-        raise PackageError(f"{where}: model.decoder.inputs and .outputs must be objects")
-    # messages name the object a key is in: "genai_config.json model.decoder: num_attention_heads ..."
-    in_model, in_decoder = f"{where} model", f"{where} model.decoder"
-    in_inputs, in_outputs = f"{in_decoder}.inputs", f"{in_decoder}.outputs"
-    n_head = integer(decoder, "num_attention_heads", in_decoder, minimum=1)
-    n_kv_head = (
-        integer(decoder, "num_key_value_heads", in_decoder, minimum=1) if "num_key_value_heads" in decoder else n_head
-    )
-    if n_head % n_kv_head:
-        raise PackageError(
-            f"{in_decoder}: num_attention_heads ({n_head}) must be a multiple of num_key_value_heads ({n_kv_head})"
-        )
-    if decoder.get("head_size") is not None:
-        head_dim = integer(decoder, "head_size", in_decoder, minimum=1)
-    else:  # derived from hidden_size: an error names the key the file has
-        head_dim = integer(decoder, "hidden_size", in_decoder, minimum=n_head) // n_head
-    eos = token_list(model.get("eos_token_id"), in_model)
-    pad = optional_id(model.get("pad_token_id"))
-    search = config.get("search")
-    shared = isinstance(search, dict) and search.get("past_present_share_buffer") is True
-    arch = Architecture(
-        type=str(model.get("type", "")),
-        vocab_size=integer(model, "vocab_size", in_model, minimum=1),
-        context_length=integer(model, "context_length", in_model, minimum=1),
-        n_layer=integer(decoder, "num_hidden_layers", in_decoder, minimum=1),
-        n_head=n_head,
-        n_kv_head=n_kv_head,
-        head_dim=head_dim,
-    )
-    io = IONames(
-        input_ids=io_name(inputs, "input_ids", "input_ids", in_inputs),
-        attention_mask=io_name(inputs, "attention_mask", "attention_mask", in_inputs),
-        position_ids=io_name(inputs, "position_ids", "position_ids", in_inputs, optional=True),
-        logits=io_name(outputs, "logits", "logits", in_outputs),
-        past_key=io_name(inputs, "past_key_names", IONames.past_key, in_inputs, per_layer=True),
-        past_value=io_name(inputs, "past_value_names", IONames.past_value, in_inputs, per_layer=True),
-        present_key=io_name(outputs, "present_key_names", IONames.present_key, in_outputs, per_layer=True),
-        present_value=io_name(outputs, "present_value_names", IONames.present_value, in_outputs, per_layer=True),
-        kv_cache="shared_buffer" if shared else "concat",
-    )
-    tokens = Tokens(
-        file="tokenizer.json",
-        bos_token_id=optional_id(model.get("bos_token_id")),
-        eos_token_ids=eos,
-        pad_token_id=pad if pad is not None else eos[0],
-    )
+def _from_foreign(folder: Path, found: ForeignPackage) -> PackageSpec:
     return PackageSpec(
         folder=folder,
-        kind="genai",
-        model_path=inside(folder, decoder.get("filename"), "decoder filename"),
+        kind=found.kind,
+        model_path=inside(folder, found.model_file, found.model_file_what),
         tokenizer_path=_tokenizer(folder),
-        arch=arch,
-        io=io,
-        tokens=tokens,
-    )
-
-
-def _from_hf_config(folder: Path, config: dict) -> PackageSpec:
-    """An Optimum export of GPT-2: model.onnx beside Hugging Face's config.json."""
-    where = HF_CONFIG_FILE
-    if config.get("model_type") != "gpt2":
-        raise PackageError(f"{where}: unknown model_type {config.get('model_type')!r} (this runtime runs 'gpt2')")
-    n_embd, n_head = integer(config, "n_embd", where, minimum=1), integer(config, "n_head", where, minimum=1)
-    eos = token_list(config.get("eos_token_id", 50256), where)
-    pad = optional_id(config.get("pad_token_id"))
-    arch = Architecture(
-        type="gpt2",
-        vocab_size=integer(config, "vocab_size", where, minimum=1),
-        context_length=integer(config, "n_positions", where, minimum=1),
-        n_layer=integer(config, "n_layer", where, minimum=1),
-        n_head=n_head,
-        n_kv_head=n_head,
-        head_dim=n_embd // n_head,
-    )
-    tokens = Tokens(
-        file="tokenizer.json",
-        bos_token_id=optional_id(config.get("bos_token_id")),
-        eos_token_ids=eos,
-        pad_token_id=pad if pad is not None else eos[0],
-    )
-    return PackageSpec(
-        folder=folder,
-        kind="optimum",
-        model_path=inside(folder, "model.onnx", "model file"),
-        tokenizer_path=_tokenizer(folder),
-        arch=arch,
-        io=IONames(),
-        tokens=tokens,
+        arch=found.arch,
+        io=found.io,
+        tokens=found.tokens,
     )
 
 
@@ -327,9 +237,9 @@ def read_package(path: str | Path, *, verify: bool = True, background_hashes: bo
                 pending.wait()  # a file that fails its sha256 explains any other error best
             raise
     elif (folder / GENAI_CONFIG_FILE).is_file():
-        spec = _from_genai(folder, _read_json(inside(folder, GENAI_CONFIG_FILE, "genai config")))
-    elif (folder / HF_CONFIG_FILE).is_file() and (folder / "model.onnx").is_file():
-        spec = _from_hf_config(folder, _read_json(inside(folder, HF_CONFIG_FILE, "config")))
+        spec = _from_foreign(folder, read_genai(_read_json(inside(folder, GENAI_CONFIG_FILE, "genai config"))))
+    elif (folder / HF_CONFIG_FILE).is_file() and (folder / MODEL_FILE).is_file():
+        spec = _from_foreign(folder, read_optimum(_read_json(inside(folder, HF_CONFIG_FILE, "config"))))
     else:
         raise PackageError(
             f"{folder} is not a model package: it has no {MANIFEST_FILE}, no {GENAI_CONFIG_FILE}, "
