@@ -62,10 +62,6 @@ class IONames:
     def present_names(self, n_layer: int) -> list[str]:
         return [name for layer in range(n_layer) for name in self.present(layer)]
 
-    @property
-    def padding(self) -> str:
-        return "right" if self.kv_cache == "shared_buffer" else "left"
-
 
 @dataclass
 class Architecture:
@@ -122,59 +118,18 @@ class Manifest:
     @classmethod
     def parse(cls, data: dict, where: str = MANIFEST_FILE) -> Manifest:
         """Validate edgelm.json; every error is a PackageError saying which field is wrong."""
-        if data.get("format") != MANIFEST_FORMAT:
-            raise PackageError(f"{where}: format is {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        version = data.get("format_version")
-        if version not in READABLE_VERSIONS:
-            raise PackageError(
-                f"{where}: format_version {version!r} is not supported (this runtime reads "
-                f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade edgelm or re-export the package"
-            )
+        _check_format(data, where)
         arch, io, tok = data.get("architecture"), data.get("io"), data.get("tokenizer")
         if not all(isinstance(x, dict) for x in (arch, io, tok)):
             raise PackageError(f"{where}: architecture, io and tokenizer must be objects")
         # messages name the object a key is in: "edgelm.json architecture: n_head ..."
-        in_arch, in_io, in_tok = f"{where} architecture", f"{where} io", f"{where} tokenizer"
-        n_head, n_kv_head = heads(arch, in_arch, n_head_key="n_head", n_kv_head_key="n_kv_head")
-        architecture = Architecture(
-            type=str(arch.get("type", "")),
-            vocab_size=integer(arch, "vocab_size", in_arch, minimum=1),
-            context_length=integer(arch, "context_length", in_arch, minimum=1),
-            n_layer=integer(arch, "n_layer", in_arch, minimum=1),
-            n_head=n_head,
-            n_kv_head=n_kv_head,
-            head_dim=integer(arch, "head_dim", in_arch, minimum=1),
-            details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
-            genai_type=arch.get("genai_type") if isinstance(arch.get("genai_type"), str) else None,
-        )
-        eos = token_list(tok.get("eos_token_ids"), in_tok)
-        pad = optional_id(tok.get("pad_token_id"))
-        tokens = Tokens(
-            file=optional_name(tok, "file", in_tok),
-            bos_token_id=optional_id(tok.get("bos_token_id")),
-            eos_token_ids=eos,
-            pad_token_id=pad if pad is not None else eos[0],
-            chat_template=optional_name(tok, "chat_template", in_tok),
-        )
-        names = {f.name: f.default for f in fields(IONames)}
-        per_layer = ("past_key", "past_value", "present_key", "present_value")
-        optional = ("position_ids", "logits_to_keep")
-        io_names = IONames(
-            **{
-                name: io_name(io, name, default, in_io, per_layer=name in per_layer, optional=name in optional)
-                for name, default in names.items()
-                if name not in ("kv_cache", "kv_dtype")
-            },
-            kv_cache=choice(io, "kv_cache", KV_CACHE_KINDS, in_io, default="concat"),
-            kv_dtype=choice(io, "kv_dtype", KV_DTYPES, in_io, default="float32"),
-        )
+        architecture = _parse_architecture(arch, f"{where} architecture")
+        tokens = _parse_tokens(tok, f"{where} tokenizer")
+        io_names = _parse_io(io, f"{where} io")
         model_file = data.get("model_file")
         if not isinstance(model_file, str) or not model_file:
             raise PackageError(f"{where}: model_file must be a file name, got {model_file!r}")
-        objects = {key: data.get(key) for key in ("recipe", "export", "source", "parity", "evaluation", "files")}
-        for key, value in objects.items():
-            if value is not None and not isinstance(value, dict):
-                raise PackageError(f"{where}: {key} must be an object, got {type(value).__name__}")
+        objects = _parse_records(data, where)
         return cls(
             architecture=architecture,
             io=io_names,
@@ -191,57 +146,133 @@ class Manifest:
         )
 
 
+def _check_format(data: dict, where: str) -> None:
+    if data.get("format") != MANIFEST_FORMAT:
+        raise PackageError(f"{where}: format is {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    version = data.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise PackageError(
+            f"{where}: format_version {version!r} is not supported (this runtime reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade edgelm or re-export the package"
+        )
+
+
+def _parse_architecture(arch: dict, where: str) -> Architecture:
+    n_head, n_kv_head = heads(arch, where, n_head_key="n_head", n_kv_head_key="n_kv_head")
+    return Architecture(
+        type=str(arch.get("type", "")),
+        vocab_size=integer(arch, "vocab_size", where, minimum=1),
+        context_length=integer(arch, "context_length", where, minimum=1),
+        n_layer=integer(arch, "n_layer", where, minimum=1),
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        head_dim=integer(arch, "head_dim", where, minimum=1),
+        details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
+        genai_type=arch.get("genai_type") if isinstance(arch.get("genai_type"), str) else None,
+    )
+
+
+def _parse_tokens(tok: dict, where: str) -> Tokens:
+    eos = token_list(tok.get("eos_token_ids"), where)
+    pad = optional_id(tok.get("pad_token_id"))
+    return Tokens(
+        file=optional_name(tok, "file", where),
+        bos_token_id=optional_id(tok.get("bos_token_id")),
+        eos_token_ids=eos,
+        pad_token_id=pad if pad is not None else eos[0],
+        chat_template=optional_name(tok, "chat_template", where),
+    )
+
+
+def _parse_io(io: dict, where: str) -> IONames:
+    names = {f.name: f.default for f in fields(IONames)}
+    per_layer = ("past_key", "past_value", "present_key", "present_value")
+    optional = ("position_ids", "logits_to_keep")
+    return IONames(
+        **{
+            name: io_name(io, name, default, where, per_layer=name in per_layer, optional=name in optional)
+            for name, default in names.items()
+            if name not in ("kv_cache", "kv_dtype")
+        },
+        kv_cache=choice(io, "kv_cache", KV_CACHE_KINDS, where, default="concat"),
+        kv_dtype=choice(io, "kv_dtype", KV_DTYPES, where, default="float32"),
+    )
+
+
+def _parse_records(data: dict, where: str) -> dict:
+    """The records export and quantize keep for people (recipe, parity, ...): objects or absent."""
+    objects = {key: data.get(key) for key in ("recipe", "export", "source", "parity", "evaluation", "files")}
+    for key, value in objects.items():
+        if value is not None and not isinstance(value, dict):
+            raise PackageError(f"{where}: {key} must be an object, got {type(value).__name__}")
+    return objects
+
+
 def genai_config(manifest: Manifest) -> dict:
     """genai_config.json for a package, as onnxruntime-genai reads it. The model type is the one the package
-    records (its family's, export/families.py); a package from before that record names its type, with GPT-2
-    as genai's decoder-only "phi" type (genai's own "gpt2" type expects a legacy combined past_%d cache)."""
-    arch, io, tok = manifest.architecture, manifest.io, manifest.tokenizer
-    genai_type = arch.genai_type or {"gpt2": "phi"}.get(arch.type, arch.type)
-    inputs = {"input_ids": io.input_ids, "attention_mask": io.attention_mask}
-    if io.position_ids is not None:
-        inputs["position_ids"] = io.position_ids
-    inputs |= {"past_key_names": io.past_key, "past_value_names": io.past_value}
+    records (its family's genai type, export/families.py): the contract holds no family's mapping."""
+    arch, tok = manifest.architecture, manifest.tokenizer
+    if arch.genai_type is None:
+        raise ValueError(
+            f"{MANIFEST_FILE} has no architecture.genai_type (a package from before it was recorded); its "
+            f"{GENAI_CONFIG_FILE} is the one export wrote then"
+        )
     eos = tok.eos_token_ids
     return {
         "model": {
-            "type": genai_type,
+            "type": arch.genai_type,
             "bos_token_id": tok.bos_token_id if tok.bos_token_id is not None else eos[0],
             "eos_token_id": eos if len(eos) > 1 else eos[0],
             "pad_token_id": tok.pad_token_id,
             "context_length": arch.context_length,
             "vocab_size": arch.vocab_size,
-            "decoder": {
-                "filename": manifest.model_file,
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "head_size": arch.head_dim,
-                "hidden_size": arch.details.get("n_embd", arch.n_head * arch.head_dim),
-                "num_attention_heads": arch.n_head,
-                "num_key_value_heads": arch.n_kv_head,
-                "num_hidden_layers": arch.n_layer,
-                "inputs": inputs,
-                "outputs": {
-                    "logits": io.logits,
-                    "present_key_names": io.present_key,
-                    "present_value_names": io.present_value,
-                },
-            },
+            "decoder": _genai_decoder(manifest),
         },
-        "search": {
-            "do_sample": False,
-            "max_length": arch.context_length,
-            "min_length": 0,
-            "num_beams": 1,
-            "num_return_sequences": 1,
-            "past_present_share_buffer": io.kv_cache == "shared_buffer",
-            "repetition_penalty": 1.0,
-            "temperature": 1.0,
-            "top_k": 1,
-            "top_p": 1.0,
-            "early_stopping": True,
-            "length_penalty": 1.0,
-            "no_repeat_ngram_size": 0,
-            "diversity_penalty": 0.0,
+        "search": _genai_search(manifest),
+    }
+
+
+def _genai_decoder(manifest: Manifest) -> dict:
+    """model.decoder: the graph's file, shape and I/O names."""
+    arch, io = manifest.architecture, manifest.io
+    inputs = {"input_ids": io.input_ids, "attention_mask": io.attention_mask}
+    if io.position_ids is not None:
+        inputs["position_ids"] = io.position_ids
+    inputs |= {"past_key_names": io.past_key, "past_value_names": io.past_value}
+    return {
+        "filename": manifest.model_file,
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "head_size": arch.head_dim,
+        "hidden_size": arch.details.get("n_embd", arch.n_head * arch.head_dim),
+        "num_attention_heads": arch.n_head,
+        "num_key_value_heads": arch.n_kv_head,
+        "num_hidden_layers": arch.n_layer,
+        "inputs": inputs,
+        "outputs": {
+            "logits": io.logits,
+            "present_key_names": io.present_key,
+            "present_value_names": io.present_value,
         },
+    }
+
+
+def _genai_search(manifest: Manifest) -> dict:
+    """search: greedy defaults, and whether past and present share one buffer."""
+    return {
+        "do_sample": False,
+        "max_length": manifest.architecture.context_length,
+        "min_length": 0,
+        "num_beams": 1,
+        "num_return_sequences": 1,
+        "past_present_share_buffer": manifest.io.kv_cache == "shared_buffer",
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_k": 1,
+        "top_p": 1.0,
+        "early_stopping": True,
+        "length_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
+        "diversity_penalty": 0.0,
     }
 
 

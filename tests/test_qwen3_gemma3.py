@@ -363,17 +363,18 @@ def test_gemma_sentencepiece_tokenizer_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_genai_type_is_what_the_package_records_and_older_packages_keep_theirs(case, packages):
-    """The manifest records the family's genai type; a manifest from before that record still maps GPT-2 to
-    genai's "phi" and names the others' own type."""
-    from edgelm.runtime.contract import MANIFEST_FILE, Manifest, genai_config
+    """The manifest records the family's genai type, and genai_config.json names it; a manifest from before
+    that record still parses (its genai_config.json is the one written then), but the contract maps no family."""
+    from edgelm.runtime.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, Manifest, genai_config
 
     data = json.loads((packages[case, "fused"] / MANIFEST_FILE).read_text())
     assert data["architecture"]["genai_type"] == case
     assert genai_config(Manifest.parse(data))["model"]["type"] == case
+    assert json.loads((packages[case, "fused"] / GENAI_CONFIG_FILE).read_text())["model"]["type"] == case
     del data["architecture"]["genai_type"]
-    assert genai_config(Manifest.parse(data))["model"]["type"] == case
-    data["architecture"]["type"] = "gpt2"
-    assert genai_config(Manifest.parse(data))["model"]["type"] == "phi"
+    assert Manifest.parse(data).architecture.genai_type is None
+    with pytest.raises(ValueError, match="no architecture.genai_type"):
+        genai_config(Manifest.parse(data))
 
 
 @pytest.mark.parametrize(
