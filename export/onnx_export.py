@@ -21,6 +21,7 @@ import torch
 from edgelm import __version__
 from edgelm.onnxfile import save_model
 
+from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime.contract import (
     CHAT_TEMPLATE_FILE,
     GENAI_CONFIG_FILE,
@@ -33,8 +34,7 @@ from ..runtime.contract import (
     genai_config,
 )
 from ..runtime.files import check_file, kind_of
-from ..runtime.outputs import StagedOutput
-from ..runtime.package import file_sha256, list_files, write_json
+from ..runtime.package import file_sha256
 from .checkpoint import CheckpointError, check_finite, combined_hash, read_config, source_hashes, tokenizer_files
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for

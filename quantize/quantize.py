@@ -15,12 +15,12 @@ import numpy as np
 from edgelm import __version__
 from edgelm.onnxfile import PROTOBUF_LIMIT
 
+from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime import PackageError, load
 from ..runtime.contract import MANIFEST_FILE
 from ..runtime.files import read_text
 from ..runtime.onnx_external import external_data_locations
-from ..runtime.outputs import StagedOutput
-from ..runtime.package import list_files, read_package, write_json
+from ..runtime.package import read_package
 from .calibration import DecoderCalibrationReader
 from .evaluate import evaluate_package
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options

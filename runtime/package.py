@@ -71,10 +71,6 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def write_json(path: str | Path, data: dict) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -294,12 +290,3 @@ def regular_file(path: Path, what: str) -> None:
         raise PackageNotFoundError(f"{what} {path.name} is missing from {path.parent}")
     if kind != "a regular file":
         raise PackageError(f"{what} {path.name} is {kind}, not a regular file")
-
-
-def list_files(folder: Path) -> dict:
-    """The manifest's "files" entry for a folder: sha256 and size of every file but the manifest."""
-    return {
-        p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size}
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != MANIFEST_FILE
-    }

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from edgelm.package_writer import list_files
 from edgelm.runtime import PackageError, load
-from edgelm.runtime.package import list_files
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "models" / "shakespeare"

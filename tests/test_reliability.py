@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgelm.package_writer import list_files
 from edgelm.runtime import (
     ContextLengthError,
     EdgelmError,
@@ -33,7 +34,6 @@ from edgelm.runtime import (
 from edgelm.runtime import package as package_module
 from edgelm.runtime import session as session_module
 from edgelm.runtime.onnx_external import external_data_locations
-from edgelm.runtime.package import list_files
 
 ORT_INTERNALS = ("[ONNXRuntimeError]", "onnxruntime::", "onnxruntime_src")
 

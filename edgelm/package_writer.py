@@ -1,4 +1,5 @@
 """Writing a package folder without ever losing what was there: the one way export and quantize write.
+The runtime only reads packages, so this writer lives outside runtime/ and runtime/ never imports it.
 
     with StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite) as staging:
         ... write every file into staging ...
@@ -36,7 +37,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .contract import MANIFEST_FILE, MANIFEST_FORMAT
+from .runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
+from .runtime.package import file_sha256
 
 STAGING_PREFIX = ".edgelm-staging-"  # hidden folders beside the output while a package is written
 OWNER_FILE = "edgelm-staging.json"  # inside each: who writes it (pid, host, start time), for stale-folder cleanup
@@ -84,6 +86,24 @@ def _lineage(path: Path) -> list[Identity]:
 
 def check_output(out_dir: str | Path, *, inputs: Iterable[str | Path | None] = (), overwrite: bool = False) -> Path:
     """Raise (ValueError, FileExistsError) if writing a package to out_dir could lose anything."""
+    out = _usable_path(out_dir)
+    out_identity = _identity(out)  # None when it does not exist yet
+    if out_identity is not None and out_identity in _lineage(Path.cwd()):
+        raise ValueError(f"the output {out} is the current directory or a parent of it; give a new folder's path")
+    for given in inputs:
+        if given is not None:
+            _check_apart(out, given)
+    if not out.is_dir():
+        return out
+    if any(out.iterdir()):
+        _check_replaceable(out)
+    if not overwrite:  # an empty folder too: the user may have made it for something else
+        raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
+    return out
+
+
+def _usable_path(out_dir: str | Path) -> Path:
+    """out_dir as a Path, if it names nothing yet or a real folder (not a symlink, not a file)."""
     out = Path(out_dir)
     if not str(out_dir) or "\x00" in str(out_dir):
         raise ValueError(f"the output folder must be a path, got {str(out_dir)!r}")
@@ -96,49 +116,45 @@ def check_output(out_dir: str | Path, *, inputs: Iterable[str | Path | None] = (
         raise ValueError(f"the output {out} is a symlink; give the real folder's path (a symlink is never replaced)")
     if out.exists() and not out.is_dir():
         raise ValueError(f"the output {out} exists and is not a folder; a package is written as a new folder")
-    out_lineage = _lineage(out)
-    out_identity = _identity(out)  # None when it does not exist yet
-    if out_identity is not None and out_identity in _lineage(Path.cwd()):
-        raise ValueError(f"the output {out} is the current directory or a parent of it; give a new folder's path")
-    target = out.resolve()
-    for given in inputs:
-        if given is None:
-            continue
-        source = Path(given).resolve()
-        source_identity, source_lineage = _identity(source), _lineage(source)
-        # by path first (that also covers an input that does not exist yet), then by identity: another spelling
-        plain = source == target or target in source.parents or source in target.parents
-        another = "" if plain else " (by another path: a bind mount or a symlink)"
-        if target == source or (out_identity is not None and out_identity == source_identity):
-            raise ValueError(f"the output folder must differ from the input {given}{another}")
-        if target in source.parents or (out_identity is not None and out_identity in source_lineage):
-            raise ValueError(f"the output {out} contains the input {given}{another}; give a folder outside it")
-        if source in target.parents or (source_identity is not None and source_identity in out_lineage):
-            raise ValueError(f"the output {out} lies inside the input {given}{another}; give a folder outside it")
-        if out_identity is not None and source.is_file():  # a hard link to the input inside the old package
-            for entry in os.scandir(out):
-                if _identity(Path(entry.path)) == source_identity:
-                    raise ValueError(
-                        f"the output {out} holds {entry.name}, a hard link to the input {given}; "
-                        "give a folder that does not hold the input"
-                    )
-    if not out.is_dir():
-        return out
-    if any(out.iterdir()):
-        is_package, extra = _is_package(out)
-        if not is_package:
-            raise ValueError(
-                f"the output {out} is a folder that is not an edgelm package (no valid {MANIFEST_FILE}); "
-                "edgelm replaces only its own packages and empty folders: remove it yourself or give another path"
-            )
-        if extra:
-            raise ValueError(
-                f"the package {out} also holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which its "
-                f"{MANIFEST_FILE} does not list; move them out, or give a new folder's path"
-            )
-    if not overwrite:  # an empty folder too: the user may have made it for something else
-        raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
     return out
+
+
+def _check_apart(out: Path, given: str | Path) -> None:
+    """The output must not be the input, contain it, lie inside it, or hold a hard link to it."""
+    out_identity, out_lineage, target = _identity(out), _lineage(out), out.resolve()
+    source = Path(given).resolve()
+    source_identity, source_lineage = _identity(source), _lineage(source)
+    # by path first (that also covers an input that does not exist yet), then by identity: another spelling
+    plain = source == target or target in source.parents or source in target.parents
+    another = "" if plain else " (by another path: a bind mount or a symlink)"
+    if target == source or (out_identity is not None and out_identity == source_identity):
+        raise ValueError(f"the output folder must differ from the input {given}{another}")
+    if target in source.parents or (out_identity is not None and out_identity in source_lineage):
+        raise ValueError(f"the output {out} contains the input {given}{another}; give a folder outside it")
+    if source in target.parents or (source_identity is not None and source_identity in out_lineage):
+        raise ValueError(f"the output {out} lies inside the input {given}{another}; give a folder outside it")
+    if out_identity is not None and source.is_file():  # a hard link to the input inside the old package
+        for entry in os.scandir(out):
+            if _identity(Path(entry.path)) == source_identity:
+                raise ValueError(
+                    f"the output {out} holds {entry.name}, a hard link to the input {given}; "
+                    "give a folder that does not hold the input"
+                )
+
+
+def _check_replaceable(out: Path) -> None:
+    """A folder with something in it is replaced only when it is an edgelm package holding only its files."""
+    is_package, extra = _is_package(out)
+    if not is_package:
+        raise ValueError(
+            f"the output {out} is a folder that is not an edgelm package (no valid {MANIFEST_FILE}); "
+            "edgelm replaces only its own packages and empty folders: remove it yourself or give another path"
+        )
+    if extra:
+        raise ValueError(
+            f"the package {out} also holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which its "
+            f"{MANIFEST_FILE} does not list; move them out, or give a new folder's path"
+        )
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -304,3 +320,16 @@ class StagedOutput:
                 old.rename(self.out_dir)
                 raise
         # the staging folder now holds the old package; __exit__ removes it
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def list_files(folder: Path) -> dict:
+    """The manifest's "files" entry for a folder: sha256 and size of every file but the manifest."""
+    return {
+        p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
