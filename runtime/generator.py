@@ -18,19 +18,20 @@ keeps its own cache, binding and random generator.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .chat import Conversation
+from .decode import DecodeState, GenerationOptions, decode, decode_texts, generation_options, text_pieces
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
-from .kvcache import check_generation_memory, make_cache, plain_feed
+from .kvcache import plain_feed
 from .package import PackageSpec, read_package
 from .results import GenerationResult, Stream, Timings, make_timings
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers
 from .text import TextAssembler, Tokenizer
 
@@ -132,14 +133,10 @@ class Model:
     def chat(self, messages: list[dict], max_new_tokens: int = 256, *, template=None, **options) -> GenerationResult:
         """The assistant's reply to messages ([{"role": ..., "content": ...}]), rendered with the package's chat
         template (or `template`, Jinja source). Options as generate's; ContextLengthError when they do not fit."""
-        from .chat import Conversation
-
         return Conversation(self, template=template).reply_to(messages, max_new_tokens=max_new_tokens, **options)
 
-    def conversation(self, system: str | None = None, *, template=None):
+    def conversation(self, system: str | None = None, *, template=None) -> Conversation:
         """A multi-turn chat that keeps its KV cache between turns: .send(text), .stream(text), .undo(), .reset()."""
-        from .chat import Conversation
-
         return Conversation(self, system=system, template=template)
 
     # ---- input handling ------------------------------------------------------------------------
@@ -186,10 +183,10 @@ class Model:
             raise ContextLengthError(f"max_new_tokens ({max_new_tokens}) must be below the context length {limit}")
         return ids[len(ids) + max_new_tokens - limit :]
 
-    # ---- the decode loop -----------------------------------------------------------------------
+    # ---- generation (the loop itself: runtime/decode.py) ----------------------------------------
 
     def run(self, binding) -> None:
-        """Run the session on an IO binding (the KV-cache drivers' one way in)."""
+        """Run the session on an IO binding (the KV-cache drivers' one way in: runtime/runner.py)."""
         try:
             self.session.run_with_iobinding(binding)
         except Exception as e:  # onnxruntime's pybind types; inputs were validated, so the package is at fault
@@ -198,177 +195,35 @@ class Model:
                 "JSON match its model, e.g. context length or vocabulary size?)"
             ) from None
 
-    def _decode(
-        self,
-        prompts: list[list[int]],
-        state: _DecodeState,
-        *,
-        max_new_tokens: int,
-        params: SamplingParams,
-        seed: int | None,
-        cancel: threading.Event | None,
-        ignore_eos: bool = False,
-        cache=None,
-        feed: list[int] | None = None,
-    ) -> Iterator[tuple[int, int]]:
-        """Batched decoding, prompts padded as the package's cache wants (runtime/kvcache.py):
-        yields (row, token id) for every new token of an unfinished row. state.finish[row] records why
-        a row ended; the consumer may end a row itself (a stop string) by setting it. A chat turn passes
-        its batch-1 `cache`, which holds prompts[0] but its last len(feed) ids, and the `feed` to extend it with."""
-        batch = len(prompts)
-        check_generation_memory(self.spec, list(map(len, prompts)), new_tokens=max_new_tokens, kv_dtype=self.kv_dtype)
-        if cache is None:
-            cache = make_cache(self, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
-            first = cache.prompt
-        else:
-            assert batch == 1 and feed, "a kept cache continues one row with at least one new token"
-            first = lambda: cache.extend(feed)[None, :]  # noqa: E731
-        rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(batch)]
-        penalize = params.repetition_penalty != 1.0
-        seen = [np.array(p, dtype=np.int64) for p in prompts]
-        eos = set() if ignore_eos else set(self.spec.tokens.eos_token_ids)
-        finish = state.finish
-        next_ids = np.empty((batch, 1), dtype=np.int64)
-        argmax_only = params.greedy and not penalize  # then one pass over the logits is all a step needs
-        for step in range(max_new_tokens):
-            if cancel is not None and cancel.is_set():
-                for row in range(batch):
-                    finish[row] = finish[row] or "cancelled"
-                break
-            logits = first() if step == 0 else cache.next(next_ids)  # (B, V): each row's newest position
-            live = [row for row in range(batch) if not finish[row]]
-            rows = logits[live] if batch > 1 else logits
-            if argmax_only:
-                # argmax returns a NaN's index if there is one, and +inf's before any finite value, so the
-                # chosen logits are finite exactly when the pick is sound (a -inf beside finite logits
-                # cannot change it); this replaces a second pass over the vocabulary for the check
-                picks = rows.argmax(axis=-1)
-                checked = rows[np.arange(len(rows)), picks]
-            else:
-                checked = rows
-            if not np.isfinite(checked).all():
-                raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
-            next_ids.fill(self.spec.tokens.pad_token_id)  # rows that have ended feed padding
-            for i, row in enumerate(live):
-                if argmax_only:
-                    token = int(picks[i])
-                else:
-                    token = sample(logits[row], params, rngs[row], seen[row] if penalize else None)
-                if step == 0 and not state.first_token_time:
-                    state.first_token_time = time.perf_counter()
-                if token in eos:
-                    finish[row] = "eos"
-                    continue
-                next_ids[row, 0] = token
-                if penalize:
-                    seen[row] = np.append(seen[row], token)
-                yield row, token
-            if all(finish):
-                break
-        for row in range(batch):
-            finish[row] = finish[row] or "length"
+    def options(self, max_new_tokens: int = 64, **options: Any) -> GenerationOptions:
+        """Validate generation options once (TypeError for an unknown name, InvalidParameterError for a bad value)."""
+        return generation_options(max_new_tokens, options, tokenizer=self.tokenizer)
 
-    def _prepare(
-        self,
-        prompt,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty,
-        seed,
-        stop,
-        truncate_prompt,
-        cancel=None,
-    ):
-        params, stops = self.check_options(
-            max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, cancel
-        )
-        prompts = [self._fit_context(self.encode(p), int(max_new_tokens), truncate_prompt) for p in prompt]
-        return params, stops, prompts
+    def check_options(self, max_new_tokens, *values) -> tuple[SamplingParams, tuple[str, ...]]:
+        """Kept for edgelm/cli.py's chat command, which passes temperature, top_k, top_p, min_p,
+        repetition_penalty, seed, stop and cancel in that order; new code calls options()."""
+        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "cancel")
+        checked = self.options(max_new_tokens, **dict(zip(names, values, strict=True)))
+        return checked.sampling, checked.stops
 
-    def check_options(
-        self, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, cancel
-    ) -> tuple[SamplingParams, tuple[str, ...]]:
-        """Validate generation options (InvalidParameterError); returns the sampling parameters and stop strings."""
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
-        )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise InvalidParameterError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-            raise InvalidParameterError(f"seed must be a non-negative integer or None, got {seed!r}")
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        if stops and self.tokenizer is None:
-            raise InvalidParameterError("stop strings need a tokenizer, and this package has none")
-        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-            raise InvalidParameterError(f"cancel must be a threading.Event or None, got {cancel!r}")
-        return params, stops
+    def _encode_all(self, prompts: Sequence[str | Sequence[int]], options: GenerationOptions) -> list[list[int]]:
+        return [self._fit_context(self.encode(p), options.max_new_tokens, options.truncate_prompt) for p in prompts]
 
     def generate_batch(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        max_new_tokens: int = 64,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        cancel: threading.Event | None = None,
-        truncate_prompt: bool = False,
-        ignore_eos: bool = False,
+        self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64, **options: Any
     ) -> list[GenerationResult]:
-        """Generate for several prompts at once (padding + attention mask). Row r samples with
-        seed + r; greedy output equals running each prompt alone, except with dynamic/static int8
-        packages, whose activation scale spans the batch (README, "Batches"). ignore_eos keeps
-        generating past EOS (for benchmarks)."""
+        """Generate for several prompts at once (padding + attention mask). Options (runtime/decode.py's
+        GenerationOptions): temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed, stop, cancel,
+        truncate_prompt, ignore_eos (keep generating past EOS, for benchmarks). Row r samples with seed + r;
+        greedy output equals running each prompt alone, except with dynamic/static int8 packages, whose
+        activation scale spans the batch (README, "Batches")."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
-        params, stops, encoded = self._prepare(
-            prompts,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            repetition_penalty,
-            seed,
-            stop,
-            truncate_prompt,
-            cancel,
-        )
-        # text is assembled token by token only to find stop strings; without them it is decoded once at the end
-        watch = self.tokenizer is not None and bool(stops)
-        assemblers = [TextAssembler(self.tokenizer, stops) if watch else None for _ in encoded]
-        generated: list[list[int]] = [[] for _ in encoded]
-        state = _DecodeState(finish=[""] * len(encoded))
-        for row, token in self._decode(
-            encoded,
-            state,
-            max_new_tokens=int(max_new_tokens),
-            params=params,
-            seed=seed,
-            cancel=cancel,
-            ignore_eos=ignore_eos,
-        ):
-            generated[row].append(token)
-            if assemblers[row] is not None:
-                assemblers[row].add(token)
-                if assemblers[row].stopped:
-                    state.finish[row] = "stop"
-        if watch:
-            texts = [assembler.text for assembler in assemblers]
-        else:
-            texts = [self.tokenizer.decode(ids) if self.tokenizer else "" for ids in generated]
+        checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()")
+        encoded = self._encode_all(prompts, checked)
+        state = DecodeState.start(len(encoded))
+        generated, texts = decode_texts(self, encoded, state, checked, self.tokenizer)
         ended = time.perf_counter()
         return [
             GenerationResult(
@@ -381,34 +236,18 @@ class Model:
             for row, ids in enumerate(encoded)
         ]
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kwargs) -> GenerationResult:
-        """Generate from one prompt (text or token ids). Keyword arguments as generate_batch:
-        temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed, stop, cancel,
-        truncate_prompt, ignore_eos. Returns text, token ids, finish reason and timings."""
-        return self.generate_batch([prompt], max_new_tokens, **kwargs)[0]
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **options: Any) -> GenerationResult:
+        """Generate from one prompt (text or token ids). Options as generate_batch's. Returns text, token ids,
+        finish reason and timings."""
+        return self.generate_batch([prompt], max_new_tokens, **options)[0]
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kwargs) -> Stream:
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **options: Any) -> Stream:
         """Like generate, but returns a Stream: iterate it for text pieces as they are generated
         (never half a character, never part of a stop string); its .result is set at the end.
-        Parameters are validated here, before the first piece is asked for."""
+        Options are validated here, before the first piece is asked for."""
         started = time.perf_counter()
-        defaults = dict(  # in _prepare's order
-            temperature=0.0,
-            top_k=0,
-            top_p=1.0,
-            min_p=0.0,
-            repetition_penalty=1.0,
-            seed=None,
-            stop=None,
-            truncate_prompt=False,
-            cancel=None,
-        )
-        ignore_eos = bool(kwargs.pop("ignore_eos", False))
-        unknown = set(kwargs) - set(defaults)
-        if unknown:
-            raise TypeError(f"stream() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
-        values = {**defaults, **kwargs}
-        params, stops, (ids,) = self._prepare([prompt], max_new_tokens, *values.values())
+        checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="stream()")
+        (ids,) = self._encode_all([prompt], checked)
         if self.tokenizer is None:
             raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
         stream: Stream
@@ -416,45 +255,15 @@ class Model:
         def pieces() -> Iterator[str]:
             # a generator: the model call for token n+1 runs only after the consumer took the piece
             # of token n, so a slow consumer slows generation and nothing piles up
-            assembler = TextAssembler(self.tokenizer, stops)
-            state = _DecodeState(finish=[""])
-            decoding = self._decode(
-                [ids],
-                state,
-                max_new_tokens=int(max_new_tokens),
-                params=params,
-                seed=values["seed"],
-                cancel=values["cancel"],
-                ignore_eos=ignore_eos,
-            )
-            yield from text_pieces(decoding, assembler, state)
+            assembler = TextAssembler(self.tokenizer, checked.stops)
+            state = DecodeState.start(1)
+            yield from text_pieces(decode(self, [ids], state, checked), assembler, state)
             tail = assembler.flush()
             if tail:
                 yield tail
-            stream.result = GenerationResult(
-                assembler.text,
-                list(assembler.ids),
-                state.finish[0],
-                ids,
-                make_timings(started, state.first_token_time, time.perf_counter(), len(ids), len(assembler.ids)),
-            )
+            new = len(assembler.ids)
+            timings = make_timings(started, state.first_token_time, time.perf_counter(), len(ids), new)
+            stream.result = GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings)
 
         stream = Stream(pieces())
         return stream
-
-
-def text_pieces(decoding: Iterator[tuple[int, int]], assembler: TextAssembler, state: _DecodeState) -> Iterator[str]:
-    """The final text pieces of a batch-1 decode (Model._decode's (row, token) pairs); a stop string ends
-    the row (state.finish[0] = "stop"). The caller flushes the assembler at the end."""
-    for _, token in decoding:
-        piece = assembler.add(token)
-        if piece:
-            yield piece
-        if assembler.stopped:
-            state.finish[0] = "stop"
-
-
-@dataclass
-class _DecodeState:
-    finish: list[str]  # per row: "" while running, then "eos", "stop", "length" or "cancelled"
-    first_token_time: float = 0.0
