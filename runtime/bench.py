@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from .errors import ContextLengthError
-from .generator import Model, load
+from .model import Model, load
 
 
 class TimedSession:

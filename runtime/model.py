@@ -5,12 +5,10 @@
     for piece in model.stream("JULIET:", max_new_tokens=64):
         print(piece, end="", flush=True)
 
-The decode loop has one shape (onnxruntime-genai's `while not generator.is_done()`): feed the
-prompt, then sample, append, feed one token, until EOS, a stop string, the token budget or a
-cancellation. The KV cache never goes through numpy and, with CUDA, stays on the device. How it
-moves depends on the graph (the package's io.kv_cache): the fused graph (export's default) updates
-one preallocated buffer per cache tensor in place, bound once as both past and present; the standard
-graph returns past + new as new OrtValues, bound as the next step's past.
+`Model` keeps loading, the package's facts, input validation and the public API; the decode loop it
+drives (feed the prompt, then sample, append, feed one token, until EOS, a stop string, the token
+budget or a cancellation) is runtime/decode.py, shared with chat.py's Conversation, and the KV cache
+it steps is runtime/kvcache.py. Model is the runner both need (runtime/runner.py).
 
 One loaded Model may be shared by threads: ONNX Runtime sessions run concurrently, and every call
 keeps its own cache, binding and random generator.
