@@ -27,7 +27,7 @@ from .chat import Conversation
 from .decode import DecodeState, GenerationOptions, decode, decode_texts, generation_options, text_pieces
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
 from .kvcache import plain_feed
-from .package import PackageSpec, read_package
+from .package import PackageSpec, external_data_locations, read_package
 from .results import GenerationResult, Stream, Timings, make_timings
 from .sampling import SamplingParams
 from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers
@@ -42,6 +42,13 @@ def load(path: str | Path, provider: str = "auto", threads: int | None = None, *
     threads: intra-op threads (None = ONNX Runtime's default, one per physical core);
     verify: check every file against the manifest's sha256 first."""
     return Model(path, provider=provider, threads=threads, verify=verify)
+
+
+def model_bytes(model_path: Path) -> int:
+    """The model file's size plus each external-data file it names (the weights, model.onnx.data), counted once."""
+    folder = model_path.parent
+    files = {model_path.resolve(), *((folder / location).resolve() for location in external_data_locations(model_path))}
+    return sum(path.stat().st_size for path in files)
 
 
 class Model:
@@ -110,7 +117,7 @@ class Model:
             "tokenizer": s.tokenizer_path.name if s.tokenizer_path else None,
             "chat_template": s.chat_template_path is not None,
             "provider": self.session.get_providers()[0],
-            "size_bytes": sum(sizes) if sizes else s.model_path.stat().st_size,
+            "size_bytes": sum(sizes) if sizes else model_bytes(s.model_path),
             "parity": manifest.parity if manifest else None,
             "evaluation": manifest.evaluation if manifest else None,
         }
