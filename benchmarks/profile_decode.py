@@ -29,7 +29,7 @@ from edgelm.runtime.bench import TimedSession
 
 
 def profiling_session(model_path: Path, threads: int, folder: str) -> ort.InferenceSession:
-    """The runtime's session options (see runtime/generator.py) plus ONNX Runtime's profiler."""
+    """The runtime's session options (see runtime/model.py) plus ONNX Runtime's profiler."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads

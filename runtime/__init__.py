@@ -15,7 +15,7 @@ from .errors import (
     PackageNotFoundError,
     ProviderError,
 )
-from .generator import Model, load
+from .model import Model, load
 from .results import GenerationResult, Stream, Timings
 from .sampling import SamplingParams
 

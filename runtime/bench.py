@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from .errors import ContextLengthError
-from .generator import Model, load
+from .model import Model, load
 
 
 class TimedSession:
@@ -51,17 +51,50 @@ def bench(
     model: Model | None = None,
 ) -> dict:
     model = model or load(package, provider=provider, threads=threads)
-    if prompt_tokens + new_tokens > model.context_length:  # an error, never a silent clamp: the numbers would lie
+    check_fits(model, prompt_tokens, new_tokens)
+    prompts = random_prompts(model, prompt_tokens=prompt_tokens, batch=batch)
+    runs = timed_runs(model, prompts, new_tokens=new_tokens, repeats=repeats)
+    median = lambda key: statistics.median(r[key] for r in runs)
+    return {
+        "package": package,
+        "precision": model.spec.precision,
+        "provider": model.session.get_providers()[0],
+        "threads": threads,
+        "batch": batch,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": runs[0]["new_tokens"],
+        "repeats": repeats,
+        "load_s": model.load_s,
+        "time_to_first_token_s": median("ttft_s"),
+        "decode_tokens_per_s": median("decode_tokens_per_s"),
+        "runtime_overhead_pct": 100.0 * (1.0 - median("ort_share")),
+        "peak_rss_mb": peak_rss_mb(),
+        "size_mb": model.info()["size_bytes"] / 1e6,
+    }
+
+
+def check_fits(model: Model, prompt_tokens: int, new_tokens: int) -> None:
+    """ContextLengthError when the run would not fit: an error, never a silent clamp (the numbers would lie)."""
+    if prompt_tokens + new_tokens > model.context_length:
         fits = model.context_length - prompt_tokens
         raise ContextLengthError(
             f"{prompt_tokens} prompt tokens + {new_tokens} new tokens is over the model's context length "
             f"({model.context_length} tokens); "
             + (f"use at most {fits} new tokens" if fits > 0 else "use fewer prompt tokens")
         )
+
+
+def random_prompts(model: Model, *, prompt_tokens: int, batch: int) -> list[list[int]]:
+    """Seeded random token ids, none of them an EOS id."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.vocab_size, prompt_tokens).tolist() for _ in range(batch)]
     eos = set(model.spec.tokens.eos_token_ids)
-    prompts = [[t if t not in eos else (t + 1) % model.vocab_size for t in p] for p in prompts]
+    return [[t if t not in eos else (t + 1) % model.vocab_size for t in p] for p in prompts]
+
+
+def timed_runs(model: Model, prompts: list[list[int]], *, new_tokens: int, repeats: int) -> list[dict]:
+    """A warm-up, then `repeats` generations to the full length, each timed inside and outside ONNX Runtime."""
+    batch = len(prompts)
     timed = TimedSession(model.session)
     model.session = timed
     try:
@@ -85,20 +118,4 @@ def bench(
             )
     finally:
         model.session = timed._session
-    median = lambda key: statistics.median(r[key] for r in runs)
-    return {
-        "package": package,
-        "precision": model.spec.precision,
-        "provider": model.session.get_providers()[0],
-        "threads": threads,
-        "batch": batch,
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": runs[0]["new_tokens"],
-        "repeats": repeats,
-        "load_s": model.load_s,
-        "time_to_first_token_s": median("ttft_s"),
-        "decode_tokens_per_s": median("decode_tokens_per_s"),
-        "runtime_overhead_pct": 100.0 * (1.0 - median("ort_share")),
-        "peak_rss_mb": peak_rss_mb(),
-        "size_mb": model.info()["size_bytes"] / 1e6,
-    }
+    return runs

@@ -33,26 +33,23 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .chat_ids import chat_prompt_ids
 from .chat_template import ChatTemplate, read_template_file, validate_messages
+from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options, text_pieces
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
 from .kvcache import make_cache
 from .results import GenerationResult, Stream, make_timings
 from .text import TextAssembler
 
 if TYPE_CHECKING:
-    from .generator import Model
+    from .runner import TextModel
 
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_CHARS_PER_TOKEN = 16  # a message longer than this many characters per context token is only counted so far
-# The options a turn takes besides max_new_tokens, with their defaults, in Model.check_options' order.
-OPTIONS = dict(
-    temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=None, stop=None, cancel=None
-)
 
 
 @dataclass
@@ -66,7 +63,19 @@ class TurnStats:
     dropped_messages: int = 0  # oldest messages dropped from the history to fit the context
 
 
-def package_template(model: Model, template: ChatTemplate | str | None = None) -> ChatTemplate:
+@dataclass
+class _Turn:
+    """A turn checked and planned by Conversation._start, run by the stream's pieces."""
+
+    history: list[dict]  # the history this turn answers (after dropping the oldest exchanges)
+    ids: list[int]  # the history rendered and tokenized, with the generation prompt
+    reused: int  # of ids, those already in the cache
+    starts: list[int]  # the cache length each exchange's turn started from, this one's last
+    options: GenerationOptions
+    started: float  # time.perf_counter() when the turn was asked for
+
+
+def package_template(model: TextModel, template: ChatTemplate | str | None = None) -> ChatTemplate:
     """The chat template to use: `template` (compiled, or Jinja source) or else the package's own."""
     if isinstance(template, ChatTemplate):
         return template
@@ -97,7 +106,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversation:
     """A chat history and the KV cache that holds it; see the module docstring."""
 
-    def __init__(self, model: Model, *, system: str | None = None, template: ChatTemplate | str | None = None):
+    def __init__(self, model: TextModel, *, system: str | None = None, template: ChatTemplate | str | None = None):
         if model.tokenizer is None:
             raise InvalidInputError("chat needs a tokenizer, and this package has none")
         if system is not None and not isinstance(system, str):
@@ -232,62 +241,54 @@ class Conversation:
             )
 
     def _start(self, history: list[dict], max_new_tokens: Any, options: dict, *, drop_oldest: bool) -> Stream:
+        """Check everything and plan the turn (which ids the cache already holds); the stream then runs it."""
         started = time.perf_counter()
-        model = self.model
-        unknown = set(options) - set(OPTIONS)
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {', '.join(sorted(unknown))}")
-        values = {**OPTIONS, **options}
-        params, stops = model.check_options(max_new_tokens, *values.values())
-        max_new_tokens = int(max_new_tokens)
-        history, ids, dropped = self._fit(history, max_new_tokens, drop_oldest)
+        checked = generation_options(
+            max_new_tokens, options, tokenizer=self.model.tokenizer, allowed=TURN_OPTIONS, caller="a chat turn"
+        )
+        history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest)
         # at least one id is fed: its logits start the reply
         reused = min(common_prefix(self._ids, ids), len(ids) - 1)
         path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"
         stats = TurnStats(path, len(ids), reused, len(ids) - reused, dropped)
         earlier = sum(message["role"] == "user" for message in history) - 1  # exchanges before this one
         starts = self._turn_starts[max(0, len(self._turn_starts) - earlier) :] if earlier > 0 else []
+        turn = _Turn(history, ids, reused, starts + [reused], checked, started)
         stream: Stream
 
-        def pieces() -> Iterator[str]:
-            from .generator import _DecodeState, text_pieces
+        def finished(result: GenerationResult) -> None:
+            stream.result = result
+            self.last_turn = stats
 
-            cache = self._prepare_cache(reused, len(ids) + max_new_tokens)
-            assembler = TextAssembler(model.tokenizer, stops)
-            state = _DecodeState(finish=[""])
-            try:
-                decoding = model._decode(
-                    [ids],
-                    state,
-                    max_new_tokens=max_new_tokens,
-                    params=params,
-                    seed=values["seed"],
-                    cancel=values["cancel"],
-                    cache=cache,
-                    feed=ids[reused:],
-                )
-                yield from text_pieces(decoding, assembler, state)
-                tail = assembler.flush()
-            except GeneratorExit:  # the stream was closed before its end: a cancelled reply
-                state.finish[0] = "cancelled"
-                assembler.flush()
-                raise
-            except BaseException:  # a failed model call: the cache may be half-written, start it afresh
-                self._cache, self._ids, self._pending = None, [], None
-                raise
-            finally:
-                if self._cache is cache:
-                    self._commit(history, ids, assembler, cache, starts + [reused])
-                    new = len(assembler.ids)
-                    timings = make_timings(started, state.first_token_time, time.perf_counter(), len(ids), new)
-                    stream.result = GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings)
-                    self.last_turn = stats
-            if tail:
-                yield tail
-
-        stream = Stream(pieces())
+        stream = Stream(self._pieces(turn, finished))
         self._pending = stream._pieces
         return stream
+
+    def _pieces(self, turn: _Turn, finished: Callable[[GenerationResult], None]) -> Iterator[str]:
+        """Run a planned turn: extend (or rewind) the cache, decode, and commit the turn when it ends."""
+        ids, options = turn.ids, turn.options
+        cache = self._prepare_cache(turn.reused, len(ids) + options.max_new_tokens)
+        assembler = TextAssembler(self.model.tokenizer, options.stops)
+        state = DecodeState.start(1)
+        try:
+            decoding = decode(self.model, [ids], state, options, cache=cache, feed=ids[turn.reused :])
+            yield from text_pieces(decoding, assembler, state)
+            tail = assembler.flush()
+        except GeneratorExit:  # the stream was closed before its end: a cancelled reply
+            state.finish[0] = "cancelled"
+            assembler.flush()
+            raise
+        except BaseException:  # a failed model call: the cache may be half-written, start it afresh
+            self._cache, self._ids, self._pending = None, [], None
+            raise
+        finally:
+            if self._cache is cache:
+                self._commit(turn.history, ids, assembler, cache, turn.starts)
+                new = len(assembler.ids)
+                timings = make_timings(turn.started, state.first_token_time, time.perf_counter(), len(ids), new)
+                finished(GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings))
+        if tail:
+            yield tail
 
     def _prepare_cache(self, reused: int, capacity: int):
         if self._cache is None:

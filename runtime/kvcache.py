@@ -24,11 +24,11 @@ import numpy as np
 import onnxruntime as ort
 
 if TYPE_CHECKING:
-    from .generator import Model
     from .package import PackageSpec
+    from .runner import Runner
 
 
-def plain_feed(model: Model, input_ids: np.ndarray, past: list | None = None) -> dict:
+def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -> dict:
     """The feed for one unbound run: input_ids (B, T) after `past` (the present arrays of the previous
     run, in present_names order, or None for an empty cache). Every row is unpadded."""
     spec = model.spec
@@ -95,7 +95,7 @@ def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new
         )
 
 
-def make_cache(model: Model, prompts: list[list[int]], *, capacity: int) -> ConcatCache | SharedCache:
+def make_cache(model: Runner, prompts: list[list[int]], *, capacity: int) -> ConcatCache | SharedCache:
     """The driver the package's graph wants (its manifest's io.kv_cache)."""
     if model.spec.io.kv_cache == "shared_buffer":
         return SharedCache(model, prompts, capacity=capacity)
@@ -106,7 +106,7 @@ class ConcatCache:
     """The standard graph's cache: past keys/values go in, past + new come out as new OrtValues, bound
     as the next step's past. Left padding, so every row's newest token is the last position."""
 
-    def __init__(self, model: Model, prompts: list[list[int]]):
+    def __init__(self, model: Runner, prompts: list[list[int]]):
         spec = self.spec = model.spec
         self.model = model
         batch, width = len(prompts), max(len(p) for p in prompts)
@@ -178,7 +178,7 @@ class SharedCache:
     buffer). Decode steps bind nothing: their token, position, mask and logits arrays are bound once
     and rewritten in place."""
 
-    def __init__(self, model: Model, prompts: list[list[int]], *, capacity: int):
+    def __init__(self, model: Runner, prompts: list[list[int]], *, capacity: int):
         spec = self.spec = model.spec
         self.model = model
         batch, width = len(prompts), max(len(p) for p in prompts)

@@ -16,7 +16,7 @@ pexpect = pytest.importorskip("pexpect", reason="pexpect is in the dev extra")
 SYSTEM = "You are a terse assistant."
 # The tiny model replies in milliseconds, before a Ctrl-C could land: this makes every model run take 20 ms.
 SLOW = (
-    "import sys, time; from edgelm.runtime.generator import Model; run = Model.run; "
+    "import sys, time; from edgelm.runtime.model import Model; run = Model.run; "
     "Model.run = lambda self, binding: (time.sleep(0.02), run(self, binding))[1]; "
     "from edgelm.cli import main; sys.exit(main(sys.argv[1:]))"
 )

@@ -464,7 +464,8 @@ def test_info_with_an_unverified_corrupt_file_list(package, tmp_path):
     folder = copy_package(package, tmp_path)
     edit_json(folder / "edgelm.json", lambda m: m.update(files={"model.onnx": 7, "tokenizer.json": {"bytes": "x"}}))
     info = load(folder, provider="cpu", threads=1, verify=False).info()
-    assert info["size_bytes"] == (folder / "model.onnx").stat().st_size
+    weights = folder / "model.onnx.data"  # the external data counts too
+    assert weights.is_file() and info["size_bytes"] == (folder / "model.onnx").stat().st_size + weights.stat().st_size
 
 
 MANIFEST_EDITS = {

@@ -626,7 +626,7 @@ DECODING = {"greedy": {}, "sampled": {"temperature": 0.8, "seed": 1}, "penalized
 @pytest.mark.parametrize("decoding", DECODING)
 @pytest.mark.parametrize("poison", POISONS)
 def test_non_finite_logits_from_the_model_are_a_package_error(model, monkeypatch, poison, decoding):
-    from edgelm.runtime import generator
+    from edgelm.runtime import decode as generator  # the decode loop makes its caches
 
     real = generator.make_cache
     monkeypatch.setattr(generator, "make_cache", lambda *a, **k: _Poisoned(real(*a, **k), *POISONS[poison]))
@@ -635,7 +635,7 @@ def test_non_finite_logits_from_the_model_are_a_package_error(model, monkeypatch
 
 
 def test_a_minus_inf_logit_beside_finite_ones_leaves_greedy_unchanged(model, monkeypatch):
-    from edgelm.runtime import generator
+    from edgelm.runtime import decode as generator  # the decode loop makes its caches
 
     clean = model.generate([1, 2, 3], 6, ignore_eos=True).token_ids
     real = generator.make_cache

@@ -1,0 +1,100 @@
+"""The runtime's import graph: every module imports alone, the graph is one-way, and nothing reaches torch.
+
+The decode loop (runtime/decode.py) is shared by Model and Conversation; a circle (model -> chat -> model)
+once hid behind imports inside functions, so imports are read at every depth of each module, the ones
+under `if TYPE_CHECKING:` included.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import edgelm.runtime
+
+RUNTIME = Path(edgelm.runtime.__file__).parent
+MODULES = sorted(path.stem for path in RUNTIME.glob("*.py") if path.stem != "__init__")
+FORBIDDEN = {"torch", "export", "quantize", "onnx"}  # roots; edgelm.export and edgelm.quantize by their second name
+
+
+def imported_names(module: str) -> tuple[set[str], set[str]]:
+    """The runtime modules `module` imports (relative imports, at any depth) and the absolute imports' roots."""
+    tree = ast.parse((RUNTIME / f"{module}.py").read_text(encoding="utf-8"))
+    siblings, absolute = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:  # from .x import y
+                siblings.add(node.module.split(".")[0])
+            else:  # from . import x, y
+                siblings.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            absolute.add(node.module)
+        elif isinstance(node, ast.Import):
+            absolute.update(alias.name for alias in node.names)
+    return siblings & set(MODULES), absolute
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle in the graph as a path (its first node repeated at the end), or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return None
+        for target in sorted(graph.get(node, ())):
+            found = visit(target, [*path, node])
+            if found:
+                return found
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        found = visit(start, [])
+        if found:
+            return found
+    return None
+
+
+def test_the_graph_reader_sees_a_circle():
+    # the check itself can fail: a circle through three modules is reported
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_runtime_imports_form_no_circle():
+    graph = {module: imported_names(module)[0] for module in MODULES}
+    assert "decode" in graph and "model" in graph, "the runtime's decode loop and Model modules are read"
+    cycle = find_cycle(graph)
+    assert cycle is None, f"runtime modules import each other in a circle: {' -> '.join(cycle)}"
+
+
+def test_the_decode_loop_does_not_depend_on_model():
+    graph = {module: imported_names(module)[0] for module in MODULES}
+    for module in ("decode", "kvcache", "chat", "runner"):
+        assert "model" not in graph[module], f"runtime/{module}.py imports runtime/model.py"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_the_runtime_never_imports_torch_export_or_quantize(module):
+    _, absolute = imported_names(module)
+    parts = {name: name.split(".") for name in absolute}
+    bad = sorted(
+        name
+        for name, p in parts.items()
+        if p[0] in FORBIDDEN or p[:2] in (["edgelm", "export"], ["edgelm", "quantize"])
+    )
+    assert not bad, f"runtime/{module}.py imports {bad}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_module_imports_alone(module):
+    # a fresh interpreter per module: an import that only works after another module loaded fails here
+    code = f"import edgelm.runtime.{module}, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"import edgelm.runtime.{module} failed:\n{run.stderr[-2000:]}"
