@@ -21,7 +21,7 @@ from .decoder import Decoder, Layer, Linear, NBits, Norm
 from .gguf import GGUFError, gemma3_config, gemma3_tensors, gpt2_config, gpt2_tensors, llama_config, llama_tensors
 from .gguf_blocks import Runs, pack, widen
 from .hf_checkpoint import build_llama, gemma3_config_from_hf, llama_config_from_hf, load_llama, read_extras, renamed
-from .llama import MODEL_TYPES, VARIANTS, Llama, rope_cos_sin
+from .llama import MODEL_TYPES, VARIANTS, Llama, LlamaConfig, rope_cos_sin
 from .model import GPT
 
 # checkpoint tensor name -> its MatMulNBits runs (export/gguf_blocks.py), or None where the tensor has none
@@ -144,35 +144,34 @@ def gpt2_tokens(checkpoint: Path, model: GPT) -> dict:
     return checked_tokens(config.vocab_size, bos, [eos], pad)
 
 
+def _llama_layer(block: torch.nn.Module, c: LlamaConfig, blocks: Blocks | None, *, prefix: str) -> Layer:
+    """One decoder layer; `prefix` names its tensors in `blocks` ("model.layers.3")."""
+    a, mlp = block.self_attn, block.mlp
+
+    def kept(*names: str) -> NBits | None:
+        return kept_blocks(blocks, [f"{prefix}.{name}.weight" for name in names])
+
+    sandwich = block.sandwich  # Gemma 3: post_attention_layernorm follows attention, pre_feedforward leads the MLP
+    return Layer(
+        attention_norm=_norm(block.input_layernorm),
+        qkv=_packed([a.q_proj, a.k_proj, a.v_proj], kept("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        attention_out=_linear(a.o_proj, kept("self_attn.o_proj")),
+        mlp_norm=_norm(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm),
+        up=_packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
+        down=_linear(mlp.down_proj, kept("mlp.down_proj")),
+        q_norm=_norm(a.q_norm) if c.qk_norm else None,
+        k_norm=_norm(a.k_norm) if c.qk_norm else None,
+        attention_post_norm=_norm(block.post_attention_layernorm) if sandwich else None,
+        mlp_post_norm=_norm(block.post_feedforward_layernorm) if sandwich else None,
+        sliding_window=c.sliding_window if block.sliding else None,
+    )
+
+
 def llama_decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
     """blocks: keep the checkpoint's own quantized blocks where it has them (a GGUF file's); a packed linear
     keeps them when all its parts have blocks of the same bits."""
     c, m = model.config, model.model
-    layers = []
-    for i, block in enumerate(m.layers):
-        a, mlp, p = block.self_attn, block.mlp, f"model.layers.{i}"
-
-        def kept(*names: str) -> NBits | None:
-            return kept_blocks(blocks, [f"{p}.{name}.weight" for name in names])  # noqa: B023  (called at once)
-
-        sandwich = block.sandwich  # Gemma 3: post_attention_layernorm follows attention, pre_feedforward leads the MLP
-        layers.append(
-            Layer(
-                attention_norm=_norm(block.input_layernorm),
-                qkv=_packed(
-                    [a.q_proj, a.k_proj, a.v_proj], kept("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-                ),
-                attention_out=_linear(a.o_proj, kept("self_attn.o_proj")),
-                mlp_norm=_norm(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm),
-                up=_packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
-                down=_linear(mlp.down_proj, kept("mlp.down_proj")),
-                q_norm=_norm(a.q_norm) if c.qk_norm else None,
-                k_norm=_norm(a.k_norm) if c.qk_norm else None,
-                attention_post_norm=_norm(block.post_attention_layernorm) if sandwich else None,
-                mlp_post_norm=_norm(block.post_feedforward_layernorm) if sandwich else None,
-                sliding_window=c.sliding_window if block.sliding else None,
-            )
-        )
+    layers = [_llama_layer(block, c, blocks, prefix=f"model.layers.{i}") for i, block in enumerate(m.layers)]
     cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
     local = rope_cos_sin(c, c.n_positions, local=True) if c.sliding_window else None
     return Decoder(

@@ -398,25 +398,8 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     if config.get("num_hidden_layers", config.get("n_layer")) > len(stored):
         raise GGUFError(f"{len(stored)} tensors cannot hold the {meta[f'{arch}.block_count']} blocks it claims")
     entries = family.gguf_tensors(config)
-    for hf_name, entry in entries.items():
-        if entry.gguf_name not in stored:
-            raise GGUFError(f"tensor {entry.gguf_name} ({hf_name}) is missing")
-        shape = tuple(reversed(stored[entry.gguf_name].shape))
-        if shape != entry.shape:
-            raise GGUFError(f"tensor {entry.gguf_name} has shape {shape}, expected {entry.shape}")
-    extra = set(stored) - {e.gguf_name for e in entries.values()} - {"rope_freqs.weight"}
-    if extra:
-        raise GGUFError(f"unexpected tensor {sorted(extra)[0]} for architecture {arch}")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise GGUFError("tokenizer.ggml.tokens is missing or not a list of tokens")
-    if len(tokens) > vocab:  # fewer is normal: padding rows
-        raise GGUFError(f"the tokenizer has {len(tokens)} tokens but token_embd.weight only {vocab} rows to embed them")
-    ids = {name: _token_id(meta, f"tokenizer.ggml.{name}_token_id", len(tokens)) for name in TOKEN_IDS}
-    try:
-        tokenizer_json = build_tokenizer_json(meta)
-    except Exception as error:  # `tokenizers` raises its own plain Exception on a bad vocabulary
-        raise GGUFError(f"tokenizer: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+    _check_tensors(stored, entries, arch)
+    ids, tokenizer_json = _tokenizer(meta, vocab)
     bos, pad = ids["bos"], ids["padding"]
     eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"]) if i is not None))
     # GPT2Config keeps one EOS id, which a GGUF export does not use: the package's are the file's (eos_token_ids)
@@ -436,3 +419,31 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
         _entries=entries,
         _stored=stored,
     )
+
+
+def _check_tensors(stored: dict[str, _Stored], entries: dict, arch: str) -> None:
+    """Every tensor the family expects is there with its shape, and no other (but llama.cpp's rope_freqs)."""
+    for hf_name, entry in entries.items():
+        if entry.gguf_name not in stored:
+            raise GGUFError(f"tensor {entry.gguf_name} ({hf_name}) is missing")
+        shape = tuple(reversed(stored[entry.gguf_name].shape))
+        if shape != entry.shape:
+            raise GGUFError(f"tensor {entry.gguf_name} has shape {shape}, expected {entry.shape}")
+    extra = set(stored) - {e.gguf_name for e in entries.values()} - {"rope_freqs.weight"}
+    if extra:
+        raise GGUFError(f"unexpected tensor {sorted(extra)[0]} for architecture {arch}")
+
+
+def _tokenizer(meta: dict, vocab: int) -> tuple[dict[str, int | None], str]:
+    """The special token ids (TOKEN_IDS -> id or None) and tokenizer.json built from the tokenizer metadata."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise GGUFError("tokenizer.ggml.tokens is missing or not a list of tokens")
+    if len(tokens) > vocab:  # fewer is normal: padding rows
+        raise GGUFError(f"the tokenizer has {len(tokens)} tokens but token_embd.weight only {vocab} rows to embed them")
+    ids = {name: _token_id(meta, f"tokenizer.ggml.{name}_token_id", len(tokens)) for name in TOKEN_IDS}
+    try:
+        tokenizer_json = build_tokenizer_json(meta)
+    except Exception as error:  # `tokenizers` raises its own plain Exception on a bad vocabulary
+        raise GGUFError(f"tokenizer: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+    return ids, tokenizer_json

@@ -109,31 +109,45 @@ def read_header(path: Path) -> Header:
         # Smallest possible entries: a metadata pair is 8 + 4 + 1 bytes, a tensor description 8 + 4 + 4 + 8.
         if kv_count * 13 > size or tensor_count * 24 > size:
             raise HeaderError(f"{kv_count} metadata entries and {tensor_count} tensors cannot fit in {size} bytes")
-        metadata = {}
-        for _ in range(kv_count):
-            raw_key = cursor.string("metadata key")
-            key = _printable(raw_key)
-            value_type = cursor.unpack("<I", f"type of {key}")
-            if raw_key.decode("utf-8") in metadata:
-                raise HeaderError(f"metadata key {key} appears twice")
-            metadata[raw_key.decode("utf-8")] = _read_value(cursor, value_type, key)
+        metadata = _read_metadata(cursor, kv_count)
         alignment = metadata.get("general.alignment", 32)
         if not isinstance(alignment, int) or isinstance(alignment, bool):
             raise HeaderError("general.alignment must be a uint32")
         if alignment <= 0 or alignment & (alignment - 1):
             raise HeaderError(f"general.alignment {alignment} is not a power of two")
-        tensors = []
-        for _ in range(tensor_count):
-            raw_name = cursor.string("tensor name")
-            name = _printable(raw_name)
-            n_dims = cursor.unpack("<I", f"dimension count of {name}")
-            if not 1 <= n_dims <= MAX_DIMS:
-                raise HeaderError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
-            dims = [cursor.unpack("<Q", f"dimensions of {name}") for _ in range(n_dims)]
-            raw_type = cursor.unpack("<I", f"type of {name}")
-            offset = cursor.unpack("<Q", f"data offset of {name}")
-            tensors.append((raw_name, name, dims, raw_type, offset))
+        tensors = [_read_tensor_entry(cursor) for _ in range(tensor_count)]
         data_start = -(-cursor.offset // alignment) * alignment
+    return Header(metadata, _tensor_infos(tensors, data_start=data_start, size=size))
+
+
+def _read_metadata(cursor: _Cursor, kv_count: int) -> dict:
+    """The `kv_count` metadata pairs: key -> value, each key once."""
+    metadata = {}
+    for _ in range(kv_count):
+        raw_key = cursor.string("metadata key")
+        key = _printable(raw_key)
+        value_type = cursor.unpack("<I", f"type of {key}")
+        if raw_key.decode("utf-8") in metadata:
+            raise HeaderError(f"metadata key {key} appears twice")
+        metadata[raw_key.decode("utf-8")] = _read_value(cursor, value_type, key)
+    return metadata
+
+
+def _read_tensor_entry(cursor: _Cursor) -> tuple[bytes, str, list[int], int, int]:
+    """One tensor description as stored: (raw name, printable name, dims, raw type, data offset)."""
+    raw_name = cursor.string("tensor name")
+    name = _printable(raw_name)
+    n_dims = cursor.unpack("<I", f"dimension count of {name}")
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise HeaderError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
+    dims = [cursor.unpack("<Q", f"dimensions of {name}") for _ in range(n_dims)]
+    raw_type = cursor.unpack("<I", f"type of {name}")
+    offset = cursor.unpack("<Q", f"data offset of {name}")
+    return raw_name, name, dims, raw_type, offset
+
+
+def _tensor_infos(tensors: list[tuple], *, data_start: int, size: int) -> list[TensorInfo]:
+    """The tensor descriptions checked: known types, possible dimensions, data inside the file, names once."""
     infos, seen = [], set()
     for raw_name, name, dims, raw_type, offset in tensors:
         try:
@@ -154,4 +168,4 @@ def read_header(path: Path) -> Header:
             raise HeaderError(f"tensor {name} appears twice")
         seen.add(raw_name)
         infos.append(TensorInfo(raw_name.decode("utf-8"), tuple(dims), tensor_type, data_start + offset, nbytes))
-    return Header(metadata, infos)
+    return infos

@@ -11,6 +11,8 @@ and the 5.x form (`rope_parameters`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -145,6 +147,19 @@ def _first_id(value: object, key: str) -> int | None:
     return ids[0] if ids else None
 
 
+@contextmanager
+def _config_errors() -> Iterator[None]:
+    """A missing key or a value of the wrong type or range in config.json, as one CheckpointError."""
+    try:
+        yield
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json is invalid: {e}") from None
+
+
 def llama_config_from_hf(hf: dict) -> LlamaConfig:
     """Map a Hugging Face config.json (llama, mistral, qwen2, qwen3) onto LlamaConfig; refuse what Llama does not
     implement."""
@@ -160,7 +175,7 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
         )
     if hf.get("mlp_bias"):
         raise CheckpointError("config.json sets mlp_bias=true, which edgelm does not implement")
-    try:
+    with _config_errors():
         n_positions = config_number(hf, "max_position_embeddings")
         theta, scaling = _rope_from_hf(hf, n_positions)
         # A sliding window only changes attention once the context exceeds it; capping the context length at the
@@ -190,12 +205,6 @@ def llama_config_from_hf(hf: dict) -> LlamaConfig:
             eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
             model_type=model_type,
         )
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"config.json is invalid: {e}") from None
 
 
 GEMMA3_DEFAULTS = {  # transformers' Gemma3TextConfig defaults: a gemma3 config's text_config may leave them out
@@ -206,9 +215,9 @@ GEMMA3_DEFAULTS = {  # transformers' Gemma3TextConfig defaults: a gemma3 config'
 }  # fmt: skip
 
 
-def gemma3_config_from_hf(hf: dict) -> LlamaConfig:
-    """Map a Gemma 3 config.json onto LlamaConfig: gemma3_text, or gemma3 (image and text), whose text part
-    (`text_config`) is exported; refuse what the reference model does not implement."""
+def _gemma3_text_config(hf: dict) -> dict:
+    """The text model's config: gemma3's text_config, or gemma3_text's own; transformers' defaults filled in;
+    the options the reference model does not implement refused."""
     if hf.get("model_type") == "gemma3":
         if not isinstance(hf.get("text_config"), dict):
             raise CheckpointError("config.json of model_type 'gemma3' has no text_config")
@@ -219,7 +228,14 @@ def gemma3_config_from_hf(hf: dict) -> LlamaConfig:
             raise CheckpointError(f"config.json sets {key}={hf[key]!r}, which edgelm does not implement")
     if hf["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise CheckpointError(f"unsupported hidden_activation {hf['hidden_activation']!r} for Gemma 3")
-    try:
+    return hf
+
+
+def gemma3_config_from_hf(hf: dict) -> LlamaConfig:
+    """Map a Gemma 3 config.json onto LlamaConfig: gemma3_text, or gemma3 (image and text), whose text part
+    (`text_config`) is exported; refuse what the reference model does not implement."""
+    hf = _gemma3_text_config(hf)
+    with _config_errors():
         n_positions = config_context_length(config_number(hf, "max_position_embeddings"), "max_position_embeddings")
         n_layer = config_number(hf, "num_hidden_layers")
         # transformers 5: per layer type {"full_attention": {...}, "sliding_attention": {...}}; 4.x: flat keys
@@ -259,12 +275,6 @@ def gemma3_config_from_hf(hf: dict) -> LlamaConfig:
             sliding_window=config_number(hf, "sliding_window") if "sliding_attention" in layer_types else None,
             rope_local_theta=float(local.get("rope_theta", hf["rope_local_base_freq"])),
         )
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"config.json is invalid: {e}") from None
 
 
 def renamed(state: dict[str, torch.Tensor], renames: tuple[tuple[str, str | None], ...]) -> dict[str, torch.Tensor]:
