@@ -27,7 +27,8 @@ from .chat import Conversation
 from .decode import DecodeState, GenerationOptions, decode, decode_texts, generation_options, text_pieces
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
 from .kvcache import plain_feed
-from .package import PackageSpec, external_data_locations, read_package
+from .onnx_external import external_data_locations
+from .package import PackageSpec, read_package
 from .results import GenerationResult, Stream, Timings, make_timings
 from .sampling import SamplingParams
 from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers
