@@ -365,7 +365,7 @@ def corrupted(draw, original: dict):
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(list(node_paths(document))))
         if not path:
-            document = draw(json_value)
+            document = copy.deepcopy(draw(json_value))  # a drawn value may be shared; never nest it in itself
             continue
         parent = document
         for key in path[:-1]:
@@ -373,7 +373,7 @@ def corrupted(draw, original: dict):
         if draw(st.booleans()):
             del parent[path[-1]]
         else:
-            parent[path[-1]] = draw(json_value)
+            parent[path[-1]] = copy.deepcopy(draw(json_value))
     return document
 
 
