@@ -41,11 +41,10 @@ from onnx import TensorProto, helper, numpy_helper
 from edgelm.nbits_gather import gather_from_nbits
 from edgelm.onnxfile import placeholder
 
-from ..runtime.contract import IONames
+from ..runtime.contract import LOGITS_TO_KEEP, IONames
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 
 MS_DOMAIN = "com.microsoft"
-LOGITS_TO_KEEP = "num_logits_to_keep"
 
 
 def _nbits_names(prefix: str, nbits: NBits) -> list[str]:

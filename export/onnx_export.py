@@ -25,8 +25,11 @@ from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime.contract import (
     CHAT_TEMPLATE_FILE,
     GENAI_CONFIG_FILE,
+    LOGITS_TO_KEEP,
     MANIFEST_FILE,
+    MODEL_FILE,
     TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
     Architecture,
     IONames,
     Manifest,
@@ -39,13 +42,12 @@ from .checkpoint import CheckpointError, check_finite, combined_hash, read_confi
 from .decoder import Decoder
 from .families import Blocks, Family, checked_tokens, family_for
 from .gguf_blocks import LAYOUT_NAMES as LAYOUT
-from .graph import LOGITS_TO_KEEP, build_fused_graph
+from .graph import build_fused_graph
 from .hf_checkpoint import read_extras
 from .parity import check_parity, check_parity_shared
 from .tokenizer_config import tokenizer_config
 from .traced import trace_graph
 
-MODEL_FILE = "model.onnx"
 PARITY_TOLERANCE = 1e-4
 # Kept GGUF blocks with float activations: ONNX Runtime's 4-bit kernel sums in its own order, a few times
 # further from float64 than a float MatMul (1.1e-4 on SmolLM2-135M).
@@ -100,8 +102,8 @@ def open_folder(folder: Path) -> Source:
     model = family.load(folder)
     hashes = source_hashes(folder)
     files = tokenizer_files(folder)  # each one text (UTF-8) or JSON first: the errors name the file's kind
-    if "tokenizer.json" in files:
-        check_tokenizer_file(files["tokenizer.json"], model.config.vocab_size)
+    if TOKENIZER_FILE in files:
+        check_tokenizer_file(files[TOKENIZER_FILE], model.config.vocab_size)
     return Source(
         model=model,
         family=family,
@@ -134,7 +136,7 @@ def open_gguf(path: Path) -> Source:
         name=path.name,
         sha256=sha256,
         hashes={path.name: sha256},
-        texts={"tokenizer.json": gguf.tokenizer_json},
+        texts={TOKENIZER_FILE: gguf.tokenizer_json},
         chat_template=gguf.chat_template,
         blocks=gguf.matmul_nbits,
         quant_types={name: gguf.quant_type(name) for name in gguf.tensor_names},
@@ -242,7 +244,7 @@ def build_manifest(
         genai_type=source.family.genai_type,
     )
     tokens = Tokens(
-        file="tokenizer.json" if "tokenizer.json" in {*source.files, *source.texts} else None,
+        file=TOKENIZER_FILE if TOKENIZER_FILE in {*source.files, *source.texts} else None,
         bos_token_id=source.tokens["bos_token_id"],
         eos_token_ids=source.tokens["eos_token_ids"],
         pad_token_id=source.tokens["pad_token_id"],
@@ -294,7 +296,7 @@ def export_package(
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     if attention == "fused" and last_token_logits:
-        raise ValueError("last_token_logits is for the standard graph; the fused graph takes num_logits_to_keep")
+        raise ValueError(f"last_token_logits is for the standard graph; the fused graph takes {LOGITS_TO_KEEP}")
     fused = attention == "fused"
     if keep_gguf_quantization and dequantize:
         raise ValueError("keep_gguf_quantization and dequantize contradict each other; choose one")

@@ -17,9 +17,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ..runtime.contract import IONames
+from ..runtime.contract import LOGITS_TO_KEEP, IONames
 from .checkpoint import CheckpointError
-from .graph import LOGITS_TO_KEEP
 
 
 def _worst(worst: float, ort_logits: np.ndarray, torch_logits: np.ndarray) -> float:

@@ -21,9 +21,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ..runtime.contract import IONames
-
-MODEL_FILE = "model.onnx"
+from ..runtime.contract import MODEL_FILE, IONames
 
 
 def io_names(n_layer: int, io: IONames | None = None) -> tuple[list[str], list[str]]:

@@ -13,7 +13,8 @@ import onnxruntime as ort
 
 from .contract import GENAI_CONFIG_FILE, MANIFEST_FILE
 from .errors import PackageError, ProviderError
-from .package import HF_CONFIG_FILE, PackageSpec
+from .foreign import HF_CONFIG_FILE
+from .package import PackageSpec
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # cache and logits types
