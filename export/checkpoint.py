@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from ..runtime.files import check_file, kind_of, read_text
 from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
 from .model import GPT, GPTConfig, sinusoidal_table
@@ -27,7 +28,7 @@ from .model import GPT, GPTConfig, sinusoidal_table
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PICKLE_FILE = "pytorch_model.bin"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "vocab.json", "merges.txt")
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Buffers some GPT-2 checkpoints carry that are not parameters (the causal mask).

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..runtime.contract import TOKENIZER_FILE
 from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint, read_json
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 from .gguf import GGUFError, gemma3_config, gemma3_tensors, gpt2_config, gpt2_tensors, llama_config, llama_tensors
@@ -134,9 +135,9 @@ def gpt2_tokens(checkpoint: Path, model: GPT) -> dict:
     eos, bos = config.eos_token_id, config.bos_token_id
     pad = eos
     tokenizer_config = checkpoint / "tokenizer_config.json"
-    if tokenizer_config.is_file() and (checkpoint / "tokenizer.json").is_file():
+    if tokenizer_config.is_file() and (checkpoint / TOKENIZER_FILE).is_file():
         names = read_json(tokenizer_config)
-        added = read_json(checkpoint / "tokenizer.json").get("added_tokens")
+        added = read_json(checkpoint / TOKENIZER_FILE).get("added_tokens")
         vocab = {t.get("content"): t.get("id") for t in added if isinstance(t, dict)} if isinstance(added, list) else {}
         pad_name = names.get("pad_token")
         if isinstance(pad_name, str) and pad_name in vocab:
