@@ -1,12 +1,7 @@
-"""Checkpoint folders: Hugging Face GPT-2 layout, read and written without transformers.
-
-A checkpoint is a folder with `config.json` (GPT-2's config keys) and `model.safetensors` (or a
-`pytorch_model.bin`, loaded with `torch.load(weights_only=True)`, never a full unpickle), plus the
-tokenizer files when there are any. Any Hugging Face GPT-2-family folder (gpt2, distilgpt2,
-gpt2-medium, fine-tunes) loads as it is.
-
-Hugging Face's GPT-2 stores its projections as `Conv1D` weights, (in, out); ours are `nn.Linear`,
-(out, in). The four names in TRANSPOSED are the whole mapping.
+"""Checkpoint folders, the readers every family shares: config.json and other JSON files, the checked
+config numbers, `pytorch_model.bin` loaded with `torch.load(weights_only=True)` (never a full unpickle), the
+tokenizer files, a finite-weights check, and the hashes that identify what was exported. The families' own
+loaders are export/gpt2_checkpoint.py (GPT-2) and export/hf_checkpoint.py (the Llama family).
 """
 
 from __future__ import annotations
@@ -20,20 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.contract import TOKENIZER_FILE
+from ..runtime.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from ..runtime.files import check_file, kind_of, read_text
-from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
-from .model import GPT, GPTConfig, sinusoidal_table
+from .limits import checked_number, context_length_problem
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PICKLE_FILE = "pytorch_model.bin"
-TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
-
-TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Buffers some GPT-2 checkpoints carry that are not parameters (the causal mask).
-IGNORED_SUFFIXES = ("attn.bias", "attn.masked_bias")
-SUPPORTED_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu"}
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "vocab.json", "merges.txt")
 
 
 class CheckpointError(ValueError):
@@ -60,70 +49,6 @@ def config_context_length(length: int, key: str) -> int:
     return length
 
 
-def config_from_hf(hf: dict) -> GPTConfig:
-    """Map a Hugging Face GPT-2 config.json onto GPTConfig; refuse what this model does not implement."""
-    model_type = hf.get("model_type")
-    if model_type != "gpt2":
-        raise CheckpointError(f"unsupported model_type {model_type!r}: edgelm exports GPT-2-family models ('gpt2')")
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise CheckpointError(
-            f"unsupported activation_function {activation!r}; supported: {sorted(SUPPORTED_ACTIVATIONS)}"
-        )
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if hf.get(flag):
-            raise CheckpointError(f"config.json sets {flag}=true, which edgelm's GPT-2 does not implement")
-    if hf.get("scale_attn_weights") is False:
-        raise CheckpointError("config.json sets scale_attn_weights=false, which edgelm's GPT-2 does not implement")
-    positions_key = "n_positions" if hf.get("n_positions") is not None else "n_ctx"
-    try:
-        return GPTConfig(
-            vocab_size=config_number(hf, "vocab_size"),
-            n_positions=config_context_length(config_number(hf, positions_key, 1024), positions_key),
-            n_embd=config_number(hf, "n_embd"),
-            n_layer=config_number(hf, "n_layer"),
-            n_head=config_number(hf, "n_head"),
-            n_inner=config_number(hf, "n_inner") if hf.get("n_inner") is not None else None,
-            positional=hf.get("edgelm_positional", "learned"),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            layer_norm_epsilon=config_number(hf, "layer_norm_epsilon", 1e-5, kind=float, below=MAX_NORM_EPSILON),
-            activation=SUPPORTED_ACTIVATIONS[activation],
-            bos_token_id=config_number(hf, "bos_token_id", 50256, positive=False),
-            eos_token_id=config_number(hf, "eos_token_id", 50256, positive=False),
-        )
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"config.json is invalid: {e}") from None
-
-
-def config_to_hf(config: GPTConfig) -> dict:
-    hf = {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": config.vocab_size,
-        "n_positions": config.n_positions,
-        "n_ctx": config.n_positions,
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": config.n_inner,
-        "activation_function": config.activation,
-        "layer_norm_epsilon": config.layer_norm_epsilon,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    }
-    if config.positional != "learned":
-        hf["edgelm_positional"] = config.positional  # not a GPT-2 key: transformers ignores it
-    return hf
-
-
 def present(path: Path) -> bool:
     """Whether a checkpoint file is there: True for a regular file, False for nothing; a FIFO, device or folder
     in its place is a CheckpointError saying what it is (never opened: a FIFO would block)."""
@@ -131,21 +56,6 @@ def present(path: Path) -> bool:
         return False
     check_file(path, "checkpoint file", error=CheckpointError)
     return True
-
-
-def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    if present(folder / SAFETENSORS_FILE):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        path = folder / SAFETENSORS_FILE
-        try:
-            return load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
-    if present(folder / PICKLE_FILE):
-        return read_pickle(folder / PICKLE_FILE)
-    raise FileNotFoundError(f"{folder} has no {SAFETENSORS_FILE} or {PICKLE_FILE}")
 
 
 def read_pickle(path: Path) -> dict[str, torch.Tensor]:
@@ -161,12 +71,6 @@ def read_pickle(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path} does not hold a state dict of tensors")
     return state
-
-
-def load_checkpoint(folder: str | Path) -> GPT:
-    """Load a GPT-2-layout checkpoint folder into the reference model (eval mode, fp32)."""
-    folder = Path(folder)
-    return build_gpt(config_from_hf(read_config(folder)), _read_state_dict(folder))
 
 
 def read_config(folder: Path) -> dict:
@@ -211,44 +115,6 @@ def tokenizer_files(folder: Path) -> dict[str, Path]:
     return found
 
 
-def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
-    """The reference model from a Hugging Face GPT-2 state dict (Conv1D weights, (in, out)), every shape checked
-    before anything is allocated: the config's sizes (a position table of 2**24 rows) are only claims until the
-    tensors bear them out; the tensors become the parameters (no second copy)."""
-    with torch.device("meta"):
-        model = GPT(config)  # shapes only: no memory, no random init
-    expected = model.state_dict()
-    loaded: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
-        if name.endswith(IGNORED_SUFFIXES) and name not in expected:
-            continue
-        if name not in expected:
-            raise CheckpointError(f"unexpected tensor {key!r} in the checkpoint (not part of a GPT-2 model)")
-        if name.endswith(TRANSPOSED):
-            tensor = tensor.t()
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"tensor {key!r} has shape {tuple(tensor.shape)} but the config expects {tuple(expected[name].shape)}"
-            )
-        loaded[name] = tensor.float().contiguous()
-    if config.tie_word_embeddings:
-        loaded.pop("lm_head.weight", None)  # tied: the head is the embedding
-        expected_names = set(expected) - {"lm_head.weight"}
-    else:
-        expected_names = set(expected)
-    missing = sorted(expected_names - set(loaded))
-    if missing:
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first {missing[0]!r}")
-    model.load_state_dict(loaded, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.transformer.wte.weight
-    if config.positional != "learned":  # the buffer is not in the state dict; it was built on meta
-        model.sinusoid = sinusoidal_table(config.n_positions, config.n_embd)
-    model.eval()
-    return model
-
-
 def check_finite(model: torch.nn.Module, source: str) -> None:
     """Refuse NaN or inf in any weight, naming the tensor: such a model can never generate, and an export of
     it would fail only later, with a less useful message (or, before this check, not at all)."""
@@ -263,21 +129,6 @@ def check_finite(model: torch.nn.Module, source: str) -> None:
                 f"tensor {name!r} in {source} holds {bad} NaN or inf value(s) of {tensor.numel()}; "
                 "a model with them cannot generate"
             )
-
-
-def save_checkpoint(model: GPT, folder: str | Path) -> None:
-    """Write config.json + model.safetensors in Hugging Face GPT-2's layout (loads in transformers)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        state[name] = (tensor.t() if name.endswith(TRANSPOSED) else tensor).contiguous()
-    save_file(state, str(folder / SAFETENSORS_FILE), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n", encoding="utf-8")
 
 
 def source_files(folder: str | Path) -> list[str]:

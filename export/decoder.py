@@ -3,7 +3,7 @@ families stated as data, and the weights in MatMul layout.
 
 GPT-2 and Llama are the same network with different parts:
 
-    part              GPT-2 (export/model.py)          Llama / Qwen2 / Mistral (export/llama.py)
+    part              GPT-2 (export/gpt2.py)           Llama / Qwen2 / Mistral (export/llama.py)
     normalization     LayerNorm (weight + bias)        RMSNorm (weight only)
     positions         learned table added to tokens    rotary, applied to Q and K inside attention
     attention heads   n_kv_head == n_head              n_kv_head < n_head (grouped-query)

@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from ..runtime.contract import TOKENIZER_FILE
-from .checkpoint import CheckpointError, build_gpt, config_from_hf, load_checkpoint, read_json
+from .checkpoint import CheckpointError, read_json
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 from .gguf import GGUFError, gemma3_config, gemma3_tensors, gpt2_config, gpt2_tensors, llama_config, llama_tensors
 from .gguf_blocks import Runs, pack, widen
+from .gpt2 import GPT
+from .gpt2_checkpoint import build_gpt, config_from_hf, load_checkpoint
 from .hf_checkpoint import build_llama, gemma3_config_from_hf, llama_config_from_hf, load_llama, read_extras, renamed
 from .llama import MODEL_TYPES, VARIANTS, Llama, LlamaConfig, rope_cos_sin
-from .model import GPT
 
 # checkpoint tensor name -> its MatMulNBits runs (export/gguf_blocks.py), or None where the tensor has none
 # (export/gguf.py GGUFModel.matmul_nbits)

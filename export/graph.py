@@ -41,7 +41,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgelm.nbits_gather import gather_from_nbits
 from edgelm.onnxfile import placeholder
 
-from ..runtime.contract import LOGITS_TO_KEEP, IONames
+from ..runtime.contract import IONames
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 
 MS_DOMAIN = "com.microsoft"
@@ -201,6 +201,32 @@ class _GraphBuilder:
             out.append(self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed"))  # (B, T, heads * hs)
         return [*out, f"{prefix}/v"]
 
+    def attention(
+        self, h: str, prefix: str, layer: Layer, d: Decoder, past: tuple[str, str], present: tuple[str, str], extra
+    ) -> str:
+        """One GroupQueryAttention node on the packed Q/K/V product of h; `extra`: seqlens_k, the total length
+        and the layer's rotary caches. Returns its (B, T, n_head * head_dim) output."""
+        qkv = self.linear(h, f"{prefix}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
+        # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
+        # own position in local_window_size, as transformers' sliding_window does: checked against it)
+        window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}
+        rotary = d.rotary_cos is not None
+        self.nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                [*self.head_norms(qkv, prefix, layer, d), *past, *extra],
+                [f"{prefix}/attention", *present],
+                name=f"{prefix}/GroupQueryAttention",
+                domain=MS_DOMAIN,
+                num_heads=d.n_head,
+                kv_num_heads=d.n_kv_head,
+                scale=d.attention_scale or 1.0 / float(np.sqrt(d.head_dim)),
+                **({"do_rotary": 1, "rotary_interleaved": 0} if rotary else {}),
+                **window,
+            )
+        )
+        return self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
         it: two MatMulNBits showed no clear win)."""
@@ -224,24 +250,68 @@ def build_fused_graph(
     decoder: Decoder, io: IONames, *, opset: int = 17, accuracy_level: int = 4
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The decoder as an ONNX graph with fused attention and a shared KV buffer, and its weights: initializer
-    name -> array, for edgelm.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only)."""
+    name -> array, for edgelm.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only).
+    io: the manifest's names; its logits_to_keep names the optional input."""
+    assert io.logits_to_keep is not None, "the fused graph takes the number of positions to keep as an input"
     d = decoder
     g = _GraphBuilder(accuracy_level=accuracy_level)
     one = g.small_constant("const_one", np.array(1, dtype=np.int64))
     axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
+    x, head = _embeddings(g, d, io)
+    rotary, local_rotary = _rotary_caches(g, d)
 
-    # Token embedding. Tied: one (C, V) matrix; the embedding gathers its columns.
-    if d.tied:
-        # with head blocks the Gather is a stand-in, rewired below to read them (edgelm/nbits_gather.py)
-        table = "lm_head.weight_T" if d.head_nbits is not None else g.constant("lm_head.weight_T", d.embedding.T)
+    # Each row's length and the longest total, from the attention mask, for every attention node.
+    lengths = g.op("ReduceSum", [io.attention_mask, axis_1], "mask/ReduceSum", keepdims=0)  # (B,)
+    last_index = g.op("Sub", [lengths, one], "mask/Sub")
+    seqlens_k = g.op("Cast", [last_index], "seqlens_k", to=TensorProto.INT32)
+    mask_shape = g.op("Shape", [io.attention_mask], "mask/Shape")
+    total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
+    lengths = [seqlens_k, g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)]
+
+    h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
+    for i, layer in enumerate(d.layers):
+        p = f"layers.{i}"
+        caches = local_rotary if layer.sliding_window is not None else rotary
+        attention = g.attention(h, p, layer, d, io.past(i), io.present(i), [*lengths, *caches])
+        out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+        if layer.attention_post_norm is not None:
+            out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
+        h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
+        down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
+        if layer.mlp_post_norm is not None:
+            down = g.norm(down, f"{p}.mlp_post_norm", layer.mlp_post_norm, d)
+        if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
+            nxt = f"layers.{i + 1}.attention_norm"
+            h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")
+    _logits(g, d, io, x, down, head=head, axis_1=axis_1)
+
+    inputs, outputs = _graph_io(d, io)
+    graph = helper.make_graph(
+        g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
+    )
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    _gather_embedding_blocks(model, d)
+    return model, g.weights
+
+
+def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | None]:
+    """(the token embeddings, scaled and with positions added where the family has them: (B, T, C); the LM
+    head's (C, V) weight, or None when the head is blocks). Tied: one (C, V) matrix; the embedding gathers
+    its columns."""
+    head = None
+    if d.tied or d.embedding_nbits is not None:
+        # with blocks the Gather's table is a stand-in, rewired to read them (edgelm/nbits_gather.py): the
+        # head's when tied, the embedding's own (V, C / block, blob) when not
+        if d.tied:
+            table = "lm_head.weight_T" if d.head_nbits is not None else g.constant("lm_head.weight_T", d.embedding.T)
+            head = table
+        else:
+            g.nbits_weights("embed", d.embedding_nbits)
+            if d.embedding_nbits.block_offsets is not None:
+                g.constant("embed.weight_block_offsets", d.embedding_nbits.block_offsets)  # (C / block, V)
+            table = "embed.weight_T"
         columns = g.op("Gather", [table, io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
-        x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)
-        head = table
-    elif d.embedding_nbits is not None:  # its own blocks, (V, C / block, blob): a stand-in rewired as above
-        g.nbits_weights("embed", d.embedding_nbits)
-        if d.embedding_nbits.block_offsets is not None:
-            g.constant("embed.weight_block_offsets", d.embedding_nbits.block_offsets)  # (C / block, V)
-        columns = g.op("Gather", ["embed.weight_T", io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
         x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)
     else:
         x = g.op("Gather", [g.constant("embed.weight", d.embedding), io.input_ids], "embed/Gather", axis=0)
@@ -253,61 +323,26 @@ def build_fused_graph(
     if d.position_table is not None:
         positions = g.op("Gather", [g.constant("positions.weight", d.position_table), io.position_ids], "pos/Gather")
         x = g.op("Add", [x, positions], "embeddings/Add")  # (B, T, C)
+    return x, head
+
+
+def _rotary_caches(g: _GraphBuilder, d: Decoder) -> tuple[list[str], list[str]]:
+    """GroupQueryAttention's cos and sin caches: the full layers' and the sliding layers' ([] where none)."""
     rotary, local_rotary = [], []
     if d.rotary_cos is not None:
         rotary = [g.constant("rotary.cos", d.rotary_cos), g.constant("rotary.sin", d.rotary_sin)]
     if d.rotary_cos_local is not None:
         local_rotary = [g.constant("rotary.cos_local", d.rotary_cos_local)]
         local_rotary.append(g.constant("rotary.sin_local", d.rotary_sin_local))
+    return rotary, local_rotary
 
-    # Each row's length and the longest total, from the attention mask, for every attention node.
-    lengths = g.op("ReduceSum", [io.attention_mask, axis_1], "mask/ReduceSum", keepdims=0)  # (B,)
-    last_index = g.op("Sub", [lengths, one], "mask/Sub")
-    seqlens_k = g.op("Cast", [last_index], "seqlens_k", to=TensorProto.INT32)
-    mask_shape = g.op("Shape", [io.attention_mask], "mask/Shape")
-    total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
-    total_length = g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)
 
-    h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
-    for i, layer in enumerate(d.layers):
-        p = f"layers.{i}"
-        qkv = g.linear(h, f"{p}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
-        past_key, past_value = io.past(i)
-        present_key, present_value = io.present(i)
-        # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
-        # own position in local_window_size, as transformers' sliding_window does: checked against it)
-        window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}
-        caches = local_rotary if layer.sliding_window is not None else rotary
-        g.nodes.append(
-            helper.make_node(
-                "GroupQueryAttention",
-                [*g.head_norms(qkv, p, layer, d), past_key, past_value, seqlens_k, total_length, *caches],
-                [f"{p}/attention", present_key, present_value],
-                name=f"{p}/GroupQueryAttention",
-                domain=MS_DOMAIN,
-                num_heads=d.n_head,
-                kv_num_heads=d.n_kv_head,
-                scale=d.attention_scale or 1.0 / float(np.sqrt(d.head_dim)),
-                **({"do_rotary": 1, "rotary_interleaved": 0} if rotary else {}),
-                **window,
-            )
-        )
-        attention = g.float_output(f"{p}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
-        out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
-        if layer.attention_post_norm is not None:
-            out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
-        h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
-        down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
-        if layer.mlp_post_norm is not None:
-            down = g.norm(down, f"{p}.mlp_post_norm", layer.mlp_post_norm, d)
-        if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
-            nxt = f"layers.{i + 1}.attention_norm"
-            h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")
-
+def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, head: str | None, axis_1: str) -> None:
+    """The last residual, the final norm and the LM head, on the last k positions (io.logits_to_keep)."""
     # Keep the last k positions before the LM head: Slice(x, -k:) is every position for k = 0 (the default,
     # for evaluation) and the last one for k = 1 (generation).
-    g.constant(LOGITS_TO_KEEP, np.array(0, dtype=np.int64))
-    negated = g.op("Neg", [LOGITS_TO_KEEP], "keep/Neg")
+    g.constant(io.logits_to_keep, np.array(0, dtype=np.int64))
+    negated = g.op("Neg", [io.logits_to_keep], "keep/Neg")
     start = g.op("Unsqueeze", [negated, g.small_constant("const_axis_0", np.array([0]))], "keep/start")
     end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
     # The last residual and the final norm in one node over every position, then the Slice: normalizing T rows
@@ -319,6 +354,9 @@ def build_fused_graph(
     else:
         g.op("MatMul", [x, head], io.logits)
 
+
+def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
+    """The graph's inputs and outputs, named as the manifest names them."""
     kv_shape = ["batch_size", d.n_kv_head, "past_sequence_length", d.head_dim]
     present_shape = ["batch_size", d.n_kv_head, "present_sequence_length", d.head_dim]  # max(buffer, total)
     inputs = [
@@ -336,18 +374,17 @@ def build_fused_graph(
         for past_name, present_name in zip(io.past(i), io.present(i), strict=True):
             inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, present_shape))
-    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, []))  # overridable default
+    inputs.append(helper.make_tensor_value_info(io.logits_to_keep, TensorProto.INT64, []))  # overridable default
+    return inputs, outputs
 
-    graph = helper.make_graph(
-        g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
-    )
-    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder) -> None:
+    """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any."""
     table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
-    if table is not None:  # the embedding gathers rows of blocks (the head's, when tied)
-        assert table.zero_points is None, "an embedding gathers blocks with the default zero point only"
-        gather = next(n for n in model.graph.node if n.name == "embed/Gather")
-        packed, scales = _nbits_names(prefix, table)
-        offsets = f"{prefix}.weight_block_offsets" if table.block_offsets is not None else None  # (K / block, V)
-        gather_from_nbits(model, gather, packed, scales, bits=table.bits, block_size=table.block_size, offsets=offsets)
-    return model, g.weights
+    if table is None:
+        return
+    assert table.zero_points is None, "an embedding gathers blocks with the default zero point only"
+    gather = next(n for n in model.graph.node if n.name == "embed/Gather")
+    packed, scales = _nbits_names(prefix, table)
+    offsets = f"{prefix}.weight_block_offsets" if table.block_offsets is not None else None  # (K / block, V)
+    gather_from_nbits(model, gather, packed, scales, bits=table.bits, block_size=table.block_size, offsets=offsets)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from .checkpoint import (
     CheckpointError,
     config_context_length,
@@ -34,8 +35,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 PICKLE_FILE = "pytorch_model.bin"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; recomputed from the config
 
 

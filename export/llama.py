@@ -1,6 +1,6 @@
 """The reference Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Gemma 3 text).
 
-The same interface as model.py's GPT, so export and parity checks treat both families alike:
+The same interface as gpt2.py's GPT, so export and parity checks treat both families alike:
 
     logits, present = model(input_ids, attention_mask, position_ids, past_key_values)
 

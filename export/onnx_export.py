@@ -5,14 +5,15 @@ against PyTorch -> package folder (see runtime/contract.py for what the folder h
 
 Two graphs: "fused" (export/graph.py: ONNX Runtime's GroupQueryAttention on a shared KV buffer, the
 default) and "standard" (export/traced.py: standard ONNX ops only, for other runtimes). After writing,
-export proves the graph (export/parity.py) and fails above the tolerance.
+export proves the graph (export/parity.py) and fails above the tolerance. What export reads (a folder or a
+GGUF file) is opened by export/source.py.
 """
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -36,15 +37,13 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
-from ..runtime.files import check_file, kind_of
-from ..runtime.package import file_sha256
-from .checkpoint import CheckpointError, check_finite, combined_hash, read_config, source_hashes, tokenizer_files
+from .checkpoint import check_finite
 from .decoder import Decoder
-from .families import Blocks, Family, checked_tokens, family_for
+from .families import Blocks
 from .gguf_blocks import LAYOUT_NAMES as LAYOUT
 from .graph import build_fused_graph
-from .hf_checkpoint import read_extras
 from .parity import check_parity, check_parity_shared
+from .source import Source, open_source
 from .tokenizer_config import tokenizer_config
 from .traced import trace_graph
 
@@ -62,101 +61,6 @@ DEFAULT_OPSET = 17
 ATTENTION_KINDS = ("fused", "standard")
 
 Progress = Callable[[str], None]
-
-
-@dataclass
-class Source:
-    """What export reads: the reference model and what the package carries beside it."""
-
-    model: torch.nn.Module  # eval mode, fp32, with the shared forward signature (export/parity.py)
-    family: Family
-    tokens: dict  # bos_token_id, eos_token_ids, pad_token_id
-    name: str  # the checkpoint's name, for the manifest
-    sha256: str  # identifies what was exported: the file's, or combined_hash over a folder's files
-    hashes: dict[str, str]  # sha256 of every file export read, by name in the folder (or the GGUF file's name)
-    files: dict[str, Path] = field(default_factory=dict)  # package file name -> file to copy (tokenizer)
-    texts: dict[str, str] = field(default_factory=dict)  # package file name -> contents to write
-    chat_template: str | None = None
-    blocks: Blocks | None = None  # a GGUF file's own MatMulNBits blocks by tensor name (GGUFModel.matmul_nbits)
-    quant_types: dict[str, str] = field(default_factory=dict)  # tensor name -> GGUF type ("Q4_1", "F32", ...)
-
-
-def check_tokenizer_file(path: Path, vocab_size: int) -> None:
-    """CheckpointError unless `path` loads as the runtime will load it, with no more tokens than the embedding has
-    rows (fewer is normal: padding rows). Either way the package would never load."""
-    from tokenizers import Tokenizer
-
-    try:
-        size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
-    except Exception as e:  # `tokenizers` raises its own plain Exception
-        reason = str(e).splitlines()[0] if str(e) else repr(e)
-        raise CheckpointError(f"{path} does not load as a tokenizer: {reason}") from None
-    if size > vocab_size:
-        raise CheckpointError(f"{path} has {size} tokens but the model's embedding only {vocab_size} rows")
-
-
-def open_folder(folder: Path) -> Source:
-    """A Hugging Face-layout checkpoint folder: config.json names the family."""
-    hf_config = read_config(folder)
-    family = family_for(hf_config.get("model_type"))
-    model = family.load(folder)
-    hashes = source_hashes(folder)
-    files = tokenizer_files(folder)  # each one text (UTF-8) or JSON first: the errors name the file's kind
-    if TOKENIZER_FILE in files:
-        check_tokenizer_file(files[TOKENIZER_FILE], model.config.vocab_size)
-    return Source(
-        model=model,
-        family=family,
-        tokens=family.tokens(folder, model),
-        name=folder.resolve().name,
-        sha256=combined_hash(hashes),
-        hashes=hashes,
-        # the package writes its own tokenizer_config.json (export/tokenizer_config.py)
-        files={n: p for n, p in files.items() if n != TOKENIZER_CONFIG_FILE},
-        chat_template=read_extras(folder)["chat_template"],
-    )
-
-
-def open_gguf(path: Path) -> Source:
-    """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
-    tokenizer metadata, its chat template kept (export/gguf.py)."""
-    from .gguf import read_gguf
-
-    gguf = read_gguf(path)
-    family = family_for(gguf.hf_config.get("model_type"))
-    state = {name: torch.from_numpy(gguf.tensor(name)) for name in gguf.tensor_names}
-    model = family.build(gguf.hf_config, state)
-    del state
-    tokens = checked_tokens(model.config.vocab_size, gguf.bos_token_id, gguf.eos_token_ids, gguf.pad_token_id)
-    sha256 = file_sha256(path)
-    return Source(
-        model=model,
-        family=family,
-        tokens=tokens,
-        name=path.name,
-        sha256=sha256,
-        hashes={path.name: sha256},
-        texts={TOKENIZER_FILE: gguf.tokenizer_json},
-        chat_template=gguf.chat_template,
-        blocks=gguf.matmul_nbits,
-        quant_types={name: gguf.quant_type(name) for name in gguf.tensor_names},
-    )
-
-
-def open_source(path: str | Path) -> Source:
-    """A checkpoint folder or a .gguf file."""
-    path = Path(path)
-    kind = kind_of(path)
-    if path.suffix.lower() == ".gguf" and kind != "a folder":
-        check_file(path, "GGUF file", error=CheckpointError)  # missing, or a FIFO or device: said so, not opened
-    elif kind not in (None, "a folder", "a regular file"):
-        raise CheckpointError(f"{path} is {kind}; a checkpoint is a folder or a .gguf file")
-    if kind == "a regular file":
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise CheckpointError(f"{path} is a file but not a GGUF file; a checkpoint is a folder or a .gguf file")
-        return open_gguf(path)
-    return open_folder(path)
 
 
 def _untie(model: torch.nn.Module) -> None:
@@ -293,18 +197,108 @@ def export_package(
     difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept blocks at
     accuracy_level 4."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    _check_options(
+        attention=attention,
+        last_token_logits=last_token_logits,
+        dequantize=dequantize,
+        keep_gguf_quantization=keep_gguf_quantization,
+        accuracy_level=accuracy_level,
+    )
+    staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
+    source = _load(checkpoint, untie=untie, keep_gguf_quantization=keep_gguf_quantization, progress=progress)
+    plan = _plan(
+        source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
+        accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
+    )  # fmt: skip
+    manifest = plan.manifest
+    with staged as staging:
+        _write_graph(plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, progress=progress)
+        manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress)
+        progress("[4/4] writing package files")
+        _write_files(staging, manifest, source)
+    size = sum(f["bytes"] for f in manifest.files.values())
+    progress(f"wrote {out_dir} ({size / 1e6:.1f} MB)")
+    return manifest.to_json()
+
+
+@dataclass
+class _Plan:
+    """What export settles before it writes anything: the manifest (precision and recipe included), the fused
+    graph's Decoder, whether the graph keeps a GGUF file's own blocks, and the parity tolerance."""
+
+    manifest: Manifest
+    decoder: Decoder | None  # the fused graph's; None for the standard graph, and once the graph is built
+    keep: bool
+    tolerance: float
+
+    @property
+    def fused(self) -> bool:
+        return self.manifest.export["attention"] == "fused"
+
+
+def _plan(
+    source: Source,
+    *,
+    attention: str,
+    opset: int,
+    last_token_logits: bool,
+    dequantize: bool,
+    accuracy_level: int,
+    tolerance: float | None,
+    progress: Progress,
+) -> _Plan:
+    """The fused graph's Decoder (with the GGUF blocks it keeps), the manifest and the tolerance (None: the
+    default for what the graph keeps)."""
+    fused = attention == "fused"
+    blocks = source.blocks if fused and not dequantize else None
+    decoder = source.family.decoder(source.model, blocks=blocks) if fused else None
+    position_ids = not fused or decoder.position_table is not None
+    manifest = build_manifest(
+        source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
+    )
+    keep = _keep_blocks(manifest, decoder, source, blocks=blocks, accuracy_level=accuracy_level, progress=progress)
+    if tolerance is None:
+        tolerance = KEPT_FLOAT_TOLERANCE if keep else PARITY_TOLERANCE
+        tolerance = INT8_ACTIVATION_TOLERANCE if keep and accuracy_level == 4 else tolerance
+    return _Plan(manifest=manifest, decoder=decoder, keep=keep, tolerance=tolerance)
+
+
+def _write_graph(plan: _Plan, model: torch.nn.Module, path: Path, *, accuracy_level: int, progress: Progress) -> None:
+    """Step 2: the fused graph built from the plan's Decoder (which it then lets go), or the standard graph
+    traced from the model; saved with its weights beside it."""
+    manifest = plan.manifest
+    opset, last_token_logits = manifest.export["opset"], manifest.export["last_token_logits"]
+    progress(
+        f"[2/4] exporting ONNX ({manifest.export['attention']} attention, opset {opset}"
+        f"{', last-token logits' if last_token_logits else ''})"
+    )
+    if plan.fused:
+        graph, weights = build_fused_graph(plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level)
+        plan.decoder = None  # save_model drops each array once written: its float copies go one by one
+        manifest.export["external_data"] = save_model(graph, path, weights=weights)
+    else:
+        graph = trace_graph(model, io=manifest.io, opset=opset, last_token_logits=last_token_logits)
+        manifest.export["external_data"] = save_model(graph, path)
+
+
+def _check_options(
+    *, attention: str, last_token_logits: bool, dequantize: bool, keep_gguf_quantization: bool, accuracy_level: int
+) -> None:
+    """ValueError for options that contradict each other or are out of range (export_package's)."""
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     if attention == "fused" and last_token_logits:
         raise ValueError(f"last_token_logits is for the standard graph; the fused graph takes {LOGITS_TO_KEEP}")
-    fused = attention == "fused"
     if keep_gguf_quantization and dequantize:
         raise ValueError("keep_gguf_quantization and dequantize contradict each other; choose one")
-    if keep_gguf_quantization and not fused:
+    if keep_gguf_quantization and attention != "fused":
         raise ValueError("keeping a GGUF file's quantization needs the fused graph")
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise ValueError(f"accuracy_level must be 0, 1, 2, 3 or 4, got {accuracy_level}")
-    staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
+
+
+def _load(checkpoint: Path, *, untie: bool, keep_gguf_quantization: bool, progress: Progress) -> Source:
+    """Step 1: the checkpoint opened and checked (finite weights), its head untied if asked."""
     progress(f"[1/4] loading checkpoint {checkpoint}")
     source = open_source(checkpoint)
     if keep_gguf_quantization and source.blocks is None:
@@ -318,12 +312,20 @@ def export_package(
         f"      {source.family.name}: {parameters / 1e6:.1f}M parameters, {config.n_layer} layers, "
         f"context {config.n_positions}"
     )
-    blocks = source.blocks if fused and not dequantize else None
-    decoder = source.family.decoder(model, blocks=blocks) if fused else None
-    position_ids = not fused or decoder.position_table is not None
-    manifest = build_manifest(
-        source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
-    )
+    return source
+
+
+def _keep_blocks(
+    manifest: Manifest,
+    decoder: Decoder | None,
+    source: Source,
+    *,
+    blocks: Blocks | None,
+    accuracy_level: int,
+    progress: Progress,
+) -> bool:
+    """Whether the graph keeps a GGUF file's own blocks (MatMulNBits; `blocks`: those the decoder was given);
+    if so the manifest's precision and recipe say which. Reports what was dequantized instead."""
     keep = False
     if blocks is not None:
         precision, recipe = kept_recipe(decoder, source, accuracy_level=accuracy_level)
@@ -338,62 +340,57 @@ def export_package(
                 + (f", embedding {recipe['embedding']}" if "embedding" in recipe else "")
             )
     elif source.blocks is not None and any(kind not in FLOAT_TYPES for kind in source.quant_types.values()):
-        progress("      GGUF blocks dequantized to fp32 (" + ("--dequantize" if fused else "standard graph") + ")")
+        progress(
+            "      GGUF blocks dequantized to fp32 ("
+            + ("--dequantize" if decoder is not None else "standard graph")
+            + ")"
+        )
     unkept = dequantized_tensors(source)
     if unkept:
         progress(f"      dequantized to fp32, no exact MatMulNBits form: {', '.join(unkept)}")
-    int8_activations = keep and accuracy_level == 4
-    if tolerance is None:
-        tolerance = KEPT_FLOAT_TOLERANCE if keep else PARITY_TOLERANCE
-        tolerance = INT8_ACTIVATION_TOLERANCE if int8_activations else tolerance
+    return keep
 
-    with staged as staging:
-        progress(
-            f"[2/4] exporting ONNX ({attention} attention, opset {opset}"
-            f"{', last-token logits' if last_token_logits else ''})"
+
+def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Progress) -> dict:
+    """Step 3: ONNX Runtime against PyTorch (export/parity.py); RuntimeError above the tolerance. Returns the
+    manifest's parity record."""
+    progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
+    io, tolerance = plan.manifest.io, plan.tolerance
+    if plan.fused:
+        max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep)
+    else:
+        last_token_logits = plan.manifest.export["last_token_logits"]
+        max_diff = check_parity(model, onnx_path, io=io, last_token_logits=last_token_logits)
+    if max_diff == float("inf"):  # PyTorch's were finite (parity.py raises otherwise): float32 overflowed
+        raise RuntimeError(
+            "ONNX Runtime's logits are not finite (NaN or inf) on the export check's prompt while PyTorch's "
+            "are: the package could not generate"
         )
-        if fused:
-            graph, weights = build_fused_graph(decoder, manifest.io, opset=opset, accuracy_level=accuracy_level)
-            del decoder  # save_model drops each array once written: its float copies go one by one
-            manifest.export["external_data"] = save_model(graph, staging / MODEL_FILE, weights=weights)
-        else:
-            graph = trace_graph(model, opset=opset, last_token_logits=last_token_logits)
-            manifest.export["external_data"] = save_model(graph, staging / MODEL_FILE)
-        del graph
-        progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
-        if fused:
-            max_diff = check_parity_shared(model, staging / MODEL_FILE, prepacking=keep)
-        else:
-            max_diff = check_parity(model, staging / MODEL_FILE, last_token_logits=last_token_logits)
-        if max_diff == float("inf"):  # PyTorch's were finite (parity.py raises otherwise): float32 overflowed
-            raise RuntimeError(
-                "ONNX Runtime's logits are not finite (NaN or inf) on the export check's prompt while PyTorch's "
-                "are: the package could not generate"
-            )
-        progress(f"      max |logit difference| = {max_diff:.2e} (tolerance {tolerance:.0e})")
-        if not max_diff <= tolerance:
-            raise RuntimeError(
-                f"ONNX Runtime and PyTorch disagree: max |logit difference| {max_diff:.2e} > {tolerance:.0e}"
-            )
-        manifest.parity = {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2}
-        manifest.parity["reference"] = "PyTorch float64" if fused else "PyTorch float32"
-        if int8_activations:
-            manifest.parity["activations"] = "int8 (MatMulNBits accuracy_level 4)"
+    progress(f"      max |logit difference| = {max_diff:.2e} (tolerance {tolerance:.0e})")
+    if not max_diff <= tolerance:
+        raise RuntimeError(
+            f"ONNX Runtime and PyTorch disagree: max |logit difference| {max_diff:.2e} > {tolerance:.0e}"
+        )
+    parity = {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2}
+    parity["reference"] = "PyTorch float64" if plan.fused else "PyTorch float32"
+    if plan.keep and plan.manifest.recipe["accuracy_level"] == 4:
+        parity["activations"] = "int8 (MatMulNBits accuracy_level 4)"
+    return parity
 
-        progress("[4/4] writing package files")
-        write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
-        for name, path in source.files.items():
-            shutil.copyfile(path, staging / name)
-        for name, text in source.texts.items():
-            (staging / name).write_text(text, encoding="utf-8")
-        if source.chat_template:
-            (staging / CHAT_TEMPLATE_FILE).write_text(source.chat_template, encoding="utf-8")
-        if manifest.tokenizer.file is not None:  # what onnxruntime-genai's tokenizer needs beside tokenizer.json
-            tokenizer_json = (staging / manifest.tokenizer.file).read_text(encoding="utf-8")
-            config = tokenizer_config(tokenizer_json, manifest, chat_template=source.chat_template)
-            write_json(staging / TOKENIZER_CONFIG_FILE, config)
-        manifest.files = list_files(staging)
-        write_json(staging / MANIFEST_FILE, manifest.to_json())
-    size = sum(f["bytes"] for f in manifest.files.values())
-    progress(f"wrote {out_dir} ({size / 1e6:.1f} MB)")
-    return manifest.to_json()
+
+def _write_files(staging: Path, manifest: Manifest, source: Source) -> None:
+    """Step 4: genai_config.json, the tokenizer and chat template, tokenizer_config.json, and last the manifest
+    with every file's hash."""
+    write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
+    for name, path in source.files.items():
+        shutil.copyfile(path, staging / name)
+    for name, text in source.texts.items():
+        (staging / name).write_text(text, encoding="utf-8")
+    if source.chat_template:
+        (staging / CHAT_TEMPLATE_FILE).write_text(source.chat_template, encoding="utf-8")
+    if manifest.tokenizer.file is not None:  # what onnxruntime-genai's tokenizer needs beside tokenizer.json
+        tokenizer_json = (staging / manifest.tokenizer.file).read_text(encoding="utf-8")
+        config = tokenizer_config(tokenizer_json, manifest, chat_template=source.chat_template)
+        write_json(staging / TOKENIZER_CONFIG_FILE, config)
+    manifest.files = list_files(staging)
+    write_json(staging / MANIFEST_FILE, manifest.to_json())

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ..runtime.contract import LOGITS_TO_KEEP, IONames
+from ..runtime.contract import IONames
 from .checkpoint import CheckpointError
 
 
@@ -62,6 +62,7 @@ def check_parity(
     model: torch.nn.Module,
     onnx_path: str | Path,
     *,
+    io: IONames,
     last_token_logits: bool = False,
     decode_steps: int = 5,
     seed: int = 0,
@@ -69,8 +70,8 @@ def check_parity(
     """Max |logit difference| between PyTorch and ONNX Runtime (CPU) over a batch-2, left-padded
     prompt and `decode_steps` one-token steps that feed each side its own cache. last_token_logits
     says how the graph was exported: its logits' second axis is symbolic, so it cannot be read off
-    the session."""
-    config, io = model.config, IONames()
+    the session. io: the manifest's names for the graph's inputs and outputs."""
+    config = model.config
     session = _session(onnx_path)
     generator = torch.Generator().manual_seed(seed)
     prompt_length = min(7, config.n_positions - decode_steps)
@@ -151,13 +152,20 @@ def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) ->
 
 
 def check_parity_shared(
-    model: torch.nn.Module, onnx_path, *, decode_steps: int = 5, seed: int = 0, prepacking: bool = False
+    model: torch.nn.Module,
+    onnx_path: str | Path,
+    *,
+    io: IONames,
+    decode_steps: int = 5,
+    seed: int = 0,
+    prepacking: bool = False,
 ) -> float:
     """Max |logit difference| between ONNX Runtime, run the way the runtime runs the fused graph (the
     cache one buffer per layer bound as both past and present, num_logits_to_keep 1 after the prompt), and
     the PyTorch model on the same rows in float64: the exact answer for the weights, so the figure is ONNX
-    Runtime's float32 rounding alone, not the sum of two float32 roundings."""
-    config, io = model.config, IONames()
+    Runtime's float32 rounding alone, not the sum of two float32 roundings. io: the manifest's names, its
+    logits_to_keep among them."""
+    config = model.config
     steps = _reference_steps(model, decode_steps=decode_steps, seed=seed)
     # after the float64 pass, so the two copies of the weights are not held at once
     session = _session(onnx_path, prepacking=prepacking)
@@ -180,7 +188,7 @@ def check_parity_shared(
             binding.bind_cpu_input(io.position_ids, step["positions"].numpy())
         # an overridable initializer: IO binding takes it as an OrtValue, not through bind_cpu_input
         keep = ort.OrtValue.ortvalue_from_numpy(np.array(step["keep"], dtype=np.int64))
-        binding.bind_ortvalue_input(LOGITS_TO_KEEP, keep)
+        binding.bind_ortvalue_input(io.logits_to_keep, keep)
         binding.bind_output(io.logits)  # unallocated again: its length changes between calls
         session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()

@@ -24,8 +24,8 @@ from onnx import helper, numpy_helper
 from ..runtime.contract import MODEL_FILE, IONames
 
 
-def io_names(n_layer: int, io: IONames | None = None) -> tuple[list[str], list[str]]:
-    io = io or IONames()
+def io_names(n_layer: int, io: IONames) -> tuple[list[str], list[str]]:
+    """The graph's input and output names in _FlatDecoder's order."""
     inputs = [io.input_ids, io.attention_mask, io.position_ids, *io.past_names(n_layer)]
     return inputs, [io.logits, *io.present_names(n_layer)]
 
@@ -77,11 +77,12 @@ def _share_tied_embedding(model: onnx.ModelProto) -> None:
             return
 
 
-def trace_graph(model: torch.nn.Module, *, opset: int, last_token_logits: bool = False) -> onnx.ModelProto:
-    """The reference model traced to ONNX; a tied embedding is stored once (see _share_tied_embedding)."""
+def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_logits: bool = False) -> onnx.ModelProto:
+    """The reference model traced to ONNX with the manifest's I/O names (`io`); a tied embedding is stored once
+    (see _share_tied_embedding)."""
     config = model.config
     model = model.eval()
-    input_names, output_names = io_names(config.n_layer)
+    input_names, output_names = io_names(config.n_layer, io)
     # Trace with distinct sizes (batch 2, 3 new tokens, 5 past) so no axis is mistaken for another.
     batch, seq, past = 2, 3, 5
     dummy = [
