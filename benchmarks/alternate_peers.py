@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import llamacpp_peer
-import peers
+import peer_runner
 
 
 def main() -> int:
@@ -40,7 +40,7 @@ def main() -> int:
     for round_ in range(args.rounds):
         for spec, (child, path) in zip(args.systems, systems, strict=True):
             python = str(args.llamacpp_python) if child == "llamacpp" else sys.executable
-            row = peers.bench_in_child(child, args.out / path, prompt_file, args, python=python)
+            row = peer_runner.bench_in_child(child, args.out / path, prompt_file, args, python=python)
             if "error" in row:
                 print(f"{spec}: FAILED {row['error']}", file=sys.stderr)
                 return 1

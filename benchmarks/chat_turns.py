@@ -74,7 +74,7 @@ def reprefill_ttft(model, template, messages: list[dict], ids: list[int]) -> tup
     return encoded + result.timings.time_to_first_token_s, (result.token_ids[0] if result.token_ids else None)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("package")
     parser.add_argument("--turns", type=int, default=10)
@@ -85,13 +85,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--plot", default="docs/chat-turns.png", help="where to write the plot ('' for none)")
     parser.add_argument("--json", default=None, help="also write the measurements here")
-    args = parser.parse_args()
+    return parser
 
-    model = load(args.package, provider=args.provider, threads=args.threads)
-    messages = [user_message(model, turn, args.user_tokens) for turn in range(args.turns)]
+
+def measure_turns(model, messages: list[dict], args) -> list[dict]:
+    """Per turn: the median first-token time with the kept cache and with a re-prefill of the whole history."""
     kept_cache_run(model, messages[:2], args.reply_tokens)  # warm-up: sessions allocate on first use
     template = model.conversation().template
-
     runs = [kept_cache_run(model, messages, args.reply_tokens) for _ in range(args.repeats)]
     base = runs[0]
     for run in runs[1:]:
@@ -113,11 +113,11 @@ def main() -> int:
                 "speedup": again / kept if kept > 0 else float("inf"),
             }
         )
+    return table
 
-    info = model.info()
-    print(
-        f"{info['package']}: {info['precision']}, {info['kv_cache']} cache, on {model.device}, median of {args.repeats}"
-    )
+
+def print_table(table: list[dict], info: dict, device: str, repeats: int) -> None:
+    print(f"{info['package']}: {info['precision']}, {info['kv_cache']} cache, on {device}, median of {repeats}")
     print()
     print(
         "| turn | prompt tokens | prefilled (kept cache) | first token, kept cache (ms) "
@@ -129,6 +129,15 @@ def main() -> int:
             f"| {r['turn']} | {r['prompt_tokens']} | {r['prefilled_kept']} ({r['path']}) | {r['kept_ttft_ms']:.1f} "
             f"| {r['reprefill_ttft_ms']:.1f} | {r['speedup']:.1f}x |"
         )
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    model = load(args.package, provider=args.provider, threads=args.threads)
+    messages = [user_message(model, turn, args.user_tokens) for turn in range(args.turns)]
+    table = measure_turns(model, messages, args)
+    info = model.info()
+    print_table(table, info, model.device, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps({"package": info["package"], "turns": table}, indent=2))
     if args.plot:

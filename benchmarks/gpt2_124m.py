@@ -70,6 +70,47 @@ def bench_in_child(package: Path, args) -> dict:
     return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
 
 
+def quantize_all(out: Path, modes: list[str]) -> dict[str, Path]:
+    """The fp32 package and its quantizations in each of `modes`, timed."""
+    from edgelm.quantize.quantize import quantize_package
+
+    packages = {"fp32": out / "fp32"}
+    for mode in [m for m in modes if m != "fp32"]:
+        print(f"quantizing {mode} ...", flush=True)
+        started = time.perf_counter()
+        quantize_package(
+            out / "fp32",
+            out / mode,
+            mode=mode,
+            overwrite=True,
+            evaluate=False,
+            calibration_text=REPO / "data" / "shakespeare-calibration.txt",
+            calibration_samples=8,
+            progress=lambda _: None,
+        )
+        print(f"  {time.perf_counter() - started:.1f} s", flush=True)
+        packages[mode] = out / mode
+    return packages
+
+
+def print_table(rows: dict[str, dict], args) -> None:
+    base = rows["fp32"]["decode_tokens_per_s"]
+    print(
+        f"\nGPT-2 124M (random weights), CPU, {args.threads} threads, batch 1, {args.prompt_tokens}-token prompt, "
+        f"{args.new_tokens} new tokens, median of {args.repeats}\n"
+    )
+    print(
+        "| package | size MB | load s | first token ms | decode tokens/s | vs fp32 | runtime overhead | peak RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {r['size_mb']:.0f} | {r['load_s']:.2f} | {r['time_to_first_token_s'] * 1000:.1f} | "
+            f"{r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / base:.2f}x | "
+            f"{r['runtime_overhead_pct']:.1f}% | {r['peak_rss_mb']:.0f} |"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "out" / "gpt2-124m"))
@@ -87,45 +128,12 @@ def main() -> int:
     print("exporting ...", flush=True)
     facts = timed_export(checkpoint, out / "fp32")
     print(f"  export {facts['export_s']:.1f} s, peak RSS {facts['export_peak_rss_mb']:.0f} MB", flush=True)
-
-    from edgelm.quantize.quantize import quantize_package
-
-    packages = {"fp32": out / "fp32"}
-    for mode in [m for m in args.modes.split(",") if m != "fp32"]:
-        print(f"quantizing {mode} ...", flush=True)
-        started = time.perf_counter()
-        quantize_package(
-            out / "fp32",
-            out / mode,
-            mode=mode,
-            overwrite=True,
-            evaluate=False,
-            calibration_text=REPO / "data" / "shakespeare-calibration.txt",
-            calibration_samples=8,
-            progress=lambda _: None,
-        )
-        print(f"  {time.perf_counter() - started:.1f} s", flush=True)
-        packages[mode] = out / mode
-
+    packages = quantize_all(out, args.modes.split(","))
     rows = {}
     for name, package in packages.items():
         print(f"bench {name} ...", flush=True)
         rows[name] = bench_in_child(package, args)
-    base = rows["fp32"]["decode_tokens_per_s"]
-    print(
-        f"\nGPT-2 124M (random weights), CPU, {args.threads} threads, batch 1, {args.prompt_tokens}-token prompt, "
-        f"{args.new_tokens} new tokens, median of {args.repeats}\n"
-    )
-    print(
-        "| package | size MB | load s | first token ms | decode tokens/s | vs fp32 | runtime overhead | peak RSS MB |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        print(
-            f"| {name} | {r['size_mb']:.0f} | {r['load_s']:.2f} | {r['time_to_first_token_s'] * 1000:.1f} | "
-            f"{r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / base:.2f}x | "
-            f"{r['runtime_overhead_pct']:.1f}% | {r['peak_rss_mb']:.0f} |"
-        )
+    print_table(rows, args)
     print(f"\nexport: {facts['export_s']:.1f} s, peak RSS {facts['export_peak_rss_mb']:.0f} MB")
     (out / "results.json").write_text(json.dumps({"export": facts, "bench": rows}, indent=2))
     return 0

@@ -10,7 +10,7 @@ Exports FILE three ways (kept blocks at accuracy level 4, the default; kept at l
 - accuracy: logits on --tokens held-out tokens (data/shakespeare-heldout.txt, windows of 512 from a cold
   cache) of level 4 and of the fp32 package against level 0: max |logit difference| and top-1 agreement;
 - speed: edgelm's level-4 package and llama.cpp (llama-cpp-python) on the same FILE, each in a child
-  process of its own (benchmarks/peers.py bench_in_child: one warm-up, median of 3 generations), round-robin
+  process of its own (benchmarks/peer_runner.py bench_in_child: one warm-up, median of 3 generations), round-robin
   over --rounds rounds and both prompt lengths, greedy, --new-tokens tokens past EOS; time to first token and
   decode tokens/s, and edgelm / llama.cpp per round.
 Prints one JSON report (and writes it to OUT/report.json).
@@ -73,7 +73,7 @@ def accuracy(packages: dict[str, Path], reference: str, tokens: int) -> dict:
 
 
 def speed(package: Path, gguf: Path, args) -> dict:
-    import peers
+    import peer_runner
 
     child_args = argparse.Namespace(threads=args.threads, new_tokens=args.new_tokens, repeats=3)
     vocab = 49152
@@ -84,8 +84,8 @@ def speed(package: Path, gguf: Path, args) -> dict:
         prompt_file.write_text(json.dumps(prompt))
         rounds = []
         for _ in range(args.rounds):
-            ours = peers.bench_in_child("edgelm", package, prompt_file, child_args)
-            theirs = peers.bench_in_child("llamacpp", gguf, prompt_file, child_args, python=args.llamacpp_python)
+            ours = peer_runner.bench_in_child("edgelm", package, prompt_file, child_args)
+            theirs = peer_runner.bench_in_child("llamacpp", gguf, prompt_file, child_args, python=args.llamacpp_python)
             for report in (ours, theirs):
                 if "error" in report:
                     raise RuntimeError(report["error"])

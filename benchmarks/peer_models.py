@@ -1,7 +1,7 @@
 """The models benchmarks/peers.py measures, as Hugging Face folders every system starts from.
 
 - gpt2-124m: `GPT2LMHeadModel(GPT2Config())`, random weights (seed 0); gpt2-tiny: 2 layers of width 64,
-  to check the script in seconds. Written by peers.make_checkpoint.
+  to check the script in seconds. Written by make_checkpoint.
 - smollm2-135m: SmolLM2-135M-Instruct's GGUF (Q4_1 blocks, Q8_0 embedding) dequantized into a Llama
   folder, so every system runs the same weights. The folder is made outside this script (see
   SMOLLM2_HOWTO) and passed with --checkpoint; `llama_checkpoint` checks it.
@@ -18,6 +18,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "models" / "shakespeare"  # its tokenizer.json: byte-level BPE, 2,048 tokens
+CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
+CONFIGS = {
+    "gpt2": {},  # GPT2Config() itself: 12 layers, width 768, 12 heads, vocab 50257, context 1024 (124M)
+    "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4},  # 3.4M parameters (most of them the embedding)
+}
 SMOLLM2_HOWTO = (
     "make the folder of SmolLM2-135M's dequantized weights with scripts/fetch_smollm2.py (it reads the GGUF "
     "through export/gguf.py) and pass it with --checkpoint"
@@ -102,3 +107,64 @@ def llama_checkpoint(folder: Path) -> Path:
     if missing:
         raise FileNotFoundError(f"{folder} lacks {', '.join(missing)} (the genai builder needs a tokenizer)")
     return folder
+
+
+# ---- the checkpoint every system starts from ----------------------------------------------------
+
+
+def make_checkpoint(folder: Path, config_name: str) -> None:
+    """A Hugging Face GPT-2 folder with random weights, plus a small byte-level BPE tokenizer.json:
+    edgelm's static int8 calibrates on text, and the tokenizer's 512 ids are a subset of GPT-2's
+    vocabulary (with random weights, which text it is does not matter for speed)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**CONFIGS[config_name])).save_pretrained(folder)
+    add_n_ctx(folder)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([CALIBRATION.read_text(encoding="utf-8")], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "peers-config.json").write_text(json.dumps({"config": config_name}))
+
+
+def add_n_ctx(checkpoint: Path) -> None:
+    """GPT-2's config.json on the Hub carries n_ctx (= n_positions), and llama.cpp's converter reads it;
+    transformers 5 no longer writes it. Added when absent; transformers and edgelm ignore it."""
+    config_file = checkpoint / "config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") == "gpt2" and "n_ctx" not in config:
+        config["n_ctx"] = config["n_positions"]
+        config_file.write_text(json.dumps(config, indent=2))
+
+
+def write_checkpoint(checkpoint: Path, model_name: str, *, given: bool, rebuild: bool) -> None:
+    """The Hugging Face folder every system starts from: checked when given (--checkpoint), else
+    written with random weights unless an earlier run left one (smollm2-135m must be given)."""
+    model = MODELS[model_name]
+    if given or model_name == "smollm2-135m":
+        if model.family == "llama":
+            llama_checkpoint(checkpoint)
+        elif not (checkpoint / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {checkpoint}")
+        add_n_ctx(checkpoint)
+        return
+    stamp = checkpoint / "peers-config.json"
+    if rebuild or not stamp.is_file():
+        print(f"writing a random checkpoint ({model_name}) with transformers ...", flush=True)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        if model.family == "gpt2":
+            make_checkpoint(checkpoint, model.folder_name)
+        else:
+            make_llama_tiny(checkpoint)
+            stamp.write_text(json.dumps({"model": model_name}))
+    add_n_ctx(checkpoint)  # a GPT-2 checkpoint from before the llama.cpp peer

@@ -56,18 +56,8 @@ def op_times(trace_file: str) -> tuple[dict[str, float], dict[str, float], list[
     return dict(by_op), dict(by_node), [r["dur"] for r in decode]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("package")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    args = parser.parse_args()
-    model = load(args.package, provider="cpu", threads=args.threads)
-    prompt = np.random.default_rng(0).integers(0, model.vocab_size, args.prompt_tokens).tolist()
-    model.generate(prompt, 4, ignore_eos=True)  # warm-up
-
-    # 1. wall time per step vs time inside ONNX Runtime
+def wall_against_inside(model, prompt: list[int], args) -> None:
+    """1. Wall time per decode step against the time inside ONNX Runtime."""
     timed = TimedSession(model.session)
     model.session = timed
     result = model.generate(prompt, args.new_tokens, ignore_eos=True)
@@ -82,12 +72,15 @@ def main() -> int:
         f"{1000 * (decode_wall - inside) / steps:.2f} ms ({100 * (1 - inside / decode_wall):.1f}%)"
     )
 
-    # 2. ONNX Runtime's profiler, by op type
+
+def onnxruntime_profile(model, prompt: list[int], args) -> None:
+    """2. ONNX Runtime's profiler, by op type and by node."""
+    session = model.session
     with tempfile.TemporaryDirectory() as folder:
         model.session = profiling_session(model.spec.model_path, args.threads, folder)
         model.generate(prompt, args.new_tokens, ignore_eos=True)
         by_op, by_node, run_us = op_times(model.session.end_profiling())
-        model.session = timed._session
+        model.session = session
     kernels = sum(by_op.values())
     print(f"\n  ONNX Runtime profiler, per decode step: model_run {np.median(run_us) / 1000:.2f} ms (median),")
     print(f"  kernels {kernels / len(run_us) / 1000:.2f} ms (mean); the rest is the executor's own work\n")
@@ -98,7 +91,9 @@ def main() -> int:
     for node, us in sorted(by_node.items(), key=lambda item: -item[1])[:8]:
         print(f"  | {node} | {us / len(run_us) / 1000:.3f} | {100 * us / kernels:.1f}% |")
 
-    # 3. cProfile of the Python loop
+
+def python_profile(model, prompt: list[int], args) -> None:
+    """3. cProfile of the Python loop, by own time."""
     profiler = cProfile.Profile()
     profiler.enable()
     model.generate(prompt, args.new_tokens, ignore_eos=True)
@@ -107,6 +102,21 @@ def main() -> int:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
     print("\n  cProfile, by own time:\n")
     print("\n".join("  " + line for line in text.getvalue().splitlines() if line.strip()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("package")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    model = load(args.package, provider="cpu", threads=args.threads)
+    prompt = np.random.default_rng(0).integers(0, model.vocab_size, args.prompt_tokens).tolist()
+    model.generate(prompt, 4, ignore_eos=True)  # warm-up
+    wall_against_inside(model, prompt, args)
+    onnxruntime_profile(model, prompt, args)
+    python_profile(model, prompt, args)
     return 0
 
 

@@ -15,12 +15,61 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 import onnxruntime_genai as og
 
 from edgelm.runtime import load
 from edgelm.runtime.kvcache import make_cache
+
+
+def genai_model(package: str, threads: int):
+    config = og.Config(package)
+    config.clear_providers()
+    options = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    return og.Model(config)
+
+
+def edgelm_rate(model, prompt: list[int], new: int) -> float:
+    return model.generate(prompt, new, ignore_eos=True).timings.decode_tokens_per_s
+
+
+def genai_rate(genai, prompt: list[int], new: int) -> float:
+    length = len(prompt)
+    params = og.GeneratorParams(genai)
+    params.set_search_options(do_sample=False, max_length=length + new, min_length=length + new, batch_size=1)
+    generator = og.Generator(genai, params)
+    generator.append_tokens(np.array(prompt, dtype=np.int32))
+    generator.generate_next_token()  # the prompt and the first token: decode is timed from here
+    started = time.perf_counter()
+    while not generator.is_done():
+        generator.generate_next_token()
+    return (new - 1) / (time.perf_counter() - started)
+
+
+def cache_steps_rate(model, prompt: list[int], new: int) -> float:
+    cache = make_cache(model, [prompt], capacity=len(prompt) + new)
+    cache.prompt()
+    token = np.array([[prompt[-1]]])
+    cache.next(token)
+    started = time.perf_counter()
+    for _ in range(new - 1):
+        cache.next(token)  # the cache grows as in generation; no logits are read, nothing is sampled
+    return (new - 1) / (time.perf_counter() - started)
+
+
+def alternate(systems: dict, rounds: int) -> dict[str, list[float]]:
+    """One warm-up each, then `rounds` rounds of every system in turn; decode tokens/s per round."""
+    for run in systems.values():
+        run()
+    rates = {name: [] for name in systems}
+    for round_ in range(1, rounds + 1):
+        for name, run in systems.items():
+            rates[name].append(run())
+        print(f"round {round_}: " + ", ".join(f"{name} {r[-1]:.1f}" for name, r in rates.items()), flush=True)
+    return rates
 
 
 def main() -> int:
@@ -34,44 +83,13 @@ def main() -> int:
     length, new = args.prompt_tokens, args.new_tokens
     model = load(args.package, provider="cpu", threads=args.threads)
     prompt = np.random.default_rng(0).integers(100, model.spec.arch.vocab_size, length).tolist()
-    config = og.Config(args.package)
-    config.clear_providers()
-    options = {"intra_op_num_threads": args.threads, "inter_op_num_threads": 1}
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
-    genai_model = og.Model(config)
-
-    def edgelm() -> float:
-        return model.generate(prompt, new, ignore_eos=True).timings.decode_tokens_per_s
-
-    def genai() -> float:
-        params = og.GeneratorParams(genai_model)
-        params.set_search_options(do_sample=False, max_length=length + new, min_length=length + new, batch_size=1)
-        generator = og.Generator(genai_model, params)
-        generator.append_tokens(np.array(prompt, dtype=np.int32))
-        generator.generate_next_token()  # the prompt and the first token: decode is timed from here
-        started = time.perf_counter()
-        while not generator.is_done():
-            generator.generate_next_token()
-        return (new - 1) / (time.perf_counter() - started)
-
-    def bare() -> float:
-        cache = make_cache(model, [prompt], capacity=length + new)
-        cache.prompt()
-        token = np.array([[prompt[-1]]])
-        cache.next(token)
-        started = time.perf_counter()
-        for _ in range(new - 1):
-            cache.next(token)  # the cache grows as in generation; no logits are read, nothing is sampled
-        return (new - 1) / (time.perf_counter() - started)
-
-    systems = {"edgelm": edgelm, "onnxruntime-genai": genai, "cache steps only": bare}
-    for run in systems.values():
-        run()  # warm-up
-    rates = {name: [] for name in systems}
-    for round_ in range(1, args.rounds + 1):
-        for name, run in systems.items():
-            rates[name].append(run())
-        print(f"round {round_}: " + ", ".join(f"{name} {r[-1]:.1f}" for name, r in rates.items()), flush=True)
+    genai = genai_model(args.package, args.threads)
+    systems = {
+        "edgelm": partial(edgelm_rate, model, prompt, new),
+        "onnxruntime-genai": partial(genai_rate, genai, prompt, new),
+        "cache steps only": partial(cache_steps_rate, model, prompt, new),
+    }
+    rates = alternate(systems, args.rounds)
     base = rates["edgelm"]
     print(f"\n{args.package}: {length}-token prompt, {new} new tokens, {args.threads} threads, {args.rounds} rounds")
     print("| system | decode tokens/s (median) | per-round ratio to edgelm (median) |\n|---|---|---|")

@@ -79,3 +79,15 @@ def smollm2_gguf() -> Path:
         return module.fetch_smollm2()
     except (OSError, RuntimeError) as error:
         pytest.skip(f"SmolLM2 GGUF not cached and not fetchable: {error}")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: a second torch thread costs more in handoffs than it gains (4x on a busy machine). A test
+    module opts in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -5,7 +5,7 @@ int8-weight-only (MatMulNBits 8-bit blocks: the kernel quantizes activations per
 int4 (the same kernel, 4-bit blocks) must agree on every row. Dynamic int8 (DynamicQuantizeMatMul)
 takes one activation scale over the whole batch, and static int8's LM head does the same (its blocks
 use calibrated, fixed scales): there a row can change with its batch, as the README says; those cases
-count the rows that differ and xfail."""
+hold the number of rows that differ to what was recorded, so that a change either way is noticed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import quiet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 NEW_TOKENS = 12
 LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 80, 100, 1, 7, 64, 99, 40]
+# Rows of LENGTHS that differ from the row alone, as recorded (onnxruntime 1.32, x86-64, one thread): dynamic
+# int8 row 7 only, static int8 none. Integer kernels differ between CPUs (AVX2 saturates where VNNI does not),
+# so the test allows a margin: a broken batch (padding, positions, masks) changes most rows, far past it.
+MOST_ROWS_DIFFERING = {"dynamic": 2, "static": 2}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,6 @@ def packages(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("batch")
     checkpoint = make_hf_checkpoint(root / "ckpt", seed=3, n_positions=128)
-    quiet = lambda _: None
     out = {"fp32": root / "fp32"}
     export_package(checkpoint, out["fp32"], progress=quiet)
     for mode in ("int8-weight-only", "int4", "dynamic", "static"):
@@ -64,12 +68,13 @@ def test_batch_invariant_precisions(packages, precision):
 @pytest.mark.parametrize("precision", ["dynamic", "static"])
 def test_int8_with_run_time_activation_scales_can_depend_on_the_batch(packages, precision):
     model = load(packages[precision], provider="cpu", threads=1)
+    assert model.spec.precision == f"int8-{precision}"
     differing = rows_differing(model, prompts(model.vocab_size, LENGTHS))
-    if differing:
-        pytest.xfail(
-            f"{precision} int8: {differing} of {len(LENGTHS)} rows differ from the row alone (one activation "
-            "scale over the whole batch in DynamicQuantizeMatMul; use --mode int8-weight-only)"
-        )
+    print(f"{precision} int8: {differing} of {len(LENGTHS)} rows differ from the row alone")
+    assert differing <= MOST_ROWS_DIFFERING[precision], (
+        f"{precision} int8: {differing} of {len(LENGTHS)} rows differ from the row alone, more than the "
+        f"{MOST_ROWS_DIFFERING[precision]} one activation scale over the batch explains"
+    )
 
 
 @settings(

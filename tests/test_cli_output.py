@@ -5,10 +5,10 @@ token counts over the context instead of shrinking them behind the user's back."
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from helpers import copy_package, edit_manifest
 
 from edgelm.cli import main
 from edgelm.runtime import ContextLengthError
@@ -22,11 +22,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
-def edit_manifest(package: Path, folder: Path, change) -> Path:
-    folder = Path(shutil.copytree(package, folder))
-    manifest = json.loads((folder / "edgelm.json").read_text())
-    change(manifest)
-    (folder / "edgelm.json").write_text(json.dumps(manifest))  # the manifest is not among its own hashed files
+def edited_copy(package: Path, tmp_path: Path, change) -> Path:
+    folder = copy_package(package, tmp_path, "pkg")
+    edit_manifest(folder, change)
     return folder
 
 
@@ -41,7 +39,7 @@ def test_info_json_is_valid_json_when_the_manifest_holds_nan(package, tmp_path, 
     def nan_report(manifest):
         manifest["evaluation"] = {"perplexity": float("nan"), "kl": float("inf"), "top1": [float("-inf"), 0.5]}
 
-    folder = edit_manifest(package, tmp_path / "pkg", nan_report)
+    folder = edited_copy(package, tmp_path, nan_report)
     assert "NaN" in (folder / "edgelm.json").read_text()  # json.dumps writes it, json.loads reads it back
     status, out, _ = run(capsys, "info", str(folder), "--json")
     assert status == 0
@@ -56,7 +54,7 @@ def test_info_prints_no_escape_sequences_from_the_manifest(package, tmp_path, ca
         manifest["architecture"]["type"] = "gpt2" + ESCAPES
         manifest["precision"] = "fp32" + ESCAPES
 
-    folder = edit_manifest(package, tmp_path / "pkg", hostile)
+    folder = edited_copy(package, tmp_path, hostile)
     status, out, _ = run(capsys, "info", str(folder))
     assert status == 0
     assert not any(c in out for c in "\x1b\x07\x9b\u202e"), repr(out)
@@ -70,7 +68,7 @@ def test_an_error_quoting_file_content_prints_no_escape_sequences(package, tmp_p
     def listed(manifest):
         manifest["files"]["\x1b[2Jevil\x1b]0;owned\x07"] = {"sha256": "0" * 64, "bytes": 1}
 
-    folder = edit_manifest(package, tmp_path / "pkg", listed)
+    folder = edited_copy(package, tmp_path, listed)
     status, out, err = run(capsys, "info", str(folder))
     assert status == 1 and out == ""
     assert "\x1b" not in err and "\x07" not in err, repr(err)

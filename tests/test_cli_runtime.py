@@ -4,21 +4,14 @@ checked against the library's own output, and bad input as one line on stderr wi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import onnxruntime as ort
 import pytest
+from helpers import edgelm
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
-
-
-def edgelm(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run(
-        [sys.executable, "-m", "edgelm", *args], capture_output=True, text=True, encoding="utf-8", env=env, timeout=120
-    )
 
 
 def test_generate_streams_text_and_reports_speed(package, model):

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import edgelm, genai_greedy, quiet
 
 from conftest import TINY, make_hf_checkpoint
 from edgelm.export.checkpoint import CheckpointError, checkpoint_hash
@@ -31,10 +30,6 @@ DECODE_STEPS = 5
 # last token (GPT-2's 0.02 does), which makes greedy token parity worth checking.
 VOCAB = 2048
 SIZE_SLACK = 64 * 1024  # bytes of graph structure allowed on top of the weights
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -382,23 +377,13 @@ def test_source_hash_identifies_the_checkpoint(hf_checkpoint, tmp_path):
 @pytest.mark.parametrize("seed,graph", [(1, "fused"), (3, "fused"), (1, "standard")])
 def test_onnxruntime_genai_greedy_matches_pytorch(reference, exported, exported_standard, seed, graph):
     exported = exported if graph == "fused" else exported_standard
-    og = pytest.importorskip("onnxruntime_genai")
     new_tokens = 32
     prompt = torch.randint(1, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
     expected = reference.generate_greedy(torch.tensor([prompt]), new_tokens)[0].tolist()
     assert reference.config.eos_token_id not in expected  # else genai would stop early, by design
     assert len(set(expected)) > 4  # a model that repeats one token would make this test weak
 
-    genai_model = og.Model(str(exported))
-    params = og.GeneratorParams(genai_model)
-    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
-    generator = og.Generator(genai_model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    sequence = [int(t) for t in generator.get_sequence(0)]
-    assert sequence[: len(prompt)] == prompt
-    assert sequence[len(prompt) :] == expected
+    assert genai_greedy(exported, prompt, new_tokens) == expected
 
 
 # Failures are clear and leave nothing behind
@@ -449,11 +434,6 @@ def test_failed_load_leaves_nothing(checkpoint, tmp_path):
 
 
 # The command line
-
-
-def edgelm(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "edgelm", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def test_cli_export(checkpoint, tmp_path):

@@ -16,6 +16,7 @@ og = pytest.importorskip("onnxruntime_genai")
 gguf = pytest.importorskip("gguf")
 import test_gguf  # noqa: E402  (pytest puts tests/ on the path)
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from helpers import quiet, save_random_model  # noqa: E402
 
 from edgelm.export.gguf_tokenizer import build_tokenizer_json  # noqa: E402
 from edgelm.export.onnx_export import export_package  # noqa: E402
@@ -31,10 +32,6 @@ TEXTS = [
     " leading space and trailing  ",
     "tab\tand\r\nnewlines\n\n",
 ]
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 def spm_vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -82,9 +79,9 @@ def add_spm_tokenizer(writer, *, add_bos: bool = True) -> None:
 def llama_folder(folder: Path) -> Path:
     """A tiny random Llama saved by transformers, with a SentencePiece-style tokenizer.json (BOS added by its
     post-processor) and a tokenizer_config.json of its own whose settings would change genai's decoding."""
-    from test_llama_export import make_folder
+    from test_llama_export import SMALL
 
-    make_folder(folder, "Llama", dict(bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    save_random_model(folder, ("LlamaConfig", "LlamaForCausalLM"), {**SMALL, "bos_token_id": 1, "eos_token_id": 2})
     spm = build_tokenizer_json(spm_metadata() | {"tokenizer.ggml.add_bos_token": True})
     (folder / "tokenizer.json").write_text(spm)
     source_config = {

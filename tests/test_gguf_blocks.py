@@ -18,6 +18,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from helpers import quiet  # noqa: E402
 from test_gguf import TOKENIZER, _add_tokenizer, _unpack, run_matmul_nbits  # noqa: E402  (tests/ is on the path)
 
 from edgelm.cli import main  # noqa: E402
@@ -49,10 +50,6 @@ F16_BYTES = {
 }
 # a typical |w| per type with these fp16 scales: d * (largest value * largest sub-scale)
 SCALE = {Q.Q2_K: 2e-3, Q.Q3_K: 3e-4, Q.Q4_K: 3e-4, Q.Q5_K: 1.5e-4, Q.Q6_K: 2e-5, Q.IQ4_NL: 1e-3}
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -12,6 +12,7 @@ from onnx import numpy_helper
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from helpers import quiet  # noqa: E402
 from test_gguf import _unpack, write_gguf  # noqa: E402  (pytest puts tests/ on the path)
 
 from edgelm.cli import main  # noqa: E402
@@ -25,10 +26,6 @@ PROMPT = [5, 17, 300, 42, 9]
 # 4-bit (Q4_0 and Q4_1: kept), output Q8_0, gate Q4_0 + up Q4_1 (kept), down F16 (float); layer 1: Q8_0 Q
 # with 4-bit K/V (bits differ: the node takes 8 bits, the 4-bit values widened exactly)
 KEEP_KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16)
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 def _transformers_greedy(path) -> list[int]:

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import genai_greedy, hf_greedy, quiet, save_random_model
 
 from edgelm.export.checkpoint import CheckpointError
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime import load
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER = REPO / "models" / "shakespeare" / "tokenizer.json"  # 2048 tokens, <|endoftext|> = 0
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 TOLERANCE = 1e-4
@@ -52,42 +52,7 @@ PROMPTS = [  # three lengths: the padded batch
 ]
 
 
-def quiet(_: str) -> None:
-    pass
-
-
-def make_folder(folder: Path, family: str, overrides: dict, *, seed: int = 0) -> torch.nn.Module:
-    """A random transformers model saved with save_pretrained beside the bundled tokenizer; returned in eval mode."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = getattr(transformers, f"{family}Config")(**{**SMALL, **overrides})
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("_proj.bias"):  # transformers initializes biases to zero: make them count
-                param.normal_(0.0, 0.5)
-            elif name.endswith("norm.weight"):  # and the norms to one
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    shutil.copyfile(TOKENIZER, folder / "tokenizer.json")
-    model.generation_config.eos_token_id = None  # transformers generates exactly NEW_TOKENS tokens
-    return model
-
-
-@torch.no_grad()
-def hf_greedy(hf: torch.nn.Module, prompt: list[int]) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=EOS)
-    return out[0, len(prompt) :].tolist()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: a second thread costs more in handoffs than it gains (4x on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +61,8 @@ def folders(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
     out = {}
     for case, (family, overrides) in CASES.items():
         folder = root / case
-        out[case] = (make_folder(folder, family, overrides), folder)
+        classes = (f"{family}Config", f"{family}ForCausalLM")
+        out[case] = (save_random_model(folder, classes, {**SMALL, **overrides}), folder)
     return out
 
 
@@ -113,7 +79,9 @@ def packages(folders) -> dict[tuple[str, str], Path]:
 @pytest.fixture(scope="module")
 def expected(folders) -> dict[str, list[list[int]]]:
     """transformers' greedy tokens for each prompt, per case."""
-    return {case: [hf_greedy(hf, p) for p in PROMPTS] for case, (hf, _) in folders.items()}
+    return {
+        case: [hf_greedy(hf, p, NEW_TOKENS, pad_token_id=EOS) for p in PROMPTS] for case, (hf, _) in folders.items()
+    }
 
 
 # ---- 1. edgelm's runtime against transformers, both graphs ----
@@ -150,20 +118,6 @@ def test_greedy_equals_transformers_batch_1_and_padded(case, graph, packages, ex
 # ---- 2. onnxruntime-genai runs the fused package unchanged ----
 
 
-def genai_greedy(folder: Path, prompt: list[int]) -> list[int]:
-    og = pytest.importorskip("onnxruntime_genai")
-    genai_model = og.Model(str(folder))
-    params = og.GeneratorParams(genai_model)
-    params.set_search_options(max_length=len(prompt) + NEW_TOKENS, do_sample=False)
-    generator = og.Generator(genai_model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    sequence = [int(t) for t in generator.get_sequence(0)]
-    assert sequence[: len(prompt)] == prompt
-    return sequence[len(prompt) :]
-
-
 GENAI_RUNS = [(case, "fused") for case in sorted(CASES)] + [("llama-llama3-tied", "standard")]
 
 
@@ -174,7 +128,7 @@ def test_onnxruntime_genai_runs_the_package(case, graph, packages, expected):
     assert genai["model"]["decoder"]["num_key_value_heads"] == 2
     for prompt, tokens in zip(PROMPTS[:2], expected[case][:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
-        assert genai_greedy(packages[case, graph], prompt) == tokens
+        assert genai_greedy(packages[case, graph], prompt, NEW_TOKENS) == tokens
 
 
 # ---- 3. quantization of a Llama package ----
@@ -290,7 +244,7 @@ def test_onnxruntime_genai_builder_folder_runs(folders, expected, tmp_path):
     assert difference < TOLERANCE
     batch = model.generate_batch(PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
     assert [r.token_ids for r in batch] == expected["llama-llama3-tied"]
-    assert genai_greedy(out, PROMPTS[0]) == expected["llama-llama3-tied"][0]
+    assert genai_greedy(out, PROMPTS[0], NEW_TOKENS) == expected["llama-llama3-tied"][0]
 
 
 # ---- 6. bad folders: one-line errors, nothing written ----

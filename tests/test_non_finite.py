@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import quiet
 from onnx import numpy_helper
 from safetensors.numpy import load_file, save_file
 
@@ -26,10 +27,6 @@ from edgelm.runtime.contract import MANIFEST_FILE
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 def set_tensor(folder: Path, name: str, change) -> None:

@@ -13,8 +13,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from helpers import genai_greedy, hf_greedy, quiet, save_random_model  # noqa: E402
 from test_gguf import _add_tokenizer  # noqa: E402  (pytest puts tests/ on the path)
-from test_llama_export import EOS, PROMPTS, SMALL, TOKENIZER, genai_greedy, hf_greedy, quiet  # noqa: E402
+from test_llama_export import EOS, PROMPTS, SMALL  # noqa: E402
 
 from edgelm.export.gguf import GGUFError, read_gguf  # noqa: E402
 from edgelm.export.onnx_export import export_package  # noqa: E402
@@ -65,24 +66,6 @@ GGUF_NAMES = {
 }
 
 
-def make_folder(folder: Path, classes: tuple[str, str], overrides: dict) -> torch.nn.Module:
-    """A random transformers model saved with save_pretrained beside the bundled tokenizer (eval mode); its
-    norms drawn away from their initial values, so each one counts."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = getattr(transformers, classes[0])(**{**SMALL, **overrides})
-    model = getattr(transformers, classes[1])(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(-0.5, 0.5) if "Gemma" in classes[1] else param.uniform_(0.5, 1.5)  # Gemma's 1 + w
-    model.save_pretrained(folder)
-    shutil.copyfile(TOKENIZER, folder / "tokenizer.json")
-    model.generation_config.eos_token_id = None  # transformers generates exactly NEW_TOKENS tokens
-    return model
-
-
 def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
     """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys; Gemma's norms
     as 1 + w, no lm_head, the window but no layer pattern or local rotary base)."""
@@ -126,19 +109,17 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
     root = tmp_path_factory.mktemp("families")
-    cases = CASES.items()
-    return {case: (make_folder(root / case, classes, overrides), root / case) for case, (classes, overrides) in cases}
+    models = {
+        case: save_random_model(root / case, classes, {**SMALL, **overrides})
+        for case, (classes, overrides) in CASES.items()
+    }
+    return {case: (model, root / case) for case, model in models.items()}
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +138,7 @@ def packages(folders) -> dict[tuple[str, str], Path]:
 
 @pytest.fixture(scope="module")
 def expected(folders) -> dict[str, list[list[int]]]:
-    out = {case: [hf_greedy(hf, p) for p in PROMPTS] for case, (hf, _) in folders.items()}
+    out = {case: [hf_greedy(hf, p, NEW_TOKENS, pad_token_id=EOS) for p in PROMPTS] for case, (hf, _) in folders.items()}
     assert all(len(prompt) > WINDOW for prompt in PROMPTS)
     return out
 
@@ -206,7 +187,7 @@ def test_onnxruntime_genai_runs_the_package(case, packages, expected):
     assert genai["model"]["type"] == case  # onnxruntime-genai 0.18 knows qwen3 and gemma3_text
     for prompt, tokens in zip(PROMPTS[:2], expected[case][:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
-        assert genai_greedy(packages[case, "fused"], prompt) == tokens
+        assert genai_greedy(packages[case, "fused"], prompt, NEW_TOKENS) == tokens
 
 
 def test_qwen3_gguf_config(folders, packages):

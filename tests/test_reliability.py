@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import copy_package, edit_json
 
 from edgelm.package_writer import list_files
 from edgelm.runtime import (
@@ -41,21 +41,11 @@ ORT_INTERNALS = ("[ONNXRuntimeError]", "onnxruntime::", "onnxruntime_src")
 # ---- helpers --------------------------------------------------------------------------------------
 
 
-def copy_package(package: Path, tmp_path: Path, name: str = "copy") -> Path:
-    return Path(shutil.copytree(package, tmp_path / name))
-
-
 def genai_only(package: Path, tmp_path: Path, name: str = "genai") -> Path:
     """The package as an onnxruntime-genai folder: no manifest, so no hashes and no edgelm.json paths."""
     folder = copy_package(package, tmp_path, name)
     (folder / "edgelm.json").unlink()
     return folder
-
-
-def edit_json(path: Path, edit) -> None:
-    data = json.loads(path.read_text())
-    edit(data)
-    path.write_text(json.dumps(data))
 
 
 def relist(folder: Path) -> None:

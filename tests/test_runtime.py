@@ -3,7 +3,6 @@ stop strings, cancellation, threads, the three kinds of package folder, and ever
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import copy_package, edit_manifest
 
 from conftest import make_hf_checkpoint
 from edgelm.runtime import (
@@ -68,18 +68,6 @@ def long_standard_model(long_checkpoint, tmp_path_factory):
 
 
 GRAPHS = ["long_model", "long_standard_model"]  # fused attention + shared KV buffer, and standard ops
-
-
-def copy_package(package: Path, tmp_path: Path, name: str = "copy") -> Path:
-    return Path(shutil.copytree(package, tmp_path / name))
-
-
-def edit_manifest(package: Path, edit) -> None:
-    """The manifest lists every file but itself, so editing it keeps the hash check passing."""
-    path = package / "edgelm.json"
-    manifest = json.loads(path.read_text())
-    edit(manifest)
-    path.write_text(json.dumps(manifest))
 
 
 # ---- parity with the PyTorch reference ------------------------------------------------------------

@@ -17,6 +17,8 @@ pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 torch = pytest.importorskip("torch")
 
+from helpers import quiet  # noqa: E402
+
 from edgelm.export.onnx_export import export_package  # noqa: E402
 from edgelm.quantize.evaluate import evaluate_package, windows  # noqa: E402
 from edgelm.quantize.quantize import quantize_package  # noqa: E402
@@ -32,7 +34,6 @@ NEW_TOKENS = 64
 QUESTION = "What is the capital of France?"
 CODE_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 ENGLISH_PROMPT = "The first public library in the town was built in 1887, and for many years it"
-quiet = lambda _: None
 
 
 def chat_prompt(model: Model, question: str) -> str:

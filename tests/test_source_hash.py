@@ -10,16 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import quiet
 
 from edgelm.export.checkpoint import checkpoint_hash, source_files
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime.package import file_sha256
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def quiet(_: str) -> None:
-    pass
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,16 @@ class ChatApp:
         self.root.title("edgelm chat")
         self.root.columnconfigure(0, weight=1)
         self.root.rowconfigure(2, weight=1)
+        self._build_package_row()
+        self._build_settings()
+        self._build_history()
+        self._build_message_box()
+        self._build_status_bar()
+        self.root.bind("<Escape>", lambda _: self.stop_generation())
+        self._update_buttons()
 
+    def _build_package_row(self) -> None:
+        """The package folder, with Browse and Load beside it."""
         top = ttk.Frame(self.root, padding=(8, 8, 8, 0))
         top.grid(row=0, column=0, sticky="ew")
         top.columnconfigure(1, weight=1)
@@ -83,7 +92,8 @@ class ChatApp:
         self.load_button = ttk.Button(top, text="Load", command=lambda: self.load_package(self.package_path.get()))
         self.load_button.grid(row=0, column=3, padx=(6, 0))
 
-        # settings: sampling on one row, the system prompt below it
+    def _build_settings(self) -> None:
+        """Sampling on one row, the system prompt below it."""
         settings = ttk.Frame(self.root, padding=(8, 6, 8, 0))
         settings.grid(row=1, column=0, sticky="ew")
         self.params: dict[str, tk.StringVar] = {}
@@ -97,6 +107,8 @@ class ChatApp:
             row=1, column=1, columnspan=2 * len(PARAMETERS) - 1, sticky="ew", pady=(6, 0)
         )
 
+    def _build_history(self) -> None:
+        """The conversation so far, read-only, with a scroll bar."""
         body = ttk.Frame(self.root, padding=8)
         body.grid(row=2, column=0, sticky="nsew")
         body.rowconfigure(0, weight=1)
@@ -109,7 +121,8 @@ class ChatApp:
         self.history.grid(row=0, column=0, sticky="nsew")
         scroll.grid(row=0, column=1, sticky="ns")
 
-        # the message box, with Send / Stop / New chat beside it
+    def _build_message_box(self) -> None:
+        """The message box, with Send / Stop / New chat beside it."""
         bottom = ttk.Frame(self.root, padding=(8, 0, 8, 8))
         bottom.grid(row=3, column=0, sticky="ew")
         bottom.columnconfigure(0, weight=1)
@@ -124,11 +137,10 @@ class ChatApp:
         self.new_chat_button = ttk.Button(bottom, text="New chat", command=self.new_chat)
         self.new_chat_button.grid(row=2, column=1, sticky="new", padx=(6, 0))
 
+    def _build_status_bar(self) -> None:
         self._status = tk.StringVar()
         self.status_label = ttk.Label(self.root, textvariable=self._status, relief="sunken", anchor="w", padding=(6, 2))
         self.status_label.grid(row=4, column=0, sticky="ew")
-        self.root.bind("<Escape>", lambda _: self.stop_generation())
-        self._update_buttons()
 
     def _browse(self) -> None:
         folder = filedialog.askdirectory(title="Model package folder", mustexist=True)

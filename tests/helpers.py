@@ -1,0 +1,91 @@
+"""Helpers shared by the test files (pytest puts tests/ on sys.path, so `from helpers import ...`): a silent
+progress callback, package copies and manifest edits, the `edgelm` command in a subprocess, a random
+transformers model saved as a checkpoint folder, and greedy runs of transformers and onnxruntime-genai."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLED_TOKENIZER = REPO / "models" / "shakespeare" / "tokenizer.json"  # 2048 tokens, <|endoftext|> = 0
+
+
+def quiet(_: str) -> None:
+    """A progress callback that prints nothing."""
+
+
+def copy_package(package: Path, tmp_path: Path, name: str = "copy") -> Path:
+    return Path(shutil.copytree(package, tmp_path / name))
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def edit_manifest(package: Path, edit: Callable[[dict], None]) -> None:
+    """The manifest lists every file but itself, so editing it keeps the hash check passing."""
+    edit_json(package / "edgelm.json", edit)
+
+
+def edgelm(*args: str | Path, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m edgelm ARGS` in a subprocess, its output captured as UTF-8 text."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    command = [sys.executable, "-m", "edgelm", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, encoding="utf-8", env=env, cwd=cwd, timeout=timeout)
+
+
+def save_random_model(folder: Path, classes: tuple[str, str], config: dict, *, seed: int = 0):
+    """A random transformers model (config class, model class) saved with save_pretrained beside the bundled
+    tokenizer; returned in eval mode. Biases and norms are drawn away from transformers' zeros and ones so that
+    each one counts (Gemma's norms store w of 1 + w, so they are drawn around zero)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, classes[1])(getattr(transformers, classes[0])(**config)).eval()
+    gemma = "Gemma" in classes[1]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5) if gemma else param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    shutil.copyfile(BUNDLED_TOKENIZER, folder / "tokenizer.json")
+    model.generation_config.eos_token_id = None  # transformers generates exactly the tokens asked for
+    return model
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int, *, pad_token_id: int = 0) -> list[int]:
+    """transformers' greedy continuation of `prompt`."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_token_id)
+    return out[0, len(prompt) :].tolist()
+
+
+def genai_greedy(folder: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """onnxruntime-genai's greedy continuation of `prompt` by the package in `folder` (skipped without genai)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    genai_model = og.Model(str(folder))
+    params = og.GeneratorParams(genai_model)
+    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+    generator = og.Generator(genai_model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    sequence = [int(t) for t in generator.get_sequence(0)]
+    assert sequence[: len(prompt)] == prompt
+    return sequence[len(prompt) :]
