@@ -16,12 +16,13 @@ import argparse
 import os
 import signal
 import sys
+import textwrap
 import threading
 
 from edgelm import __version__
 
 from . import chat, export, generate, info, quantize
-from .options import Parser
+from .options import HELP_WIDTH, Parser
 from .quantize import QUANTIZE_MODES
 from .text import printable
 
@@ -54,8 +55,11 @@ WRITES_STDOUT = {"generate", "info", "bench", "eval"}  # commands whose product 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="edgelm",
-        description="Language models (GPT-2, Llama, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3) from a Hugging "
-        "Face folder or a GGUF file to a small, fast ONNX package, and a runtime for it.",
+        description=textwrap.fill(
+            "Language models (GPT-2, Llama, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3) from a Hugging Face folder "
+            "or a GGUF file to a small, fast ONNX package, and a runtime for it.",
+            HELP_WIDTH,
+        ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 
 MAX_THREADS = 1024
+HELP_WIDTH = 78  # argparse wraps option help to the terminal; descriptions are wrapped to this
 
 
 class Parser(argparse.ArgumentParser):
@@ -17,11 +19,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_command(sub, name: str, *, help: str, description: str, example: str) -> argparse.ArgumentParser:
-    """A command's parser: its description, then an example of its use under the options."""
+    """A command's parser: its description (wrapped here, as the raw formatter keeps the example's lines), then an
+    example of its use under the options."""
     return sub.add_parser(
         name,
         help=help,
-        description=description,
+        description=textwrap.fill(description, HELP_WIDTH),
         epilog=f"example:\n  {example}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
