@@ -1,0 +1,50 @@
+"""`edgelm generate`: text from a prompt, streamed to stdout, with a timing line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .options import add_command, add_json, add_runtime, add_sampling, sampling_options
+from .text import printable, to_json
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub,
+        "generate",
+        help="generate text from a package, streaming to stdout",
+        description="Generate from a prompt, streaming the text to stdout and a timing line to stderr.",
+        example='edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1',
+    )
+    p.add_argument("package")
+    p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
+    add_sampling(p)
+    add_runtime(p)
+    add_json(p, " (text, ids, finish reason, timings)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgelm.runtime import load
+
+    model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
+    options = sampling_options(args)
+    if args.json:
+        result = model.generate(args.prompt, args.max_new_tokens, **options)
+        print(to_json(result.to_dict(), ensure_ascii=False))
+        return 0
+    stream = model.stream(args.prompt, args.max_new_tokens, **options)
+    for piece in stream:  # Ctrl-C propagates to main(): the loop stops between two pieces
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    r = stream.result
+    t = r.timings
+    print(
+        f"[{t.new_tokens} tokens, finish: {r.finish_reason}, first token {t.time_to_first_token_s * 1000:.0f} ms, "
+        f"{t.decode_tokens_per_s:.1f} tokens/s, {printable(model.info()['precision'])} on {model.device}]",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,85 @@
+"""`edgelm info`: what a package holds, and `edgelm bench`: how fast it runs (runtime/bench.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import add_command, add_json, add_runtime, add_verify, int_in
+from .text import printable, to_json
+
+
+def add_parser(sub) -> None:
+    p = add_command(
+        sub,
+        "info",
+        help="what a package holds",
+        description="Describe a package: architecture, precision, recipe, accuracy report, and whether its "
+        "files were verified against their sha256.",
+        example="edgelm info out/int8 --json",
+    )
+    p.add_argument("package")
+    add_json(p)
+    add_verify(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgelm.runtime import load
+
+    info = load(args.package, provider="cpu", verify=not args.no_verify).info()
+    if args.json:
+        print(to_json(info, indent=2))
+        return 0
+    for key, value in info.items():
+        if value is not None:
+            print(f"{key:16s} {printable(to_json(value) if isinstance(value, (dict, list)) else value)}")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    p = add_command(
+        sub,
+        "bench",
+        help="time to first token, decode tokens/s, load time, peak memory",
+        description="Time generation on random prompts: median of --repeats runs after one warm-up.",
+        example="edgelm bench out/int8 --prompt-tokens 32 --new-tokens 128",
+    )
+    p.add_argument("package")
+    p.add_argument("--prompt-tokens", type=int_in(1), default=32, help="prompt length (default 32)")
+    p.add_argument("--new-tokens", type=int_in(2), default=128, help="tokens to generate, >= 2 (default 128)")
+    p.add_argument("--batch", type=int_in(1, 4096), default=1, help="prompts per batch, 1 to 4096 (default 1)")
+    p.add_argument("--repeats", type=int_in(1, 1000), default=3, help="timed runs, 1 to 1000 (default 3)")
+    add_json(p)
+    add_runtime(p)
+    p.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from edgelm.runtime.bench import bench
+
+    if args.no_verify:
+        raise ValueError("bench measures load time with verification; run it on a verified package")
+    report = bench(
+        args.package,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        batch=args.batch,
+        provider=args.provider,
+        threads=args.threads,
+        repeats=args.repeats,
+    )
+    if args.json:
+        print(to_json(report, indent=2))
+        return 0
+    print(
+        f"{printable(report['package'])}: {printable(report['precision'])} on {report['provider']}, "
+        f"batch {report['batch']}, {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
+        f"median of {report['repeats']}"
+    )
+    print(
+        f"  load {report['load_s']:.2f} s | first token {report['time_to_first_token_s'] * 1000:.1f} ms | "
+        f"decode {report['decode_tokens_per_s']:.1f} tokens/s | runtime overhead "
+        f"{report['runtime_overhead_pct']:.1f}% | peak RSS {report['peak_rss_mb']:.0f} MB | "
+        f"size {report['size_mb']:.1f} MB"
+    )
+    return 0

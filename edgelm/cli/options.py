@@ -1,0 +1,146 @@
+"""What every command's options are made of: the parser class, argument types, and the option groups that
+several commands share (sampling, provider/threads/verification, output), each defined once here."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import textwrap
+
+MAX_THREADS = 1024
+HELP_WIDTH = 78  # argparse wraps option help to the terminal; descriptions are wrapped to this
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line on stderr and exit status 1, like every other error."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_command(sub, name: str, *, help: str, description: str, example: str) -> argparse.ArgumentParser:
+    """A command's parser: its description (wrapped here, as the raw formatter keeps the example's lines), then an
+    example of its use under the options."""
+    return sub.add_parser(
+        name,
+        help=help,
+        description=textwrap.fill(description, HELP_WIDTH),
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def int_in(low: int, high: int | None = None, *, power_of_two: bool = False):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high) or (power_of_two and value & (value - 1)):
+            bound = f"from {low} to {high}" if high is not None else f">= {low}"
+            kind = "a power of two " if power_of_two else "an integer "
+            raise argparse.ArgumentTypeError(f"must be {kind}{bound}, got {text}")
+        return value
+
+    return parse
+
+
+def finite_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+def text_file(text: str) -> str:
+    """A regular file (a pipe or device would block or never end), checked before any work."""
+    from edgelm.runtime.files import kind_of
+
+    kind = kind_of(text)
+    if kind is None:
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    if kind != "a regular file":
+        raise argparse.ArgumentTypeError(f"{text} is {kind}, not a regular file")
+    return text
+
+
+def add_sampling(p: argparse.ArgumentParser, *, max_new_tokens: int = 64, truncate: bool = True) -> None:
+    """generate's and chat's sampling options (chat has no --truncate-prompt: it drops old exchanges)."""
+    g = p.add_argument_group("sampling")
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        help="tokens to generate at most (default %(default)s)",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples from softmax(logits/T)"
+    )
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with mass >= p (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="stop when this string is generated (not printed); repeatable",
+    )
+    if truncate:
+        g.add_argument(
+            "--truncate-prompt",
+            action="store_true",
+            help="drop the oldest prompt tokens instead of failing when the context would overflow",
+        )
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling options of add_sampling as keyword arguments of Model.generate/stream and Conversation.stream
+    (without max_new_tokens, which those take by position)."""
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "truncate_prompt")
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+def add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="load without checking the files against edgelm.json's sha256; needed for a folder with no "
+        "edgelm.json (an onnxruntime-genai or Optimum folder), which otherwise does not load",
+    )
+
+
+def add_runtime(p: argparse.ArgumentParser) -> None:
+    """Where a package runs: eval, generate, chat and bench."""
+    g = p.add_argument_group("runtime")
+    g.add_argument(
+        "--provider", choices=["cpu", "cuda", "auto"], default="auto", help="execution provider (default auto)"
+    )
+    g.add_argument(
+        "--threads",
+        type=int_in(1, MAX_THREADS),
+        default=None,
+        help=f"intra-op threads, 1 to {MAX_THREADS} (default: ONNX Runtime's choice)",
+    )
+    add_verify(g)
+
+
+def add_overwrite(p: argparse.ArgumentParser) -> None:
+    """export's and quantize's output rule."""
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace out_dir if it is an edgelm package (nothing else is ever deleted)",
+    )
+
+
+def add_json(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--json", action="store_true", help=f"print one JSON object{what}")
