@@ -12,6 +12,65 @@ import onnx
 from onnx import helper, numpy_helper
 
 
+def _constants(p: str, *, bits: int, n_blocks: int, block_size: int) -> dict[str, np.ndarray]:
+    """The initializers the gather's nodes read, named under the prefix p."""
+    constants = {
+        f"{p}_zero_point": np.array(2 ** (bits - 1), dtype=np.float32),
+        f"{p}_last": np.array([-1], dtype=np.int64),
+        f"{p}_row_shape": np.array([0, 0, n_blocks * block_size], dtype=np.int64),
+    }
+    if bits == 4:
+        constants[f"{p}_sixteen"] = np.array(16, dtype=np.int32)
+        constants[f"{p}_block_shape"] = np.array([0, 0, n_blocks, block_size], dtype=np.int64)
+    return constants
+
+
+def _node_maker(p: str):
+    """make(op, inputs, output, **attrs): a one-output node named after its output, under the prefix p."""
+    return lambda op, inputs, output, **attrs: helper.make_node(
+        op, inputs, [output], name=f"{p}_{output[len(p) :]}", **attrs
+    )
+
+
+def _unpacked_rows(n, p: str, *, packed: str, ids: str, bits: int) -> tuple[list[onnx.NodeProto], str]:
+    """Nodes gathering the ids' packed rows and unpacking them to one integer a value; returns their output."""
+    nodes = [n("Gather", [packed, ids], f"{p}_bytes", axis=0)]  # (B, T, n_blocks, blob) uint8
+    if bits == 8:  # one byte a value, blob == block
+        return nodes, f"{p}_bytes"
+    nodes += [
+        n("Cast", [f"{p}_bytes"], f"{p}_ints", to=onnx.TensorProto.INT32),
+        n("Mod", [f"{p}_ints", f"{p}_sixteen"], f"{p}_low"),
+        n("Div", [f"{p}_ints", f"{p}_sixteen"], f"{p}_high"),
+        n("Unsqueeze", [f"{p}_low", f"{p}_last"], f"{p}_low5"),
+        n("Unsqueeze", [f"{p}_high", f"{p}_last"], f"{p}_high5"),
+        n("Concat", [f"{p}_low5", f"{p}_high5"], f"{p}_pairs", axis=-1),  # (B, T, n_blocks, blob, 2)
+        n("Reshape", [f"{p}_pairs", f"{p}_block_shape"], f"{p}_nibbles"),  # (B, T, n_blocks, block)
+    ]
+    return nodes, f"{p}_nibbles"
+
+
+def _dequantized_blocks(
+    n, p: str, values: str, *, scales: str, ids: str, offsets: str | None
+) -> tuple[list[onnx.NodeProto], str]:
+    """Nodes turning the unpacked values into floats: (q - zero point) * scale (+ offset); returns their output."""
+    nodes = [
+        n("Cast", [values], f"{p}_float", to=onnx.TensorProto.FLOAT),
+        n("Sub", [f"{p}_float", f"{p}_zero_point"], f"{p}_centered"),
+        n("Gather", [scales, ids], f"{p}_scales", axis=0),  # (B, T, n_blocks)
+        n("Unsqueeze", [f"{p}_scales", f"{p}_last"], f"{p}_scales4"),
+        n("Mul", [f"{p}_centered", f"{p}_scales4"], f"{p}_blocks"),
+    ]
+    if offsets is None:
+        return nodes, f"{p}_blocks"
+    nodes += [  # w = scale * (q - zero point) + offset
+        n("Gather", [offsets, ids], f"{p}_offset_columns", axis=1),  # (n_blocks, B, T)
+        n("Transpose", [f"{p}_offset_columns"], f"{p}_offsets", perm=[1, 2, 0]),  # (B, T, n_blocks)
+        n("Unsqueeze", [f"{p}_offsets", f"{p}_last"], f"{p}_offsets4"),
+        n("Add", [f"{p}_blocks", f"{p}_offsets4"], f"{p}_shifted"),
+    ]
+    return nodes, f"{p}_shifted"
+
+
 def gather_from_nbits(
     model: onnx.ModelProto,
     gather: onnx.NodeProto,
@@ -31,53 +90,15 @@ def gather_from_nbits(
     index = list(graph.node).index(gather)
     ids, out = gather.input[1], gather.output[0]
     transpose = next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose")
-    rows_out = transpose.output[0]
     p = (gather.name or out) + f"_int{bits}"
-    packed_dims = next(i.dims for i in graph.initializer if i.name == packed)  # (vocab, n_blocks, blob)
-    n_blocks = packed_dims[1]
-    constants = {
-        f"{p}_zero_point": np.array(2 ** (bits - 1), dtype=np.float32),
-        f"{p}_last": np.array([-1], dtype=np.int64),
-        f"{p}_row_shape": np.array([0, 0, n_blocks * block_size], dtype=np.int64),
-    }
-    if bits == 4:
-        constants[f"{p}_sixteen"] = np.array(16, dtype=np.int32)
-        constants[f"{p}_block_shape"] = np.array([0, 0, n_blocks, block_size], dtype=np.int64)
+    n_blocks = next(i.dims for i in graph.initializer if i.name == packed)[1]  # of (vocab, n_blocks, blob)
+    constants = _constants(p, bits=bits, n_blocks=n_blocks, block_size=block_size)
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in constants.items())
-    n = lambda op, inputs, output, **attrs: helper.make_node(
-        op, inputs, [output], name=f"{p}_{output[len(p) :]}", **attrs
-    )
-    nodes = [n("Gather", [packed, ids], f"{p}_bytes", axis=0)]  # (B, T, n_blocks, blob) uint8
-    values = f"{p}_bytes"  # 8 bits: one byte a value, blob == block
-    if bits == 4:
-        values = f"{p}_nibbles"
-        nodes += [
-            n("Cast", [f"{p}_bytes"], f"{p}_ints", to=onnx.TensorProto.INT32),
-            n("Mod", [f"{p}_ints", f"{p}_sixteen"], f"{p}_low"),
-            n("Div", [f"{p}_ints", f"{p}_sixteen"], f"{p}_high"),
-            n("Unsqueeze", [f"{p}_low", f"{p}_last"], f"{p}_low5"),
-            n("Unsqueeze", [f"{p}_high", f"{p}_last"], f"{p}_high5"),
-            n("Concat", [f"{p}_low5", f"{p}_high5"], f"{p}_pairs", axis=-1),  # (B, T, n_blocks, blob, 2)
-            n("Reshape", [f"{p}_pairs", f"{p}_block_shape"], values),  # (B, T, n_blocks, block)
-        ]
-    nodes += [
-        n("Cast", [values], f"{p}_float", to=onnx.TensorProto.FLOAT),
-        n("Sub", [f"{p}_float", f"{p}_zero_point"], f"{p}_centered"),
-        n("Gather", [scales, ids], f"{p}_scales", axis=0),  # (B, T, n_blocks)
-        n("Unsqueeze", [f"{p}_scales", f"{p}_last"], f"{p}_scales4"),
-        n("Mul", [f"{p}_centered", f"{p}_scales4"], f"{p}_blocks"),
-    ]
-    blocks = f"{p}_blocks"
-    if offsets is not None:  # w = scale * (q - zero point) + offset
-        nodes += [
-            n("Gather", [offsets, ids], f"{p}_offset_columns", axis=1),  # (n_blocks, B, T)
-            n("Transpose", [f"{p}_offset_columns"], f"{p}_offsets", perm=[1, 2, 0]),  # (B, T, n_blocks)
-            n("Unsqueeze", [f"{p}_offsets", f"{p}_last"], f"{p}_offsets4"),
-            n("Add", [blocks, f"{p}_offsets4"], f"{p}_shifted"),
-        ]
-        blocks = f"{p}_shifted"
-    nodes.append(helper.make_node("Reshape", [blocks, f"{p}_row_shape"], [rows_out], name=f"{p}_rows"))
+    make = _node_maker(p)
+    unpack, values = _unpacked_rows(make, p, packed=packed, ids=ids, bits=bits)
+    dequantize, blocks = _dequantized_blocks(make, p, values, scales=scales, ids=ids, offsets=offsets)
+    rows = helper.make_node("Reshape", [blocks, f"{p}_row_shape"], [transpose.output[0]], name=f"{p}_rows")
     graph.node.remove(transpose)
     graph.node.remove(gather)
-    for offset, node in enumerate(nodes):
+    for offset, node in enumerate([*unpack, *dequantize, rows]):
         graph.node.insert(index + offset, node)

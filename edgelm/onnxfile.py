@@ -7,10 +7,10 @@ session builds faster and with a lower peak of memory. Its rule (onnxruntime/cor
 `GetFileContent`: map the tensor's byte range, read it into a buffer if mapping fails): on POSIX
 `Env::MapFileIntoMemory` rounds the offset down to a page itself, so any offset maps; on Windows releases
 before 1.23 mapped only offsets at a multiple of the allocation granularity, 64 KiB, and copied the others
-(microsoft/onnxruntime#25833, onnx/onnx#6247). Aligning every large tensor to 64 KiB cost 6% of an int4
-package in padding, so each tensor of at least `ALIGNMENT` bytes starts on a page of its own (4 KiB): its
-pages are never shared with a neighbour's, and the padding is under 1%. Smaller ones fill the gaps this
-leaves where they fit (`_layout`); the rest of each gap is zeros.
+(microsoft/onnxruntime#25833, onnx/onnx#6247). Aligning every large tensor to 64 KiB pads a package by
+up to 64 KiB a tensor (docs/results.md has what that cost), so each tensor of at least `ALIGNMENT` bytes
+starts on a page of its own (4 KiB): its pages are never shared with a neighbour's, and it is padded by less
+than a page. Smaller ones fill the gaps this leaves where they fit (`_layout`); the rest of each gap is zeros.
 
 Export hands its weights over as numpy arrays beside a model whose initializers are placeholders (name,
 type and dims, no data), and `save_model` writes each array's bytes straight into the data file, one

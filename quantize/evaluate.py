@@ -53,6 +53,50 @@ def window_logits(model: Model, ids: np.ndarray) -> np.ndarray:
     return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
 
 
+def _token_ids(model: Model, text_path: Path, max_tokens: int | None) -> tuple[np.ndarray, int]:
+    """The text's token ids (cut to max_tokens + 1) and the UTF-8 bytes they cover."""
+    text = read_text(text_path, "text file")
+    ids = np.array(model.tokenizer.encode(text), dtype=np.int64)
+    n_bytes = len(text.encode("utf-8"))
+    if max_tokens is not None:
+        ids = ids[: max_tokens + 1]
+        n_bytes = len(model.tokenizer.decode(ids.tolist()).encode("utf-8"))
+    if len(ids) < 2:
+        raise InvalidInputError(f"{text_path} is too short to evaluate (needs at least 2 tokens)")
+    return ids, n_bytes
+
+
+def _score(model: Model, ref: Model | None, ids: np.ndarray) -> dict:
+    """Sums over every scored position: the package's (and the reference's) negative log-likelihood, the
+    positions where both pick the same next token, and KL(reference || package)."""
+    sums = {"nll": 0.0, "ref_nll": 0.0, "agree": 0, "kl": 0.0, "count": 0}
+    plan = windows(len(ids), model.context_length)
+    for start, end, first in _progress(plan, len(plan), f"eval {Path(str(model.spec.folder)).name}"):
+        logprobs = window_logits(model, ids[start:end])
+        rows = slice(first - start, end - start)  # positions whose next token is newly scored
+        targets = ids[first + 1 : end + 1]
+        scored = logprobs[rows]
+        sums["nll"] -= scored[np.arange(len(targets)), targets].sum()
+        sums["count"] += len(targets)
+        if ref is not None:
+            ref_logprobs = window_logits(ref, ids[start:end])[rows]
+            sums["ref_nll"] -= ref_logprobs[np.arange(len(targets)), targets].sum()
+            sums["agree"] += int((scored.argmax(-1) == ref_logprobs.argmax(-1)).sum())
+            sums["kl"] += float((np.exp(ref_logprobs) * (ref_logprobs - scored)).sum())
+    return sums
+
+
+def _against_reference(report: dict, ref: Model, sums: dict) -> None:
+    count = sums["count"]
+    report["reference"] = str(ref.spec.folder)
+    report["top1_agreement"] = sums["agree"] / count
+    report["mean_kl_nats"] = sums["kl"] / count
+    report["reference_perplexity"] = math.exp(sums["ref_nll"] / count)
+    report["perplexity_ratio"] = report["perplexity"] / report["reference_perplexity"]
+    report["reference_size_bytes"] = ref.info()["size_bytes"]
+    report["size_ratio"] = report["size_bytes"] / report["reference_size_bytes"]
+
+
 def evaluate_package(
     package: str | Path | Model,
     text_path: str | Path,
@@ -70,31 +114,12 @@ def evaluate_package(
     if model.tokenizer is None:
         raise InvalidInputError("evaluation needs a package with a tokenizer.json")
     text_path = Path(text_path)
-    text = read_text(text_path, "text file")
-    ids = np.array(model.tokenizer.encode(text), dtype=np.int64)
-    n_bytes = len(text.encode("utf-8"))
-    if max_tokens is not None:
-        ids = ids[: max_tokens + 1]
-        n_bytes = len(model.tokenizer.decode(ids.tolist()).encode("utf-8"))
-    if len(ids) < 2:
-        raise InvalidInputError(f"{text_path} is too short to evaluate (needs at least 2 tokens)")
+    ids, n_bytes = _token_ids(model, text_path, max_tokens)
     if ref is not None and ref.vocab_size != model.vocab_size:
         raise InvalidInputError("the reference package has a different vocabulary")
 
-    nll, ref_nll, agree, kl, count = 0.0, 0.0, 0, 0.0, 0
-    plan = windows(len(ids), model.context_length)
-    for start, end, first in _progress(plan, len(plan), f"eval {Path(str(model.spec.folder)).name}"):
-        logprobs = window_logits(model, ids[start:end])
-        rows = slice(first - start, end - start)  # positions whose next token is newly scored
-        targets = ids[first + 1 : end + 1]
-        scored = logprobs[rows]
-        nll -= scored[np.arange(len(targets)), targets].sum()
-        count += len(targets)
-        if ref is not None:
-            ref_logprobs = window_logits(ref, ids[start:end])[rows]
-            ref_nll -= ref_logprobs[np.arange(len(targets)), targets].sum()
-            agree += int((scored.argmax(-1) == ref_logprobs.argmax(-1)).sum())
-            kl += float((np.exp(ref_logprobs) * (ref_logprobs - scored)).sum())
+    sums = _score(model, ref, ids)
+    nll, count = sums["nll"], sums["count"]
     report = {
         "package": str(model.spec.folder),
         "precision": model.spec.precision,
@@ -106,13 +131,7 @@ def evaluate_package(
         "size_bytes": model.info()["size_bytes"],
     }
     if ref is not None:
-        report["reference"] = str(ref.spec.folder)
-        report["top1_agreement"] = agree / count
-        report["mean_kl_nats"] = kl / count
-        report["reference_perplexity"] = math.exp(ref_nll / count)
-        report["perplexity_ratio"] = report["perplexity"] / report["reference_perplexity"]
-        report["reference_size_bytes"] = ref.info()["size_bytes"]
-        report["size_ratio"] = report["size_bytes"] / report["reference_size_bytes"]
+        _against_reference(report, ref, sums)
     return report
 
 

@@ -93,6 +93,77 @@ def _refuse(package: Path, source, figures: list[str]) -> NoReturn:
     )
 
 
+def _read_source(package: Path):
+    """The fp32 source package's spec and its external weight files; refuses what quantize cannot take."""
+    spec = read_package(package)  # verifies every file's sha256
+    if spec.manifest is None:
+        raise PackageError(f"{package} is not an edgelm package (no {MANIFEST_FILE}); export it with edgelm first")
+    if spec.manifest.recipe.get("mode") == "gguf":  # re-rounding the file's blocks would only add error
+        raise PackageError(
+            f"{package} keeps its GGUF file's own quantized blocks ({spec.precision}); to quantize another way, "
+            "export the file with --dequantize and quantize that fp32 package"
+        )
+    if spec.precision != "fp32":
+        raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
+    weights = sorted(set(external_data_locations(spec.model_path)))  # model.onnx.data; none in older packages
+    if sum((spec.model_path.parent / n).stat().st_size for n in [spec.model_path.name, *weights]) > PROTOBUF_LIMIT:
+        raise PackageError("quantizing models over 2 GB is not supported yet (the quantizers serialize whole models)")
+    _check_weights(spec.model_path)
+    return spec, weights
+
+
+def _copy_other_files(spec, package: Path, staging: Path, weights: list[str]) -> None:
+    """Copy the source's files the recipe did not write; its weights are not copied: the recipe wrote its own."""
+    for name in spec.manifest.files:
+        if name != spec.model_path.name and name not in weights and not (staging / name).exists():
+            shutil.copyfile(package / name, staging / name)
+
+
+def _derive_manifest(spec, package: Path, staging: Path, recipe, facts: dict, weights: list[str]):
+    """The new package's manifest: the source's, with the recipe's precision, facts and provenance."""
+    model_file = spec.model_path.name
+    manifest = spec.manifest.derive(
+        precision=recipe.precision,
+        recipe={
+            **facts,
+            "tool": f"edgelm {__version__}",
+            "source_package": package.name,
+            "source_model_sha256": spec.manifest.files[model_file]["sha256"],
+            # the source's weights (model.onnx.data): the graph file alone no longer identifies them
+            "source_weights_sha256": {name: spec.manifest.files[name]["sha256"] for name in weights},
+        },
+        evaluation=None,
+    )
+    manifest.io.kv_dtype = recipe.kv_dtype
+    manifest.files = list_files(staging)
+    write_json(staging / MANIFEST_FILE, manifest.to_json())
+    return manifest
+
+
+def _evaluate(staging: Path, manifest, eval_text, *, package: Path, out_dir: Path, source, progress) -> None:
+    """Measure the staged package against the source on eval_text and record the report in its manifest."""
+    progress(f"evaluating on {eval_text} against {package}")
+    report = evaluate_package(staging, eval_text, reference=source)
+    if _non_finite(report):
+        _refuse(package, source, _non_finite(report))
+    report["package"] = out_dir.name
+    report["reference"] = package.name
+    manifest.evaluation = report
+    write_json(staging / MANIFEST_FILE, manifest.to_json())
+    progress(
+        f"  perplexity x{report['perplexity_ratio']:.4f}, top-1 agreement "
+        f"{100 * report['top1_agreement']:.2f}%, KL {report['mean_kl_nats']:.5f}, size "
+        f"x{report['size_ratio']:.3f}"
+    )
+
+
+def _calibration(recipe, source, text: str | Path | None, *, samples: int):
+    """The calibration data reader a calibrated recipe runs on (None for the others)."""
+    if not recipe.calibrated:
+        return None
+    return DecoderCalibrationReader(source, _calibration_ids(text, source.tokenizer), samples=samples)
+
+
 def quantize_package(
     package: str | Path,
     out_dir: str | Path,
@@ -117,70 +188,27 @@ def quantize_package(
     recipe = RECIPES[mode]
     package, out_dir = Path(package), Path(out_dir)
     staged = StagedOutput(out_dir, inputs=[package, calibration_text, eval_text], overwrite=overwrite)
-    spec = read_package(package)  # verifies every file's sha256
-    if spec.manifest is None:
-        raise PackageError(f"{package} is not an edgelm package (no {MANIFEST_FILE}); export it with edgelm first")
-    if spec.manifest.recipe.get("mode") == "gguf":  # re-rounding the file's blocks would only add error
-        raise PackageError(
-            f"{package} keeps its GGUF file's own quantized blocks ({spec.precision}); to quantize another way, "
-            "export the file with --dequantize and quantize that fp32 package"
-        )
-    if spec.precision != "fp32":
-        raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
-    weights = sorted(set(external_data_locations(spec.model_path)))  # model.onnx.data; none in older packages
-    if sum((spec.model_path.parent / n).stat().st_size for n in [spec.model_path.name, *weights]) > PROTOBUF_LIMIT:
-        raise PackageError("quantizing models over 2 GB is not supported yet (the quantizers serialize whole models)")
-    _check_weights(spec.model_path)
+    spec, weights = _read_source(package)
     source = load(package, provider="cpu")
     options = Options(
         per_channel=True if per_channel is None else per_channel,
         block_size=block_size,
         int4_lm_head=int4_lm_head,
         calibration_method=calibration_method,
+        calibration=_calibration(recipe, source, calibration_text, samples=calibration_samples),
     )
-    if recipe.calibrated:
-        ids = _calibration_ids(calibration_text, source.tokenizer)
-        options.calibration = DecoderCalibrationReader(source, ids, samples=calibration_samples)
-    if evaluate and eval_text is not None and recipe.evaluated:
+    evaluated = evaluate and eval_text is not None and recipe.evaluated
+    if evaluated:
         read_text(eval_text, "eval text")  # a file that is not UTF-8 text fails now, not after the work
 
     progress(f"quantizing {package} -> {out_dir} ({mode})")
     with staged as staging:
-        model_file = spec.model_path.name
-        facts = recipe.run(spec.model_path, staging / model_file, options)
-        for name in spec.manifest.files:  # the source's weights are not copied: the recipe wrote its own
-            if name != model_file and name not in weights and not (staging / name).exists():
-                shutil.copyfile(package / name, staging / name)
-        manifest = spec.manifest.derive(
-            precision=recipe.precision,
-            recipe={
-                **facts,
-                "tool": f"edgelm {__version__}",
-                "source_package": package.name,
-                "source_model_sha256": spec.manifest.files[model_file]["sha256"],
-                # the source's weights (model.onnx.data): the graph file alone no longer identifies them
-                "source_weights_sha256": {name: spec.manifest.files[name]["sha256"] for name in weights},
-            },
-            evaluation=None,
-        )
-        manifest.io.kv_dtype = recipe.kv_dtype
-        manifest.files = list_files(staging)
-        write_json(staging / MANIFEST_FILE, manifest.to_json())
+        facts = recipe.run(spec.model_path, staging / spec.model_path.name, options)
+        _copy_other_files(spec, package, staging, weights)
+        manifest = _derive_manifest(spec, package, staging, recipe, facts, weights)
         if recipe.evaluated and not _finite_logits(load(staging, provider="cpu", verify=False)):  # fp16: GPUs only
             _refuse(package, source, [f"NaN or inf on a {SMOKE_TOKENS}-token prompt"])
-        if evaluate and eval_text is not None and recipe.evaluated:
-            progress(f"evaluating on {eval_text} against {package}")
-            report = evaluate_package(staging, eval_text, reference=source)
-            if _non_finite(report):
-                _refuse(package, source, _non_finite(report))
-            report["package"] = out_dir.name
-            report["reference"] = package.name
-            manifest.evaluation = report
-            write_json(staging / MANIFEST_FILE, manifest.to_json())
-            progress(
-                f"  perplexity x{report['perplexity_ratio']:.4f}, top-1 agreement "
-                f"{100 * report['top1_agreement']:.2f}%, KL {report['mean_kl_nats']:.5f}, size "
-                f"x{report['size_ratio']:.3f}"
-            )
+        if evaluated:
+            _evaluate(staging, manifest, eval_text, package=package, out_dir=out_dir, source=source, progress=progress)
     progress(f"wrote {out_dir} ({sum(f['bytes'] for f in manifest.files.values()) / 1e6:.2f} MB)")
     return manifest.to_json()

@@ -110,9 +110,7 @@ def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> 
     tied = {g.input[0] for g in tied_gathers(model)}
     with _QuietRootLogger():
         _dynamic_int8(model, dst, nodes=_linear_matmuls(model), per_channel=per_channel)
-    quantized = onnx.load(str(dst))
-    share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
-    save_model(quantized, dst)
+    _share_tied_int8(dst, tied)
     return {
         "mode": "dynamic",
         "weights": "int8 symmetric, 7-bit range (reduce_range)",
@@ -128,7 +126,29 @@ def _lm_head(model: onnx.ModelProto) -> str | None:
     return next((n.name for n in model.graph.node if n.op_type == "MatMul" and n.output[0] in outputs), None)
 
 
-def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percentile", per_channel: bool = True) -> dict:
+def _share_tied_int8(dst: Path, tied: set[str]) -> None:
+    """Point the tied embedding's Gather at the LM head's int8 weights in dst, dropping its fp32 copy."""
+    quantized = onnx.load(str(dst))
+    share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
+    save_model(quantized, dst)
+
+
+_STATIC_OPTIONS = {
+    "MatMulConstBOnly": True,
+    "DefaultTensorType": onnx.TensorProto.FLOAT,  # as in _dynamic_int8
+    "WeightSymmetric": True,
+    "ActivationSymmetric": False,
+    "CalibTensorRangeSymmetric": False,
+    "CalibPercentile": 99.999,
+    "CalibStridedMinMax": None,
+    # a linear layer's output goes on in float (bias, GELU, attention, residual): quantizing
+    # it would only add a Q/DQ round trip, costing accuracy and a requantizing kernel
+    "OpTypesToExcludeOutputQuantization": ["MatMul"],
+}
+
+
+def _static_qdq(src: Path, dst: Path, *, reader, nodes: list[str], method: str, per_channel: bool) -> None:
+    """Static QDQ for the named MatMuls: int8 weights, uint8 activations with calibrated ranges."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     methods = {
@@ -136,14 +156,6 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
         "entropy": CalibrationMethod.Entropy,
         "percentile": CalibrationMethod.Percentile,
     }
-    model = onnx.load(str(src))
-    tied = {g.input[0] for g in tied_gathers(model)}
-    # The LM head's input is where one 8-bit range for all tokens costs most: on the bundled model,
-    # static QDQ of every linear layer agrees with fp32 on 95.2% of next tokens, and 97.4% with the
-    # head left out. So the head gets int8 weights with its activations quantized at run time, per
-    # call (the dynamic recipe), and the blocks' linear layers are static QDQ.
-    head = _lm_head(model)
-    blocks = [n for n in _linear_matmuls(model) if n != head]
     # the histogram calibrators print their progress to stdout; our progress bar already says it
     with _QuietRootLogger(), _FlatHistograms(), contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
@@ -152,30 +164,29 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
             reader,
             quant_format=QuantFormat.QDQ,
             op_types_to_quantize=["MatMul"],
-            nodes_to_quantize=blocks,
+            nodes_to_quantize=nodes,
             per_channel=per_channel,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             calibrate_method=methods[method],
             calibration_providers=["CPUExecutionProvider"],
-            extra_options={
-                "MatMulConstBOnly": True,
-                "DefaultTensorType": onnx.TensorProto.FLOAT,  # as in _dynamic_int8
-                "WeightSymmetric": True,
-                "ActivationSymmetric": False,
-                "CalibTensorRangeSymmetric": False,
-                "CalibPercentile": 99.999,
-                "CalibStridedMinMax": None,
-                # a linear layer's output goes on in float (bias, GELU, attention, residual): quantizing
-                # it would only add a Q/DQ round trip, costing accuracy and a requantizing kernel
-                "OpTypesToExcludeOutputQuantization": ["MatMul"],
-            },
+            extra_options=_STATIC_OPTIONS,
         )
-        if head is not None:
+
+
+def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percentile", per_channel: bool = True) -> dict:
+    model = onnx.load(str(src))
+    tied = {g.input[0] for g in tied_gathers(model)}
+    # The LM head's input is where one 8-bit range for all tokens costs most (docs/results.md,
+    # "Quantization accuracy"), so the head gets int8 weights with its activations quantized at run
+    # time, per call (the dynamic recipe), and the blocks' linear layers are static QDQ.
+    head = _lm_head(model)
+    blocks = [n for n in _linear_matmuls(model) if n != head]
+    _static_qdq(src, dst, reader=reader, nodes=blocks, method=method, per_channel=per_channel)
+    if head is not None:
+        with _QuietRootLogger():
             _dynamic_int8(dst, dst, nodes=[head], per_channel=per_channel)
-    quantized = onnx.load(str(dst))
-    share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
-    save_model(quantized, dst)
+    _share_tied_int8(dst, tied)
     return {
         "mode": "static",
         "format": "QDQ",
@@ -190,38 +201,36 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
     }
 
 
-def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = "int8", bits: int = 4) -> dict:
-    """4-bit blocks for the linear layers; lm_head="int8" keeps the LM head (and the tied embedding that
-    reads it) at 8 bits, since its rounding errors are the ones that change the most likely token.
-    bits=8 is the int8-weight-only recipe: every linear layer in 8-bit blocks, activations quantized
-    per row and block by the kernel, so a row's result does not depend on the other rows of a batch."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
+def _check_block_size(model: onnx.ModelProto, block_size: int) -> None:
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
-    if lm_head not in INT4_LM_HEADS:
-        raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(INT4_LM_HEADS)}")
-    model = onnx.load(str(src))
     inits = {i.name: i for i in model.graph.initializer}
     for gather in tied_gathers(model):
         n_embd = inits[gather.input[0]].dims[0]
         if n_embd % block_size:
             raise ValueError(f"block size {block_size} does not divide the embedding width {n_embd}; use a smaller one")
-    head = _lm_head(model)
-    assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
-    # accuracy_level 4: the kernel quantizes activations to int8 per block and runs integer dot products;
-    # level 0/1 (float activations) measured no more accurate on the bundled model, and slower
+
+
+def _nbits_blocks(model: onnx.ModelProto, *, bits: int, block_size: int, head: str | None, head_bits: int):
+    """Every MatMul with a constant weight as MatMulNBits with `bits`-bit blocks, the head with head_bits.
+    MatMuls without a constant weight (attention products of the standard graph) are left as they are."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    # accuracy_level 4: the kernel quantizes activations to int8 per block and runs integer dot products
+    # (the other levels, compared in docs/results.md, were no more accurate and slower)
     nbits = dict(block_size=block_size, is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
-    # MatMuls without a constant weight (attention products of the standard graph) are left as they are
-    excluded = [head] if lm_head == "int8" and bits == 4 else []
+    excluded = [head] if head is not None and head_bits != bits else []
     quantizer = MatMulNBitsQuantizer(model, bits=bits, nodes_to_exclude=excluded, **nbits)
     quantizer.process()
-    quantized = quantizer.model.model
-    if excluded:
-        quantizer = MatMulNBitsQuantizer(quantized, bits=8, **nbits)
-        quantizer.process()  # the head is the one MatMul left with a constant weight
-        quantized = quantizer.model.model
-    # the tied embedding: gather from the LM head's quantized weights instead of keeping an fp32 copy
+    if not excluded:
+        return quantizer.model.model
+    quantizer = MatMulNBitsQuantizer(quantizer.model.model, bits=head_bits, **nbits)
+    quantizer.process()  # the head is the one MatMul left with a constant weight
+    return quantizer.model.model
+
+
+def _gather_tied_from_nbits(quantized: onnx.ModelProto, block_size: int) -> None:
+    """The tied embedding gathers from the LM head's quantized weights instead of keeping an fp32 copy."""
     packed = {n.input[1]: n for n in quantized.graph.node if n.op_type == "MatMulNBits"}
     for gather in tied_gathers(quantized):
         table = gather.input[0]
@@ -230,6 +239,23 @@ def quantize_int4(src: Path, dst: Path, *, block_size: int = 32, lm_head: str = 
         table_bits = next(a.i for a in reader.attribute if a.name == "bits")
         gather_from_nbits(quantized, gather, reader.input[1], reader.input[2], bits=table_bits, block_size=block_size)
     drop_unused_initializers(quantized)
+
+
+def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 32, lm_head: str = "int8") -> dict:
+    """Weight-only blocks (MatMulNBits) for the linear layers, activations quantized per row and block by
+    the kernel, so a row's result does not depend on the other rows of a batch. bits=4 is the int4
+    recipe: lm_head="int8" keeps the LM head (and the tied embedding that reads it) at 8 bits, since its
+    rounding errors are the ones that change the most likely token. bits=8 is int8-weight-only: every
+    linear layer in 8-bit blocks."""
+    if lm_head not in INT4_LM_HEADS:
+        raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(INT4_LM_HEADS)}")
+    model = onnx.load(str(src))
+    _check_block_size(model, block_size)
+    head = _lm_head(model)
+    assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
+    head_bits = 8 if lm_head == "int8" else bits
+    quantized = _nbits_blocks(model, bits=bits, block_size=block_size, head=head, head_bits=head_bits)
+    _gather_tied_from_nbits(quantized, block_size)
     save_model(quantized, dst)
     return {
         "mode": "int4" if bits == 4 else "int8-weight-only",
@@ -283,11 +309,12 @@ RECIPES: dict[str, Recipe] = {
         calibrated=True,
     ),
     "int4": Recipe(
-        "int4", lambda src, dst, o: quantize_int4(src, dst, block_size=o.block_size, lm_head=o.int4_lm_head)
+        "int4",
+        lambda src, dst, o: quantize_weight_only(src, dst, bits=4, block_size=o.block_size, lm_head=o.int4_lm_head),
     ),
     "int8-weight-only": Recipe(
         "int8-weight-only",
-        lambda src, dst, o: quantize_int4(src, dst, block_size=o.block_size, lm_head="int8", bits=8),
+        lambda src, dst, o: quantize_weight_only(src, dst, bits=8, block_size=o.block_size, lm_head="int8"),
     ),
     "fp16": Recipe("fp16", lambda src, dst, o: convert_fp16(src, dst), kv_dtype="float16", evaluated=False),
 }

@@ -5,9 +5,13 @@ tokenizer_config.json, chat_template.jinja, or GGUF's `tokenizer.chat_template`)
 `apply_chat_template` does, with the special tokens (`bos_token`, `eos_token`, ...) and `tools` /
 `documents` (None unless given) as variables, in the bounded sandbox of template_sandbox.py.
 
-A conversation that keeps its KV cache feeds only a new turn's tokens when the whole history, rendered
-again, starts with what it already fed; `is_prefix_stable` and `generation_suffix` are the text-level
-checks for that (some templates rewrite earlier turns, e.g. drop their <think> reasoning).
+Rendering is all this module does with a conversation: on every turn a Conversation (chat.py) renders the
+whole history with the generation prompt, chat_ids.py tokenizes that text so that special-token text inside
+a message's content stays plain text (only the template's own text becomes control tokens), and the
+conversation compares the ids with those its KV cache holds, feeding only the new ones or rewinding the
+cache to the common prefix. `generation_suffix` (what the generation prompt appends) and `is_prefix_stable`
+(whether new turns leave earlier ones as they were rendered; some templates drop <think> reasoning) are
+text-level helpers for inspecting a template; the conversation does not need them.
 """
 
 from __future__ import annotations

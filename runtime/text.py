@@ -106,8 +106,8 @@ class TextAssembler:
         return self._emit(max(safe - hold, self.emitted))
 
     def _decode(self) -> str:
-        """decode(self.ids), without decoding them all every step (that grows with the generation: 0.2 ms
-        a token at 1,000 tokens). Decodes from a few ids before the anchor instead: ids[:anchor] end on
+        """decode(self.ids), without decoding them all every step (that cost grows with the generation's
+        length: docs/results.md). Decodes from a few ids before the anchor instead: ids[:anchor] end on
         a character boundary, so the bytes after it decode on their own; the overlap gives tokenizers
         whose decode treats the first token specially (a leading space) the same context as in full."""
         start = max(0, self.anchor - self.OVERLAP)

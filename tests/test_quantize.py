@@ -248,7 +248,7 @@ def test_interrupted_quantization_leaves_no_package(fp32_package, tmp_path, monk
     def fail(*args, **kwargs):
         raise RuntimeError("simulated crash in the middle of quantization")
 
-    monkeypatch.setattr(recipes, "quantize_int4", fail)
+    monkeypatch.setattr(recipes, "quantize_weight_only", fail)
     with pytest.raises(RuntimeError):
         quantize_module.quantize_package(fp32_package, tmp_path / "int4", mode="int4", progress=lambda _: None)
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,119 @@
+"""What one chat template render may spend, and what it has spent: the limits, the per-render budget
+(steps, call depth, bytes built, wall time) kept in a ContextVar, and the cost of turning values into
+text. template_sandbox.py and template_filters.py check every operation against it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from contextvars import ContextVar
+from typing import Any
+
+from markupsafe import Markup
+
+from .template_sizes import ESCAPE_GROWTH, Cost, text_size, width
+
+MAX_SOURCE_CHARS = 100_000  # a template's source; real ones are 0.5-17 kB
+MAX_NODES = 20_000  # parsed template nodes; real templates have up to about 1,000
+MAX_CODE_CHARS = 300_000  # the Python a template compiles to (compiling takes ~125 bytes per character)
+MAX_OUTPUT_CHARS = 4_000_000  # the rendered prompt, and any one string or list a template builds
+MAX_BUILT_BYTES = 48 << 20  # everything one render builds: every string, list and printed value, freed or not
+MAX_STEPS = 200_000  # loop iterations plus calls in one render; a 1000-message chat takes ~10k
+MAX_DEPTH = 64  # nested calls, i.e. macro recursion
+MAX_SECONDS = 5.0  # wall time of one render
+MAX_DATA_DEPTH = 32  # nesting of dicts and lists inside messages and variables
+MAX_INT_BITS = 16_384  # a number built by * or **; 10 ** 4000 is still fine
+
+_ONE_ITEM = Cost(0, 1)
+
+
+class LimitError(RuntimeError):
+    """A render went past one of the bounds above."""
+
+
+class Budget:
+    """What one render has spent; lives in a ContextVar so threads rendering one template don't share it."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.depth = 0
+        self.built = 0  # bytes, as template_sizes.Cost counts them
+        self.deadline = time.monotonic() + MAX_SECONDS
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise LimitError(f"more than {MAX_STEPS:,} loop iterations and calls (an endless loop?)")
+        if time.monotonic() > self.deadline:
+            raise LimitError(f"rendering took more than {MAX_SECONDS} s")
+
+    def build(self, cost: Cost) -> None:
+        """Admit what an operation is about to build, or refuse it before it allocates."""
+        check_length(max(cost.chars, cost.items))
+        self.built += cost.bytes
+        if self.built > MAX_BUILT_BYTES:
+            raise LimitError(f"the template built more than {MAX_BUILT_BYTES >> 20} MiB of text and lists")
+
+
+BUDGET: ContextVar[Budget | None] = ContextVar("edgelm_chat_template_budget", default=None)
+
+
+def current_budget() -> Budget:
+    # Outside a render (a test calling a filter directly) a fresh budget still applies the size checks.
+    return BUDGET.get() or Budget()
+
+
+def check_length(length: int) -> None:
+    if length > MAX_OUTPUT_CHARS:
+        raise LimitError(f"a value of {length:,} items or characters (the limit is {MAX_OUTPUT_CHARS:,})")
+
+
+def checked(value: Any) -> Any:
+    if isinstance(value, (str, bytes, list, tuple, dict)):
+        check_length(len(value))
+    return value
+
+
+def check_arguments(args: tuple, kwargs: dict) -> None:
+    for value in (*args, *kwargs.values()):
+        # Widths and counts of callables no bound knows (and a second guard for those it does).
+        if type(value) is int and abs(value) > MAX_OUTPUT_CHARS:
+            raise LimitError(f"an argument of {value:,} (the limit is {MAX_OUTPUT_CHARS:,})")
+
+
+def result_cost(value: Any) -> Cost:
+    """What an operation no bound knows did build, counted after the fact."""
+    if isinstance(value, str):
+        return Cost(len(value), 0, width(value))
+    if isinstance(value, bytes):
+        return Cost(len(value), 0, 1)
+    return Cost(0, len(value)) if isinstance(value, (list, tuple, dict)) else Cost()
+
+
+def text_cost(*values: Any) -> Cost:
+    """Turning values into one text, as `~`, print and str() do; refuses what is not data."""
+    return texts_cost(values)
+
+
+def texts_cost(values: Iterable) -> Cost:
+    size, markup, narrow = 0, False, True
+    for value in values:
+        size += text_size(value, MAX_OUTPUT_CHARS)
+        if size > MAX_OUTPUT_CHARS:
+            break  # refused: no need to read the rest
+        markup = markup or isinstance(value, Markup)
+        narrow = narrow and isinstance(value, str) and value.isascii()
+    return Cost(size * (ESCAPE_GROWTH if markup else 1), 0, 1 if narrow else 4)  # Markup escapes what it joins
+
+
+def materialized(value: Any) -> Any:
+    """value, or the items of an iterator in a list, each counted as it arrives (a filter will keep them)."""
+    if isinstance(value, (str, bytes, list, tuple, dict, range)) or not hasattr(value, "__next__"):
+        return value
+    budget, items = current_budget(), []
+    for item in value:
+        budget.build(_ONE_ITEM)
+        items.append(item)
+        check_length(len(items))
+    return items
