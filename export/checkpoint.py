@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from ..runtime.files import check_file, kind_of, read_text
 from .limits import checked_number, context_length_problem
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"  # a sharded folder's weight map
 PICKLE_FILE = "pytorch_model.bin"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "vocab.json", "merges.txt")
 
@@ -135,8 +137,6 @@ def source_files(folder: str | Path) -> list[str]:
     """The files of a checkpoint folder that export reads, by name: config.json, generation_config.json, the
     weights as the loaders pick them (the safetensors index and every shard it lists; else model.safetensors;
     else pytorch_model.bin), the tokenizer files and the chat template."""
-    from .hf_checkpoint import CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE, SAFETENSORS_INDEX_FILE
-
     folder = Path(folder)
     if (folder / SAFETENSORS_INDEX_FILE).is_file():
         weight_map = read_json(folder / SAFETENSORS_INDEX_FILE).get("weight_map")

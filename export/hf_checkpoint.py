@@ -19,6 +19,11 @@ import torch
 
 from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from .checkpoint import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    PICKLE_FILE,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX_FILE,
     CheckpointError,
     config_context_length,
     config_number,
@@ -30,11 +35,6 @@ from .checkpoint import (
 from .limits import MAX_NORM_EPSILON
 from .llama import MODEL_TYPES, ROPE_SCALING_KEYS, VARIANTS, Llama, LlamaConfig, rope_inv_freq
 
-CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
-PICKLE_FILE = "pytorch_model.bin"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; recomputed from the config
 
 
