@@ -276,7 +276,7 @@ def report_json(run: Run, results: dict, bounds_by_prompt: dict, mismatches: lis
     }
 
 
-def report(run: Run, results: dict, bounds_by_prompt: dict, out: Path) -> None:
+def report(run: Run, results: dict, *, bounds_by_prompt: dict, out: Path) -> None:
     """Checks the rows against each other, prints the summary and tables, writes peers.json and peers.png."""
     mismatches = [m for rows in results.values() for m in compare_with_reference(rows)]
     for rows in results.values():

@@ -106,7 +106,7 @@ def missing_systems(optimum: dict) -> dict[str, str]:
 # ---- the rows -----------------------------------------------------------------------------------
 
 
-def system_rows(checkpoint: Path, built, missing: dict, args) -> list[tuple]:
+def system_rows(checkpoint: Path, built, *, missing: dict, args) -> list[tuple]:
     """(row label, child, precision, path, interpreter) for every system measured here."""
     here, optimum_python, llamacpp_python = sys.executable, str(args.optimum_python), str(args.llamacpp_python)
     systems = [("transformers", "transformers", "fp32", checkpoint, here)]
@@ -134,7 +134,7 @@ def prompt_ids(prompt_tokens: int, dims) -> list[int]:
     return [int(t) if t != dims.eos_token_id else (int(t) + 1) % dims.vocab_size for t in prompt]
 
 
-def bandwidth_bounds(packages: dict[str, Path], dims, mean_context: float, gb_per_s: float) -> dict:
+def bandwidth_bounds(packages: dict[str, Path], dims, *, mean_context: float, gb_per_s: float) -> dict:
     """Bytes one decode step reads at each precision: every weight (the model file of edgelm's package; the
     position table is read one row at a time, 0.6% of GPT-2's) + the KV cache at the mean length."""
     kv_per_token = 2 * dims.n_layer * dims.kv_width * 4
@@ -145,7 +145,7 @@ def bandwidth_bounds(packages: dict[str, Path], dims, mean_context: float, gb_pe
     return bounds
 
 
-def measure_row(system: tuple, prompt_tokens: int, prompt_file: Path, dims, args) -> dict:
+def measure_row(system: tuple, prompt_tokens: int, *, prompt_file: Path, dims, args) -> dict:
     name, child, precision, path, python = system
     print(f"[{prompt_tokens}-token prompt] {name} {precision} ...", flush=True)
     row = {"system": name, "precision": precision, "prompt_tokens": prompt_tokens}
@@ -165,13 +165,15 @@ def measure_row(system: tuple, prompt_tokens: int, prompt_file: Path, dims, args
     return row
 
 
-def measure(prompt_lengths: list[int], systems: list[tuple], packages: dict, dims, gb_per_s: float, out: Path, args):
+def measure(prompt_lengths: list[int], systems: list[tuple], *, packages: dict, dims, gb_per_s: float, out: Path, args):
     """Every system at every prompt length; returns (rows by prompt length, bounds by prompt length)."""
     results, bounds_by_prompt = {}, {}
     for prompt_tokens in prompt_lengths:
         prompt_file = out / f"prompt-{prompt_tokens}.json"
         prompt_file.write_text(json.dumps(prompt_ids(prompt_tokens, dims)))
         mean_context = prompt_tokens + args.new_tokens / 2
-        bounds_by_prompt[prompt_tokens] = bandwidth_bounds(packages, dims, mean_context, gb_per_s)
-        results[prompt_tokens] = [measure_row(s, prompt_tokens, prompt_file, dims, args) for s in systems]
+        bounds_by_prompt[prompt_tokens] = bandwidth_bounds(packages, dims, mean_context=mean_context, gb_per_s=gb_per_s)
+        results[prompt_tokens] = [
+            measure_row(s, prompt_tokens, prompt_file=prompt_file, dims=dims, args=args) for s in systems
+        ]
     return results, bounds_by_prompt

@@ -183,7 +183,7 @@ def find_systems(args, model) -> tuple[dict, dict, dict]:
     return optimum, llamacpp, missing
 
 
-def build_packages(checkpoint: Path, out: Path, model, missing: dict, args) -> Built:
+def build_packages(checkpoint: Path, out: Path, *, model, missing: dict, args) -> Built:
     """Every system's packages from the one checkpoint; a system whose build fails is added to `missing`."""
     built = Built()
     print("building edgelm packages ...", flush=True)
@@ -248,15 +248,26 @@ def main() -> int:
     longest = max(prompt_lengths) + args.new_tokens
     if longest > dims.context:
         parser.error(f"prompt + new tokens ({longest}) exceed the model's context ({dims.context})")
-    built = build_packages(checkpoint, out, model, missing, args)
+    built = build_packages(checkpoint, out, model=model, missing=missing, args=args)
     facts = machine()
     bandwidth = measure_bandwidth(args)
-    systems = peer_runner.system_rows(checkpoint, built, missing, args)
+    systems = peer_runner.system_rows(checkpoint, built, missing=missing, args=args)
     for name, reason in missing.items():
         print(f"MISSING {name}: {reason}", flush=True)
-    results, bounds = peer_runner.measure(prompt_lengths, systems, built.edgelm, dims, bandwidth["gb_per_s"], out, args)
-    run = peer_report.Run(model.title, args, facts, bandwidth, optimum, llamacpp, built, missing)
-    peer_report.report(run, results, bounds, out)
+    results, bounds = peer_runner.measure(
+        prompt_lengths, systems, packages=built.edgelm, dims=dims, gb_per_s=bandwidth["gb_per_s"], out=out, args=args
+    )
+    run = peer_report.Run(
+        model_title=model.title,
+        args=args,
+        facts=facts,
+        bandwidth=bandwidth,
+        optimum=optimum,
+        llamacpp=llamacpp,
+        built=built,
+        missing=missing,
+    )
+    peer_report.report(run, results, bounds_by_prompt=bounds, out=out)
     return 0
 
 

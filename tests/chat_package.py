@@ -8,6 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
+from helpers import quiet
+
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -56,5 +58,5 @@ def make_chat_package(out: Path, *, attention: str = "fused", **options) -> Path
     from edgelm.export.onnx_export import export_package
 
     folder = make_chat_folder(out.parent / f"{out.name}-checkpoint", **options)
-    export_package(folder, out, attention=attention, progress=lambda _: None)
+    export_package(folder, out, attention=attention, progress=quiet)
     return out

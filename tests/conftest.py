@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import quiet
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = REPO / "data" / "tinyshakespeare.txt"
@@ -56,7 +57,7 @@ def package(hf_checkpoint, tmp_path_factory) -> Path:
     from edgelm.export.onnx_export import export_package
 
     out = tmp_path_factory.mktemp("pkg") / "tiny-onnx"
-    export_package(hf_checkpoint, out, progress=lambda _: None)
+    export_package(hf_checkpoint, out, progress=quiet)
     return out
 
 

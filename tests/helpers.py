@@ -1,6 +1,7 @@
 """Helpers shared by the test files (pytest puts tests/ on sys.path, so `from helpers import ...`): a silent
 progress callback, package copies and manifest edits, the `edgelm` command in a subprocess, a random
-transformers model saved as a checkpoint folder, and greedy runs of transformers and onnxruntime-genai."""
+transformers model saved as a checkpoint folder, greedy runs of transformers and onnxruntime-genai, and a
+GGUF file rewritten with changed metadata."""
 
 from __future__ import annotations
 
@@ -89,3 +90,29 @@ def genai_greedy(folder: Path, prompt: list[int], new_tokens: int) -> list[int]:
     sequence = [int(t) for t in generator.get_sequence(0)]
     assert sequence[: len(prompt)] == prompt
     return sequence[len(prompt) :]
+
+
+def rewrite_gguf(source: Path, target: Path, changes: dict, *, add: Callable | None = None) -> Path:
+    """The GGUF file `source` with metadata `changes` applied: key -> (value, type) or (value, ARRAY, item type),
+    None removes it; then `add(writer)`, if given, writes more keys. Tensors are copied as they are."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(target, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in changes:
+            continue
+        writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    for key, change in changes.items():
+        if change is not None:
+            value, kind, *item = change
+            writer.add_key_value(key, value, kind, item[0] if item else None)
+    if add is not None:
+        add(writer)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

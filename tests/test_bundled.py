@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import quiet
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "models" / "shakespeare"
@@ -46,7 +47,7 @@ def test_heldout_bits_per_byte_reproduces_through_the_runtime(tmp_path):
     from edgelm.export.onnx_export import export_package
     from edgelm.quantize.evaluate import evaluate_package
 
-    export_package(BUNDLED, tmp_path / "fp32", progress=lambda _: None)
+    export_package(BUNDLED, tmp_path / "fp32", progress=quiet)
     report = evaluate_package(tmp_path / "fp32", REPO / "data" / "shakespeare-heldout.txt")
     recorded = json.loads((BUNDLED / "training.json").read_text())["heldout_bits_per_byte"]
     # agrees with the record: no worse, and better only by what the extra context of overlapping windows gives

@@ -9,7 +9,7 @@ import sys
 
 import onnxruntime as ort
 import pytest
-from helpers import edgelm
+from helpers import copy_package, edgelm, edit_manifest
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -146,9 +146,7 @@ def test_every_bad_option_is_one_line_and_exit_1(package, tmp_path, args, mentio
 
 
 def test_unsigned_folder_needs_no_verify(package, tmp_path):
-    import shutil
-
-    folder = shutil.copytree(package, tmp_path / "genai")
+    folder = copy_package(package, tmp_path, "genai")
     (folder / "edgelm.json").unlink()
     assert_error(edgelm("info", str(folder)), "info", "--no-verify")
     done = edgelm("info", str(folder), "--no-verify", "--json")
@@ -205,11 +203,7 @@ def test_an_early_ctrl_c_prints_no_traceback(package, delay):
 
 
 def test_out_of_memory_is_one_line(package, tmp_path):
-    import shutil
-
-    folder = shutil.copytree(package, tmp_path / "liar")
-    manifest = json.loads((folder / "edgelm.json").read_text())
-    manifest["architecture"]["context_length"] = 10**9
-    (folder / "edgelm.json").write_text(json.dumps(manifest))
+    folder = copy_package(package, tmp_path, "liar")
+    edit_manifest(folder, lambda m: m["architecture"].update(context_length=10**9))
     done = edgelm("generate", str(folder), "ROMEO:", "--max-new-tokens", "100000000", "--no-verify")
     assert_error(done, "generate", "out of memory")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGUFReader, GGUFWriter  # noqa: E402
 from gguf import GGUFValueType as V  # noqa: E402
+from helpers import rewrite_gguf  # noqa: E402
 from test_gguf import VOCAB, write_gguf  # noqa: E402  (pytest puts tests/ on the path)
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -24,27 +24,6 @@ from edgelm.export.gguf_header import read_header  # noqa: E402
 from edgelm.export.gguf_tokenizer import MAX_MERGED_LENGTH, build_tokenizer_json  # noqa: E402
 
 NAN = float("nan")
-
-
-def rewrite(source: Path, target: Path, changes: dict) -> Path:
-    """`source` with metadata `changes` applied: key -> (value, type) or (value, ARRAY, item type); None removes."""
-    reader = GGUFReader(source)
-    writer = GGUFWriter(target, reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in changes:
-            continue
-        writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
-    for key, change in changes.items():
-        if change is not None:
-            value, kind, *item = change
-            writer.add_key_value(key, value, kind, item[0] if item else None)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +96,7 @@ BAD = {
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_metadata_is_a_one_line_error(name, tiny, tmp_path):
     arch, changes, expected = BAD[name]
-    path = rewrite(tiny[arch], tmp_path / "bad.gguf", changes)
+    path = rewrite_gguf(tiny[arch], tmp_path / "bad.gguf", changes)
     with pytest.raises(GGUFError) as info:
         read_gguf(path)
     message = str(info.value)
@@ -126,7 +105,7 @@ def test_bad_metadata_is_a_one_line_error(name, tiny, tmp_path):
 
 
 def test_tokenizer_larger_than_embedding_is_refused(tiny, tmp_path):
-    path = rewrite(tiny["llama"], tmp_path / "bad.gguf", _tokens_plus(tiny["llama"], 3))
+    path = rewrite_gguf(tiny["llama"], tmp_path / "bad.gguf", _tokens_plus(tiny["llama"], 3))
     with pytest.raises(GGUFError, match=f"the tokenizer has {VOCAB + 3} tokens but token_embd.weight only {VOCAB}"):
         read_gguf(path)
 
@@ -140,22 +119,22 @@ def test_tokenizer_smaller_than_embedding_is_padding(tiny, tmp_path):
         "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
         "tokenizer.ggml.merges": (merges, V.ARRAY, V.STRING),
     }
-    model = read_gguf(rewrite(tiny["llama"], tmp_path / "padded.gguf", changes))
+    model = read_gguf(rewrite_gguf(tiny["llama"], tmp_path / "padded.gguf", changes))
     assert model.hf_config["vocab_size"] == VOCAB  # the embedding's rows, not the tokenizer's count
 
 
 @pytest.mark.parametrize("key", ["llama.rope.scaling.factor", "llama.rope.scale_linear"])
 def test_scaling_factor_without_a_type_is_linear(key, tiny, tmp_path):
     """llama.cpp's reading (its type defaults to linear): ignoring the factor would change the model silently."""
-    model = read_gguf(rewrite(tiny["llama"], tmp_path / "scaled.gguf", {key: (4.0, V.FLOAT32)}))
+    model = read_gguf(rewrite_gguf(tiny["llama"], tmp_path / "scaled.gguf", {key: (4.0, V.FLOAT32)}))
     assert model.hf_config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
     none = {"llama.rope.scaling.type": ("none", V.STRING), key: (NAN, V.FLOAT32)}
-    assert read_gguf(rewrite(tiny["llama"], tmp_path / "none.gguf", none)).hf_config["rope_scaling"] is None
+    assert read_gguf(rewrite_gguf(tiny["llama"], tmp_path / "none.gguf", none)).hf_config["rope_scaling"] is None
 
 
 def test_gpt2_end_of_turn_beside_eos_exports(tiny, tmp_path, capsys):
     """Two stop ids in a GPT-2 file: GPT2Config holds one, but the package keeps both (it was refused)."""
-    path = rewrite(tiny["gpt2"], tmp_path / "eot.gguf", {"tokenizer.ggml.eot_token_id": (5, V.UINT32)})
+    path = rewrite_gguf(tiny["gpt2"], tmp_path / "eot.gguf", {"tokenizer.ggml.eot_token_id": (5, V.UINT32)})
     assert main(["export", str(path), str(tmp_path / "out")]) == 0, capsys.readouterr().err
     manifest = json.loads((tmp_path / "out" / "edgelm.json").read_text())
     assert manifest["tokenizer"]["eos_token_ids"] == [0, 5]
@@ -172,7 +151,7 @@ def test_token_ids_kept_as_given(tiny):
 )
 def test_cli_bad_metadata_exits_1_and_writes_nothing(case, tiny, tmp_path, capsys):
     arch, changes, expected = BAD[case]
-    path = rewrite(tiny[arch], tmp_path / "bad.gguf", changes)
+    path = rewrite_gguf(tiny[arch], tmp_path / "bad.gguf", changes)
     before = set(tmp_path.iterdir())
     assert main(["export", str(path), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
@@ -181,7 +160,7 @@ def test_cli_bad_metadata_exits_1_and_writes_nothing(case, tiny, tmp_path, capsy
 
 
 def test_cli_tokenizer_larger_than_embedding_exits_1(tiny, tmp_path, capsys):
-    path = rewrite(tiny["gpt2"], tmp_path / "bad.gguf", _tokens_plus(tiny["gpt2"], 1))
+    path = rewrite_gguf(tiny["gpt2"], tmp_path / "bad.gguf", _tokens_plus(tiny["gpt2"], 1))
     assert main(["export", str(path), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tokenizer has" in err, err
@@ -190,7 +169,7 @@ def test_cli_tokenizer_larger_than_embedding_exits_1(tiny, tmp_path, capsys):
 
 def test_cli_context_whose_rotary_tables_do_not_fit_exits_1(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("edgelm.runtime.kvcache.available_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
-    path = rewrite(tiny["llama"], tmp_path / "long.gguf", {"llama.context_length": (1 << 16, V.UINT32)})
+    path = rewrite_gguf(tiny["llama"], tmp_path / "long.gguf", {"llama.context_length": (1 << 16, V.UINT32)})
     before = set(tmp_path.iterdir())
     assert main(["export", str(path), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
@@ -227,7 +206,7 @@ def test_spm_piece_of_a_megabyte_is_refused_at_once(tiny, tmp_path):
         "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
         "tokenizer.ggml.scores": ([-float(i) for i in range(len(tokens))], V.ARRAY, V.FLOAT32),
     }
-    path = rewrite(tiny["llama"], tmp_path / "long.gguf", changes)
+    path = rewrite_gguf(tiny["llama"], tmp_path / "long.gguf", changes)
     start = time.perf_counter()
     with pytest.raises(GGUFError, match=f"token {len(tokens) - 1} is an ordinary SentencePiece piece of 1000000 char"):
         read_gguf(path)
@@ -332,7 +311,7 @@ def test_any_metadata_value_gives_an_error_or_a_working_package(arch, tiny, tmp_
         folder.mkdir()
         if linear and arch == "llama":  # the factor is read only with a type (or alone)
             changes = LINEAR | {"llama.rope.scaling.factor": (2.0, V.FLOAT32)} | changes
-        path = rewrite(tiny[arch], folder / "fuzz.gguf", changes)
+        path = rewrite_gguf(tiny[arch], folder / "fuzz.gguf", changes)
         capsys.readouterr()
         code = main(["export", str(path), str(folder / "out")])
         err = capsys.readouterr().err
@@ -360,7 +339,7 @@ def test_spm_scores_are_finite_numbers(score):
 def test_positive_but_denormal_scaling_factor_is_refused_when_frequencies_overflow(tiny, tmp_path, capsys):
     """Each value in range, the frequencies they make are not (1 / 1e-45 overflows float32): checked as built."""
     changes = LINEAR | {"llama.rope.scaling.factor": (1e-45, V.FLOAT32)}
-    path = rewrite(tiny["llama"], tmp_path / "denormal.gguf", changes)
+    path = rewrite_gguf(tiny["llama"], tmp_path / "denormal.gguf", changes)
     assert read_gguf(path).hf_config["rope_scaling"]["factor"] == 1e-45
     assert main(["export", str(path), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import copy_package, quiet
 
 from edgelm.cli import main
 from edgelm.runtime import PackageError, load
@@ -78,9 +79,9 @@ def test_a_fifo_given_as_a_text_file_is_said_to_be_one_and_never_opened(package,
     err = cli_error(capsys, "eval", str(package), "--text", "/dev/null")
     assert "/dev/null is a character device, not a regular file" in err
     with pytest.raises(ValueError, match="calibration text .* is a FIFO"):
-        quantize_package(package, tmp_path / "o", mode="static", calibration_text=fifo, progress=lambda _: None)
+        quantize_package(package, tmp_path / "o", mode="static", calibration_text=fifo, progress=quiet)
     with pytest.raises(ValueError, match="eval text .* is a folder, not a regular file"):
-        quantize_package(package, tmp_path / "o", mode="dynamic", eval_text=REPO / "data", progress=lambda _: None)
+        quantize_package(package, tmp_path / "o", mode="dynamic", eval_text=REPO / "data", progress=quiet)
     with pytest.raises(ValueError, match="text file .* is a FIFO"):
         evaluate_package(package, fifo)
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -107,7 +108,7 @@ def test_export_says_what_a_fifo_or_device_checkpoint_is(hf_checkpoint, fifo, tm
 
 
 def test_a_fifo_in_a_package_is_said_to_be_one(package, fifo, tmp_path):
-    folder = Path(shutil.copytree(package, tmp_path / "pkg"))
+    folder = copy_package(package, tmp_path, "pkg")
     (folder / "tokenizer.json").unlink()
     os.mkfifo(folder / "tokenizer.json")
     with pytest.raises(PackageError, match="tokenizer.json is a FIFO"):
@@ -117,7 +118,7 @@ def test_a_fifo_in_a_package_is_said_to_be_one(package, fifo, tmp_path):
 def test_package_messages_name_keys_the_file_has_and_where(package, tmp_path):
     import json
 
-    folder = Path(shutil.copytree(package, tmp_path / "pkg"))
+    folder = copy_package(package, tmp_path, "pkg")
     manifest = json.loads((folder / "edgelm.json").read_text())
     manifest["architecture"]["n_head"] = "four"
     (folder / "edgelm.json").write_text(json.dumps(manifest))
@@ -141,7 +142,7 @@ def test_package_messages_name_keys_the_file_has_and_where(package, tmp_path):
 def test_a_graph_that_disagrees_names_the_json_file_that_says_otherwise(package, tmp_path):
     import json
 
-    folder = Path(shutil.copytree(package, tmp_path / "pkg"))
+    folder = copy_package(package, tmp_path, "pkg")
     manifest = json.loads((folder / "edgelm.json").read_text())
     manifest["architecture"]["head_dim"] *= 2
     (folder / "edgelm.json").write_text(json.dumps(manifest))

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from helpers import quiet
 
 from edgelm.package_writer import (
     OWNER_FILE,
@@ -63,7 +64,7 @@ def test_quantize_through_a_bind_mount_never_replaces_its_own_input(package, tmp
         cases = {bind / "fp32": "must differ", bind: "contains the input", bind / "fp32" / "int8": "lies inside"}
         for out, says in cases.items():
             with pytest.raises(ValueError, match=f"{says}.*another path"):
-                quantize_module.quantize_package(fp32, out, mode="dynamic", overwrite=True, progress=lambda _: None)
+                quantize_module.quantize_package(fp32, out, mode="dynamic", overwrite=True, progress=quiet)
         # and the other way round: the input given through the mount, the output by its real path
         with pytest.raises(ValueError, match="must differ"):
             check_output(fp32, inputs=[bind / "fp32"], overwrite=True)
@@ -72,7 +73,7 @@ def test_quantize_through_a_bind_mount_never_replaces_its_own_input(package, tmp
 
         monkeypatch.setattr(onnx_export, "open_source", lambda *a, **k: pytest.fail("work started"))
         with pytest.raises(ValueError, match="contains the input.*another path"):
-            onnx_export.export_package(fp32, bind, overwrite=True, progress=lambda _: None)
+            onnx_export.export_package(fp32, bind, overwrite=True, progress=quiet)
     assert snapshot(real) == before
     assert read_package(fp32).precision == "fp32"
 
@@ -188,7 +189,7 @@ def test_an_output_name_of_255_characters_can_be_written(package, tmp_path):
     from edgelm.quantize.quantize import quantize_package
 
     out = tmp_path / ("q" * 255)
-    quantize_package(package, out, mode="dynamic", evaluate=False, progress=lambda _: None)
+    quantize_package(package, out, mode="dynamic", evaluate=False, progress=quiet)
     assert read_package(out).precision == "int8-dynamic"
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
     with pytest.raises(ValueError, match="cannot be used: File name too long"):  # one more is the system's limit

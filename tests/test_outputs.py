@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from helpers import quiet
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -238,7 +239,7 @@ def test_quantize_into_the_folder_holding_its_input_is_refused_before_any_work(p
     monkeypatch.setattr(quantize_module, "read_package", lambda *a, **k: pytest.fail("work started"))
     for out in (".", folder, fp32, fp32 / "int8", folder / "notes.txt"):
         with pytest.raises(ValueError):
-            quantize_module.quantize_package(fp32, out, mode="dynamic", overwrite=True, progress=lambda _: None)
+            quantize_module.quantize_package(fp32, out, mode="dynamic", overwrite=True, progress=quiet)
     assert snapshot(folder) == before
 
 
@@ -248,7 +249,7 @@ def test_export_over_its_own_checkpoint_parent_is_refused(hf_checkpoint, tmp_pat
     monkeypatch.setattr(onnx_export, "open_source", lambda *a, **k: pytest.fail("work started"))
     for out in (hf_checkpoint, hf_checkpoint.parent, hf_checkpoint / "pkg"):
         with pytest.raises(ValueError):
-            onnx_export.export_package(hf_checkpoint, out, overwrite=True, progress=lambda _: None)
+            onnx_export.export_package(hf_checkpoint, out, overwrite=True, progress=quiet)
 
 
 def run_and_terminate(command: list[str], parent: Path, timeout: float = 240) -> subprocess.CompletedProcess:

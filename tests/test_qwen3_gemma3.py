@@ -13,7 +13,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from helpers import genai_greedy, hf_greedy, quiet, save_random_model  # noqa: E402
+from helpers import genai_greedy, hf_greedy, quiet, rewrite_gguf, save_random_model  # noqa: E402
 from test_gguf import _add_tokenizer  # noqa: E402  (pytest puts tests/ on the path)
 from test_llama_export import EOS, PROMPTS, SMALL  # noqa: E402
 
@@ -207,32 +207,15 @@ HOSTILE = [  # (case, key, bad value): each file otherwise as written above
 ]
 
 
-def rewrite(source: Path, path: Path, key: str, add) -> Path:
-    """A copy of the GGUF file `source` with metadata `key` dropped and then `add(writer)` called."""
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", key):
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(field.name, field.contents())
-        else:
-            writer.add_key_value(field.name, field.contents(), field.types[0])
-    add(writer)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize("case,key,value", HOSTILE)
 def test_hostile_metadata_is_one_line_error(case, key, value, folders, tmp_path):
     _, folder = folders[case]
     kind = {str: "add_string", float: "add_float32", int: "add_uint32"}[type(value)]
-    path = rewrite(folder.parent / f"{case}.gguf", tmp_path / "bad.gguf", key, lambda w: getattr(w, kind)(key, value))
+
+    def add(writer):
+        getattr(writer, kind)(key, value)
+
+    path = rewrite_gguf(folder.parent / f"{case}.gguf", tmp_path / "bad.gguf", {key: None}, add=add)
     with pytest.raises(GGUFError, match=key.replace(".", r"\.")) as error:
         read_gguf(path)
     assert "\n" not in str(error.value)
@@ -247,7 +230,7 @@ def test_gemma3_gguf_pattern_and_local_base_keys_are_read(folders, tmp_path):
         writer.add_sliding_window_pattern(pattern)
         writer.add_rope_freq_base_swa(5000.0)
 
-    config = read_gguf(rewrite(folder.parent / "gemma3_text.gguf", tmp_path / "keys.gguf", "", add)).hf_config
+    config = read_gguf(rewrite_gguf(folder.parent / "gemma3_text.gguf", tmp_path / "keys.gguf", {}, add=add)).hf_config
     assert config["layer_types"] == ["sliding_attention" if p else "full_attention" for p in pattern]
     assert config["rope_local_base_freq"] == 5000.0
 
