@@ -30,7 +30,6 @@ from .kvcache import plain_feed
 from .onnx_external import external_data_locations
 from .package import PackageSpec, read_package
 from .results import GenerationResult, Stream, Timings, make_timings
-from .sampling import SamplingParams
 from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers
 from .text import TextAssembler, Tokenizer
 
@@ -204,13 +203,6 @@ class Model:
     def options(self, max_new_tokens: int = 64, **options: Any) -> GenerationOptions:
         """Validate generation options once (TypeError for an unknown name, InvalidParameterError for a bad value)."""
         return generation_options(max_new_tokens, options, tokenizer=self.tokenizer)
-
-    def check_options(self, max_new_tokens, *values) -> tuple[SamplingParams, tuple[str, ...]]:
-        """Kept for edgelm/cli.py's chat command, which passes temperature, top_k, top_p, min_p,
-        repetition_penalty, seed, stop and cancel in that order; new code calls options()."""
-        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "cancel")
-        checked = self.options(max_new_tokens, **dict(zip(names, values, strict=True)))
-        return checked.sampling, checked.stops
 
     def _encode_all(self, prompts: Sequence[str | Sequence[int]], options: GenerationOptions) -> list[list[int]]:
         return [self._fit_context(self.encode(p), options.max_new_tokens, options.truncate_prompt) for p in prompts]

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
     conv = model.conversation(system=args.system)
     options = sampling_options(args)
-    model.check_options(args.max_new_tokens, cancel=None, **options)  # bad options end here, not per message
+    model.options(args.max_new_tokens, **options)  # bad options end here, not per message
     if args.max_new_tokens >= model.context_length:  # else every turn would fail the same way
         raise ContextLengthError(
             f"--max-new-tokens ({args.max_new_tokens}) must be below the context length {model.context_length}"
