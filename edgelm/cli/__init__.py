@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return _import_error(command, e)
     except (ValueError, OSError, RuntimeError) as e:  # EdgelmError subclasses ValueError/FileNotFoundError
         _error(command, str(e) or type(e).__name__)
-    except SystemExit as e:  # SIGTERM while a package was being written (runtime/outputs.py), or argparse
+    except SystemExit as e:  # SIGTERM while a package was being written (edgelm/package_writer.py), or argparse
         if isinstance(e.code, int) and e.code > 128:
             _error(command, "terminated; the partial package was removed")
         raise
