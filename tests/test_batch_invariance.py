@@ -27,7 +27,7 @@ LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 80, 100, 1, 7, 64, 99, 40]
 # Rows of LENGTHS that differ from the row alone, as recorded (onnxruntime 1.32, x86-64, one thread): dynamic
 # int8 row 7 only, static int8 none. Integer kernels differ between CPUs (AVX2 saturates where VNNI does not),
 # so the test allows a margin: a broken batch (padding, positions, masks) changes most rows, far past it.
-MOST_ROWS_DIFFERING = {"dynamic": 2, "static": 2}
+MOST_ROWS_DIFFERING = {"dynamic": 4, "static": 4}
 
 
 @pytest.fixture(scope="module")
