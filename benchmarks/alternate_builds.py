@@ -29,8 +29,11 @@ print(json.dumps(max(rates)))
 def one_run(python: str, args: argparse.Namespace) -> float:
     """Decode tokens/s of one child process: the best of three generations after a warm-up."""
     command = [python, "-c", CHILD, args.package, str(args.threads), str(args.prompt_tokens), str(args.new_tokens)]
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    return float(json.loads(out.strip().splitlines()[-1]))
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"{python} failed: {last}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def main(argv: list[str] | None = None) -> None:
