@@ -156,6 +156,14 @@ class Conversation:
             pass
         return stream.result
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """The ids the template renders for the history plus a user message `text`, with the generation prompt;
+        nothing changes. ChatTemplateError when the template fails on them (a CLI checks its template with it)."""
+        if not isinstance(text, str):
+            raise InvalidInputError(f"a message must be a string, got {type(text).__name__}")
+        history = [*self._history, {"role": "user", "content": text}]
+        return chat_prompt_ids(self.template, self.model.tokenizer, self._head() + history)
+
     def undo(self) -> None:
         """Remove the last exchange (the last user message and what followed it); the cache rewinds to before it."""
         self._close_pending()

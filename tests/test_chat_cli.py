@@ -140,3 +140,20 @@ def test_errors_are_one_line(package, tmp_path) -> None:
         timeout=120,
     )
     assert done.returncode == 1 and done.stderr.startswith("edgelm chat: error: temperature"), done.stderr
+
+
+def test_a_template_that_fails_on_any_message_exits_at_start(tmp_path) -> None:
+    """A hostile or broken template is one line on stderr and exit 1 before the first prompt, not an error on every
+    turn of a chat that then exits 0."""
+    bomb = make_chat_package(tmp_path / "bomb")
+    (bomb / "chat_template.jinja").write_text('{{ "%999999999s" % "x" }}')  # SmolLM2's template, replaced
+    done = subprocess.run(
+        [sys.executable, "-m", "edgelm", "chat", str(bomb), "--provider", "cpu", "--no-verify"],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith("edgelm chat: error: chat template failed"), done.stderr

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
     conv = model.conversation(system=args.system)
+    conv.prompt_ids("Hello")  # a template that fails on an ordinary message fails here, not on every turn
     options = sampling_options(args)
     model.options(args.max_new_tokens, **options)  # bad options end here, not per message
     if args.max_new_tokens >= model.context_length:  # else every turn would fail the same way
