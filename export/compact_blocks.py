@@ -14,12 +14,15 @@ before MatMulNBits prepacks it: the session runs the same graph as a package wit
 (tests/test_compact_blocks.py). The float arithmetic is gguf_blocks.scales_offsets', in its order.
 
 Plane layout. A value u = c + 2^(value_bits-1), made unsigned, is stored in B as u + 2^(bits-1) -
-2^(value_bits-1). A plane holds `width` bits of u from bit `offset` on, 8 / width values a byte (value j at
-bit j * width), in the order B's bytes take them: 8-bit blocks one a byte; 4-bit blocks the even elements
-(B's low nibbles), then the odd ones. Unpacked: each plane byte shifted right by 0, width, 2 width, ... and
-taken modulo 2^width, then shifted to its offset; the planes added (their bits are disjoint), the constant
-added, and for 4-bit blocks the odd half shifted into the high nibbles. Only opset-14 operators (BitShift,
-Mod, Add on uint8), so any opset export writes takes them.
+2^(value_bits-1). A plane holds `width` bits of u from bit `offset` on, 8 / width values a byte in row-major
+order (value j of a byte at bit j * width). Unpacked: a 4-bit plane (the low bits of 5- and 6-bit values in
+8-bit blocks) by a shift and a modulo; a 1- or 2-bit plane by a Gather from a 256-row table that gives each
+byte's B bytes with its bits already at their offset (low and high nibble for 4-bit blocks) and the constant
+added; the planes are added (their bits are disjoint) and reshaped to B. Opset-14 operators only.
+
+Memory at load: ONNX Runtime keeps every tensor its constant folding makes until the pass ends, so each step
+of a chain holds a copy of B (the shift, modulo, Cast, Gather, Add and Reshape: about 5.5 times B for a 5-bit
+value); docs/results.md has what that costs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from .gguf_blocks import Runs, pack
 
@@ -42,61 +45,77 @@ PLANES = {2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1), 6: (4, 2), 8: (8,)}
 class Plane(NamedTuple):
     offset: int  # the bit of u its lowest bit is
     width: int  # its bits a value: 1, 2 or 4
-    packed: np.ndarray  # uint8 (M, 1): 8 / width values a byte, value j of a byte at bit j * width
+    packed: np.ndarray  # uint8 (M,): 8 / width values a byte, in order, value j of a byte at bit j * width
 
 
-def bit_planes(values: np.ndarray, *, value_bits: int, bits: int) -> list[Plane]:
-    """int8 (N, K) centred values of `value_bits` bits, fewer than MatMulNBits' `bits` -> their planes, the values
-    in the order B takes them: one a byte (8 bits), or the even elements, then the odd ones (4 bits: B's low
-    and high nibbles)."""
+def bit_planes(values: np.ndarray, *, value_bits: int) -> list[Plane]:
+    """int8 (N, K) centred values of `value_bits` bits -> their planes, values in row-major order."""
     u = (values.astype(np.int16) + (1 << (value_bits - 1))).astype(np.uint8).reshape(-1)  # (N K,)
-    if bits == 4:
-        u = np.concatenate([u[0::2], u[1::2]])
     planes, offset = [], 0
     for width in PLANES[value_bits]:
-        group = 8 // width
-        part = ((u >> offset) & ((1 << width) - 1)).reshape(-1, group)  # (M, group)
-        packed = np.bitwise_or.reduce(part << (np.arange(group, dtype=np.uint8) * width), axis=1)  # (M,)
-        planes.append(Plane(offset, width, packed[:, None]))
+        part = ((u >> offset) & ((1 << width) - 1)).reshape(-1, 8 // width)  # (M, values a byte)
+        packed = np.bitwise_or.reduce(part << (np.arange(8 // width, dtype=np.uint8) * width), axis=1)
+        planes.append(Plane(offset, width, packed))
         offset += width
     return planes
 
 
+def plane_table(plane: Plane, *, bits: int, zero_point: int) -> np.ndarray:
+    """uint8 (256, B bytes a plane byte): what each byte of the plane adds to the B bytes it covers, its
+    values' bits at their offset (in the low and high nibbles for 4-bit blocks), plus `zero_point` each."""
+    fields, mask = 8 // bits, (1 << plane.width) - 1
+    byte = np.arange(256, dtype=np.int64)[:, None, None]
+    value = np.arange(8 // plane.width).reshape(-1, fields)[None]  # (1, B bytes, fields): the byte's values
+    bits_in = ((byte >> (value * plane.width)) & mask) << (plane.offset + np.arange(fields) * bits)
+    return (bits_in.sum(axis=-1) + zero_point * (0x11 if bits == 4 else 1)).astype(np.uint8)
+
+
+def _unpacked(g: _GraphBuilder, name: str, plane: Plane, *, slots: list[int], bits: int, zero_point: int) -> str:
+    """The B bytes' share of one plane, (*slots, 2, ..., 2), one 2 for each doubling of the B bytes a plane byte
+    makes: a 4-bit plane (two B bytes a byte) by shift and modulo, a narrower one by a lookup table that also
+    places the bits and adds `zero_point` (the tables take an int32 copy of the plane's bytes, a quarter of the
+    size of the shift's output)."""
+    if plane.width == 4:
+        assert bits == 8 and plane.offset == 0 and zero_point == 0, "a 4-bit plane is the low one, in 8-bit blocks"
+        stored = g.constant(name, plane.packed.reshape(*slots, 1))
+        shifts = g.constant(f"{name}/shifts", np.array([0, 4], dtype=np.uint8))
+        shifted = g.weight_op("BitShift", [stored, shifts], f"{name}/shifted", direction="RIGHT")
+        return g.weight_op("Mod", [shifted, g.constant(f"{name}/size", np.array(16, np.uint8))], f"{name}/values")
+    table = plane_table(plane, bits=bits, zero_point=zero_point)  # (256, B bytes a plane byte)
+    table = g.constant(f"{name}/table", table.reshape(256, *[2] * (table.shape[1].bit_length() - 1)))
+    stored = g.constant(name, plane.packed.reshape(slots))
+    index = g.weight_op("Cast", [stored], f"{name}/index", to=TensorProto.INT32)
+    return g.weight_op("Gather", [table, index], f"{name}/values", axis=0)
+
+
 def _part_values(g: _GraphBuilder, output: str, part: Runs) -> None:
     """B's rows of one part (uint8 (N_part, K / block_size, blob)) as `output`: B itself where the values fill
-    its bits, else computed from their bit planes."""
+    its bits, else computed from their bit planes. Every ONNX Runtime folds at load stays in memory until
+    constant folding ends, so each step costs a copy of B: this takes as few as it can."""
     n, k = part.values.shape
     bits = part.bits
     if part.value_bits == bits:  # 4-bit values in 4-bit blocks, Q8_0's in 8-bit ones: B's own bytes
         g.constant(output, pack(part.values, bits, part.block_size))
         return
-    block_shape = np.array([n, k // part.block_size, -1], dtype=np.int64)
-    shape = g.constant(f"{output}/shape", np.array([2, -1], dtype=np.int64) if bits == 4 else block_shape)
+    planes = bit_planes(part.values, value_bits=part.value_bits)
+    zero_point = (1 << (bits - 1)) - (1 << (part.value_bits - 1))  # B holds u + this
+    covers = [bits // plane.width for plane in planes]  # B bytes a plane byte makes
+    group = max(covers)  # every plane unpacks to (B bytes / group, 2, ..., 2): added without reshaping
+    depth = group.bit_length() - 1
     value = None
-    for plane in bit_planes(part.values, value_bits=part.value_bits, bits=bits):
+    for plane, cover in zip(planes, covers, strict=True):
         name = f"{output}/plane{plane.offset}"
-        shifts = g.constant(f"{name}/shifts", np.arange(8 // plane.width, dtype=np.uint8) * plane.width)
-        piece = g.weight_op("BitShift", [g.constant(name, plane.packed), shifts], f"{name}/shifted", direction="RIGHT")
-        size = g.constant(f"{name}/size", np.array(1 << plane.width, dtype=np.uint8))
-        piece = g.weight_op("Mod", [piece, size], f"{name}/values")  # (M, 8 / width): the plane's bits of u
-        piece = g.weight_op("Reshape", [piece, shape], f"{name}/rows")
-        if plane.offset:
-            at = g.constant(f"{name}/offset", np.array(plane.offset, dtype=np.uint8))
-            piece = g.weight_op("BitShift", [piece, at], f"{name}/placed", direction="LEFT")
-        value = piece if value is None else g.weight_op("Add", [value, piece], f"{name}/u")  # disjoint bits: OR
-    zero_point = (1 << (bits - 1)) - (1 << (part.value_bits - 1))  # stored = u + this
-    zero_point = g.constant(f"{output}/zero_point", np.array(zero_point, dtype=np.uint8))
-    if bits == 8:
-        g.weight_op("Add", [value, zero_point], output)
-        return
-    stored = g.weight_op("Add", [value, zero_point], f"{output}/stored")  # (2, N K / 2): even, odd elements
-    halves = [f"{output}/even", f"{output}/odd"]
-    split = g.constant(f"{output}/split", np.array([1, 1], dtype=np.int64))
-    g.weight_nodes.append(helper.make_node("Split", [stored, split], halves, name=f"{output}/Split", axis=0))
-    four = g.constant(f"{output}/four", np.array(4, dtype=np.uint8))
-    high = g.weight_op("BitShift", [halves[1], four], f"{output}/high", direction="LEFT")
-    packed = g.weight_op("Add", [halves[0], high], f"{output}/bytes")  # (1, N K / 2)
-    g.weight_op("Reshape", [packed, g.constant(f"{output}/block_shape", block_shape)], output)
+        slots = [plane.packed.size * cover // group] + [2] * (depth - (cover.bit_length() - 1))
+        piece = _unpacked(g, name, plane, slots=slots, bits=bits, zero_point=zero_point if plane.width < 4 else 0)
+        if plane.width < 4:
+            zero_point = 0  # added once
+        value = piece if value is None else g.weight_op("Add", [value, piece], f"{name}/sum")  # disjoint bits
+    if zero_point:  # no table took it
+        value = g.weight_op(
+            "Add", [value, g.constant(f"{output}/zero_point", np.array(zero_point, np.uint8))], f"{output}/stored"
+        )
+    shape = g.constant(f"{output}/shape", np.array([n, k // part.block_size, -1], dtype=np.int64))
+    g.weight_op("Reshape", [value, shape], output)
 
 
 def _float(g: _GraphBuilder, name: str, array: np.ndarray) -> str:

@@ -30,9 +30,9 @@ TYPES = sorted(LAYOUT, key=lambda kind: kind.name)
 MIXES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q2_K, Q.Q3_K, Q.Q4_1), (Q.Q5_0, Q.Q5_1, Q.Q8_0), (Q.Q4_0, Q.Q5_K, Q.Q6_K)]
 
 
-def _nbits(kinds: tuple[Q, ...], seed: int):
+def _nbits(kinds: tuple[Q, ...], seed: int, *, rows: int = 32):
     rng = np.random.default_rng(seed)
-    parts = {f"w{i}": to_runs(kind, random_blocks(kind, 32 * (i + 1), K, rng), K) for i, kind in enumerate(kinds)}
+    parts = {f"w{i}": to_runs(kind, random_blocks(kind, rows * (i + 1), K, rng), K) for i, kind in enumerate(kinds)}
     return kept_blocks(parts.get, list(parts))
 
 
@@ -61,20 +61,17 @@ def _session(model: onnx.ModelProto, optimized: str | None = None) -> ort.Infere
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize(
-    ("value_bits", "bits"), [(v, b) for b in (4, 8) for v in sorted(PLANES) if v < b]
-)  # as wide as its blocks: MatMulNBits' own bytes (gguf_blocks.pack)
-def test_bit_planes_hold_every_bit(value_bits, bits):
+@pytest.mark.parametrize("value_bits", [2, 3, 5, 6])
+def test_bit_planes_hold_every_bit(value_bits):
     values = np.random.default_rng(value_bits).integers(-(2 ** (value_bits - 1)), 2 ** (value_bits - 1), (4, 64))
-    values = values.astype(np.int8)
-    planes = bit_planes(values, value_bits=value_bits, bits=bits)
+    planes = bit_planes(values.astype(np.int8), value_bits=value_bits)
+    assert [plane.width for plane in planes] == list(PLANES[value_bits])
     assert sum(plane.packed.size for plane in planes) * 8 == values.size * value_bits  # no bit wasted
     u = np.zeros(values.size, np.int64)
     for plane in planes:
-        shifted = plane.packed >> (np.arange(8 // plane.width) * plane.width).astype(np.uint8)
+        shifted = plane.packed[:, None] >> (np.arange(8 // plane.width) * plane.width).astype(np.uint8)
         u += ((shifted % (1 << plane.width)).reshape(-1).astype(np.int64)) << plane.offset
-    order = values.reshape(-1) if bits == 8 else np.concatenate([values.reshape(-1)[0::2], values.reshape(-1)[1::2]])
-    np.testing.assert_array_equal(u - 2 ** (value_bits - 1), order)
+    np.testing.assert_array_equal(u - 2 ** (value_bits - 1), values.reshape(-1))
 
 
 @pytest.mark.parametrize("kinds", [(kind,) for kind in TYPES] + MIXES, ids=lambda ks: "+".join(k.name for k in ks))
@@ -99,7 +96,7 @@ def test_folded_inputs_equal_plain_arrays_and_outputs_are_identical(kinds, tmp_p
 
 def test_compact_stores_fewer_bytes_than_plain():
     for kind in TYPES:
-        nbits = _nbits((kind,), seed=1)
+        nbits = _nbits((kind,), seed=1, rows=512)
         sizes = [
             sum(np.asarray(a).nbytes for a in _graph_weights(nbits, compact=compact).values())
             for compact in (True, False)
@@ -107,7 +104,8 @@ def test_compact_stores_fewer_bytes_than_plain():
         bits_a_weight = 8 * sizes[0] / (nbits.shape[0] * nbits.shape[1])
         size_a_block, weights_a_block = gguf.GGML_QUANT_SIZES[kind][1], gguf.GGML_QUANT_SIZES[kind][0]
         assert sizes[0] < sizes[1] or kind in (Q.Q4_0,), kind  # Q4_0: 4 bits and an fp16 scale either way
-        assert bits_a_weight <= 8 * size_a_block / weights_a_block + 0.6, (kind, bits_a_weight)
+        # within a bit of the file (Q2_K's 4-bit sc and mn take a byte each here)
+        assert bits_a_weight <= 8 * size_a_block / weights_a_block + 1, (kind, bits_a_weight)
         assert VALUE_BITS[kind] <= LAYOUT[kind][0]
 
 
