@@ -197,8 +197,8 @@ def export_package(
     graph is "standard"; keep_gguf_quantization (the old opt-in) insists on it. tolerance: the largest |logit
     difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept blocks at
     accuracy_level 4. compact_blocks: kept blocks as bit planes and the file's factors, which ONNX Runtime
-    unpacks at load (export/compact_blocks.py); False writes MatMulNBits' arrays themselves (tests compare the
-    two)."""
+    unpacks at load (export/compact_blocks.py); False writes MatMulNBits' arrays themselves, a bigger package
+    that loads faster and with a lower memory peak (docs/results.md)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .contract import GENAI_CONFIG_FILE, MANIFEST_FILE
+from .contract import GENAI_CONFIG_FILE, GRAPH_OPTIMIZATION_LEVEL, MANIFEST_FILE
 from .errors import PackageError, ProviderError
 from .foreign import HF_CONFIG_FILE
 from .package import PackageSpec
@@ -47,7 +47,7 @@ def resolve_providers(provider: str) -> list[str]:
 
 def open_session(model_path: Path, providers: list[str], threads: int | None) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, GRAPH_OPTIMIZATION_LEVEL)  # >= basic
     options.log_severity_level = 3  # errors only: warnings about unused initializers are noise to users
     if threads is not None:
         options.intra_op_num_threads = threads

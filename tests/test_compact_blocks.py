@@ -6,6 +6,8 @@ identical to a package written the plain way, and smaller)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -166,8 +168,19 @@ def test_onnxruntime_genai_runs_a_compact_package(files, level, tmp_path):
     """onnxruntime-genai folds the unpacking too (its sessions optimize at "all" unless told otherwise): llama.cpp's
     Q4_K_M (a Q6_K value beside Q4_K query and key, a Q6_K tied table) gives edgelm's greedy ids."""
     export_package(files["Q4_K_M"], tmp_path / "pkg", accuracy_level=level, progress=quiet)
+    genai_options = json.loads((tmp_path / "pkg" / "genai_config.json").read_text())["model"]["decoder"]
+    assert genai_options["session_options"]["graph_optimization_level"] == "ORT_ENABLE_ALL"  # folds the blocks
     prompt = [5, 17, 300, 42, 9, 100, 77]
     ids = load(tmp_path / "pkg").generate(prompt, 16, ignore_eos=True).token_ids
     assert len(set(ids)) > 3, "a degenerate model would not test much"
     genai = genai_greedy(tmp_path / "pkg", prompt, 16)  # stops at an EOS id, which edgelm was told to ignore
     assert len(genai) > 3 and genai == ids[: len(genai)]
+
+
+def test_plain_blocks_at_the_command_line(files, tmp_path):
+    from edgelm.cli import main
+
+    assert main(["export", str(files["Q2_K"]), str(tmp_path / "plain"), "--plain-blocks"]) == 0
+    graph = onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph
+    assert "lm_head.weight_Q8" in {i.name for i in graph.initializer} and graph.node[0].op_type != "BitShift"
+    assert '"storage": "plain"' in (tmp_path / "plain" / "edgelm.json").read_text()

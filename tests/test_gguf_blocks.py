@@ -316,4 +316,5 @@ def test_smollm2_q4_k_m_keeps_every_linear(tmp_path):
     assert recipe["gguf_types"]["embed_tokens"] == {"Q8_0": 1}
     assert set(recipe["gguf_types"]["mlp.down_proj"]) == {"Q4_K", "Q6_K"}
     size = sum(f["bytes"] for f in manifest["files"].values())
-    assert size < 1.5 * SMOLLM2_K.stat().st_size  # Q5_0 takes 8-bit blocks: 1.44x (docs/results.md)
+    assert recipe["storage"] == "compact"  # Q5_0 in 5 bits a value on disk, 8 once loaded (export/compact_blocks.py)
+    assert size <= 1.35 * SMOLLM2_K.stat().st_size  # 1.035x (docs/results.md); plain 8-bit blocks were 1.44x
