@@ -7,8 +7,8 @@ and every run's scale a float32 (export/gguf_blocks.py). On disk the package kee
   and 8: one plane), and
 - the scales and offsets as the file's own factors: float16 d and dmin, integer sub-block sc and mn,
 
-and the graph computes B, the float32 scales and the offsets from them: uint8 BitShift, BitwiseAnd, Reshape,
-BitwiseOr and Add; float Cast, Mul and Sub. Every input of those nodes is constant, so ONNX Runtime's constant
+and the graph computes B, the float32 scales and the offsets from them: uint8 BitShift, Mod, Gather, Add and
+Reshape; float Cast, Mul and Sub. Every input of those nodes is constant, so ONNX Runtime's constant
 folding (graph optimization level "basic" and above) replaces each chain by the one initializer it computes,
 before MatMulNBits prepacks it: the session runs the same graph as a package with plain blocks, bit for bit
 (tests/test_compact_blocks.py). The float arithmetic is gguf_blocks.scales_offsets', in its order.
@@ -90,8 +90,8 @@ def _unpacked(g: _GraphBuilder, name: str, plane: Plane, *, slots: list[int], bi
 
 def _part_values(g: _GraphBuilder, output: str, part: Runs) -> None:
     """B's rows of one part (uint8 (N_part, K / block_size, blob)) as `output`: B itself where the values fill
-    its bits, else computed from their bit planes. Every ONNX Runtime folds at load stays in memory until
-    constant folding ends, so each step costs a copy of B: this takes as few as it can."""
+    its bits, else computed from their bit planes. Every tensor ONNX Runtime folds at load stays in memory until
+    constant folding ends, so each step costs a copy of B: this takes as few steps as it can."""
     n, k = part.values.shape
     bits = part.bits
     if part.value_bits == bits:  # 4-bit values in 4-bit blocks, Q8_0's in 8-bit ones: B's own bytes

@@ -19,7 +19,9 @@ two >= 16) computes w = (q - zero_point) * scale per block, so each type maps on
 (s: the run's scale d * sc.) The stored value is c + 2^(bits - 1), so the zero point is always MatMulNBits'
 default and the graph needs no zero-point input; the offset is added beside the node as (block sums of x) @
 offsets (export/graph.py). 5- and 6-bit values take 8-bit blocks; 2- and 3-bit values 4-bit ones. Offsets
-are centred on the run's middle value, so its two terms cancel less than d q and m would. Layouts:
+are centred on the run's middle value, so its two terms cancel less than d q and m would. Each type also
+keeps the numbers its scales and offsets come from (`Factors`), which export/compact_blocks.py stores instead
+of the float32 results. Layouts:
 https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h (block_q4_0 ... block_q6_K).
 """
 

@@ -210,8 +210,8 @@ def _parse_records(data: dict, where: str) -> dict:
 
 # ONNX Runtime's graph optimization level for every package (runtime/session.py; genai_config.json says it to
 # onnxruntime-genai). At least "basic": its constant folding computes the MatMulNBits inputs of compact GGUF
-# blocks (recipe.storage "compact", export/compact_blocks.py); unfolded, those nodes run 20-60x slower and, at
-# accuracy level 4, wrong (ONNX Runtime 1.32's unprepacked path; docs/results.md).
+# blocks (recipe.storage "compact", export/compact_blocks.py); unfolded, those nodes take ONNX Runtime's
+# unprepacked path, far slower and at accuracy level 4 wrong (docs/results.md, "Compact storage").
 GRAPH_OPTIMIZATION_LEVEL = "ORT_ENABLE_ALL"
 
 

@@ -4,7 +4,9 @@ Runtime failure in the middle of generation."""
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +55,25 @@ def open_session(model_path: Path, providers: list[str], threads: int | None) ->
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
     try:
-        return ort.InferenceSession(str(model_path), options, providers=providers)
+        session = ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own pybind exception types
         raise PackageError(f"ONNX Runtime cannot load {model_path.name}: {ort_reason(e)}") from None
+    _return_freed_heap()
+    return session
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap that building the session freed back to the system. Constant folding of compact GGUF
+    blocks (export/compact_blocks.py) makes and frees several copies of their weights; glibc keeps such freed
+    memory in the process until asked (what that kept: docs/results.md, "Compact storage")."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # another C library: nothing to ask it
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 @dataclass
