@@ -152,9 +152,7 @@ class GGUFModel:
         runs = to_runs(stored.tensor_type, stored.data, entry.shape[1])
         if runs is None or not entry.heads:
             return runs
-        values, scales, offsets = (None if a is None else _unpermute_rows(a, entry.heads) for a in runs[2:5])
-        factors = by_rows(runs.factors, lambda a: _unpermute_rows(a, entry.heads))
-        return runs._replace(values=values, scales=scales, offsets=offsets, factors=factors)
+        return by_rows(runs, lambda a: _unpermute_rows(a, entry.heads))
 
 
 def _number(

@@ -51,11 +51,6 @@ class Factors(NamedTuple):
     middle: int  # the run's middle value, the offset's multiple of the scale (see the table above)
 
 
-def by_rows(factors: Factors, change: Callable[[np.ndarray], np.ndarray]) -> Factors:
-    """The factors with `change` applied to each array (reshaped, rows reordered)."""
-    return Factors(*(change(a) if isinstance(a, np.ndarray) else a for a in factors))
-
-
 def scales_offsets(factors: Factors) -> tuple[np.ndarray, np.ndarray | None]:
     """float32 (N, G, runs) scales and offsets (None: all 0) from the file's factors."""
     scale = factors.d.astype(np.float32)
@@ -193,7 +188,7 @@ def to_runs(kind: Q, rows: np.ndarray, n_in: int) -> Runs | None:
     n_out = rows.shape[0]
     blocks = np.asarray(rows).reshape(-1, GGML_QUANT_SIZES[kind][1])  # (B, bytes per block)
     values, factors = _k_quant(kind, blocks) if kind in K_TYPES else _legacy(kind, blocks)
-    factors = by_rows(factors, lambda a: a.reshape(n_out, -1, a.shape[-1]))
+    factors = Factors(*(a.reshape(n_out, -1, a.shape[-1]) if isinstance(a, np.ndarray) else a for a in factors))
     scales, offsets = scales_offsets(factors)
     runs = n_in // block_size
     return Runs(
@@ -204,6 +199,15 @@ def to_runs(kind: Q, rows: np.ndarray, n_in: int) -> Runs | None:
         None if offsets is None else np.ascontiguousarray(offsets.reshape(n_out, runs)),
         VALUE_BITS[kind],
         factors,
+    )
+
+
+def by_rows(runs: Runs, change: Callable[[np.ndarray], np.ndarray]) -> Runs:
+    """The runs with `change` (a reordering of the output rows) applied to each of their arrays."""
+    either = lambda a: change(a) if isinstance(a, np.ndarray) else a
+    factors = Factors(*map(either, runs.factors))
+    return runs._replace(
+        values=change(runs.values), scales=change(runs.scales), offsets=either(runs.offsets), factors=factors
     )
 
 
