@@ -79,19 +79,22 @@ def gather_from_nbits(
     *,
     bits: int,
     block_size: int,
+    n_blocks: int | None = None,
     offsets: str | None = None,
 ) -> None:
     """Rewire a tied-embedding Gather to read MatMulNBits' packed weights (vocab, n_blocks, blob) and
     dequantize only the gathered rows: symmetric, so the zero point is 2^(bits-1); 4-bit values are
     packed two to a byte, low nibble first; times the block scale; plus, given `offsets` (the name of a
-    (n_blocks, vocab) float initializer, the head's block offsets: export/graph.py), each block's offset."""
+    (n_blocks, vocab) float tensor, the head's block offsets: export/graph.py), each block's offset. n_blocks:
+    blocks a row; None: read from the packed initializer (a tensor computed at load must give it)."""
     assert bits in (4, 8), f"MatMulNBits gather supports 4 or 8 bits, got {bits}"
     graph = model.graph
     index = list(graph.node).index(gather)
     ids, out = gather.input[1], gather.output[0]
     transpose = next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose")
     p = (gather.name or out) + f"_int{bits}"
-    n_blocks = next(i.dims for i in graph.initializer if i.name == packed)[1]  # of (vocab, n_blocks, blob)
+    if n_blocks is None:
+        n_blocks = next(i.dims for i in graph.initializer if i.name == packed)[1]  # of (vocab, n_blocks, blob)
     constants = _constants(p, bits=bits, n_blocks=n_blocks, block_size=block_size)
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in constants.items())
     make = _node_maker(p)

@@ -36,7 +36,7 @@ PROTOBUF_LIMIT = 1_800_000_000  # bytes: past this a whole model cannot be seria
 
 def placeholder(name: str, array: np.ndarray) -> onnx.TensorProto:
     """An initializer without its data: what `save_model(..., weights={name: array})` fills in."""
-    dtype = np.float32 if array.dtype.kind == "f" else array.dtype
+    dtype = _stored_dtype(array)
     return onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=array.shape)
 
 
@@ -50,8 +50,8 @@ def save_model(model: onnx.ModelProto, path: str | Path, *, weights: dict[str, n
     """Write `model` to `path` and its initializers of at least INLINE_LIMIT bytes to `<path>.data`; returns
     that file's name, or None when no initializer is that large (then no data file is left behind).
     weights: initializer name -> array for the placeholder initializers (see `placeholder`); floating arrays
-    are written as float32, C order, converted one at a time; each is removed from `weights` once written,
-    so the caller's other references decide when its memory goes. The model's initializers are changed in
+    but float16 ones are written as float32, C order, converted one at a time; each is removed from `weights`
+    once written, so the caller's other references decide when its memory goes. The model's initializers are changed in
     place to point into the data file."""
     path = Path(path)
     model.producer_name = "edgelm"
@@ -131,10 +131,15 @@ def _round_up(offset: int, step: int) -> int:
     return -(-offset // step) * step
 
 
+def _stored_dtype(array: np.ndarray) -> np.dtype:
+    """float32 for floating arrays (export computes some in float64) but float16 ones, which are meant so."""
+    return np.dtype(np.float32) if array.dtype.kind == "f" and array.dtype != np.float16 else array.dtype
+
+
 def _nbytes(array: np.ndarray) -> int:
-    return array.size * (4 if array.dtype.kind == "f" else array.dtype.itemsize)
+    return array.size * _stored_dtype(array).itemsize
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
-    """The bytes to write: float32 for floating arrays, C order; no copy when it already is."""
-    return np.ascontiguousarray(array, dtype=np.float32 if array.dtype.kind == "f" else array.dtype)
+    """The bytes to write: as `_stored_dtype` says, C order; no copy when it already is."""
+    return np.ascontiguousarray(array, dtype=_stored_dtype(array))

@@ -27,29 +27,50 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .gguf_blocks import Runs, pack
+
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu_new", "gelu", "silu")
 
 
 @dataclass
 class NBits:
-    """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - zero_point) * scale
-    + offset for the block of `block_size` consecutive k in column n; from a GGUF file's own quantized blocks
-    (export/gguf_blocks.py). The graph adds the offsets as (block sums of x) @ block_offsets beside the
-    MatMulNBits node."""
+    """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - 2^(bits - 1)) * scale +
+    offset for the block of `block_size` consecutive k in column n, from a GGUF file's own quantized blocks
+    (export/gguf_blocks.py), part after part along the outputs (Q, K and V of a packed linear). The graph
+    writes them compactly (export/compact_blocks.py) or as the arrays below, and adds the offsets as (block
+    sums of x) @ block_offsets beside the MatMulNBits node."""
 
     bits: int  # 4 or 8
-    packed: np.ndarray  # uint8 (N, K / block_size, block_size * bits / 8): out features first
-    scales: np.ndarray  # float32 (N, K / block_size)
-    zero_points: np.ndarray | None  # uint8 (N, K / block_size), one per block, unpacked; None: all 2^(bits - 1)
-    block_offsets: np.ndarray | None = None  # float32 (K / block_size, N): the types' minimums; None: all 0
-    block_size: int = 32  # 16 or 32
+    block_size: int  # 16 or 32
+    parts: list[Runs]  # along the outputs, each in these bits and block size
 
     @property
     def shape(self) -> tuple[int, int]:
         """(in, out), as a Linear's weight."""
-        n_out, n_blocks, _ = self.packed.shape
-        return n_blocks * self.block_size, n_out
+        return self.parts[0].values.shape[1], sum(part.values.shape[0] for part in self.parts)
+
+    @property
+    def has_offsets(self) -> bool:
+        return any(part.offsets is not None for part in self.parts)
+
+    @property
+    def packed(self) -> np.ndarray:
+        """MatMulNBits' B: uint8 (N, K / block_size, block_size * bits / 8), out features first."""
+        return pack(np.concatenate([part.values for part in self.parts]), self.bits, self.block_size)
+
+    @property
+    def scales(self) -> np.ndarray:
+        """float32 (N, K / block_size)."""
+        return np.concatenate([part.scales for part in self.parts])
+
+    @property
+    def block_offsets(self) -> np.ndarray | None:
+        """float32 (K / block_size, N): the types' minimums (0 for a part without them); None: all 0."""
+        if not self.has_offsets:
+            return None
+        pieces = [part.offsets if part.offsets is not None else np.zeros_like(part.scales) for part in self.parts]
+        return np.ascontiguousarray(np.concatenate(pieces).T)
 
 
 @dataclass
@@ -102,7 +123,7 @@ class Decoder:
     layers: list[Layer]
     final_norm: Norm
     lm_head: np.ndarray | None  # (C, V); None: tied, the embedding's transpose
-    head_nbits: NBits | None = None  # the LM head (and a tied embedding, with zero_points None) as blocks
+    head_nbits: NBits | None = None  # the LM head (and a tied embedding) as blocks
     embedding_nbits: NBits | None = None  # untied: the token embedding as blocks, its rows gathered from them
     position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
     rotary_cos: np.ndarray | None = None  # (P, head_dim / 2): rotary positions inside attention (Llama)

@@ -20,7 +20,7 @@ from ..runtime.contract import TOKENIZER_FILE
 from .checkpoint import CheckpointError, read_json
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 from .gguf import GGUFError, gemma3_config, gemma3_tensors, gpt2_config, gpt2_tensors, llama_config, llama_tensors
-from .gguf_blocks import Runs, pack, widen
+from .gguf_blocks import Runs, widen
 from .gpt2 import GPT
 from .gpt2_checkpoint import build_gpt, config_from_hf, load_checkpoint
 from .hf_checkpoint import build_llama, gemma3_config_from_hf, llama_config_from_hf, load_llama, read_extras, renamed
@@ -39,14 +39,7 @@ def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
     if any(part is None for part in parts):
         return None
     bits, block_size = max(part.bits for part in parts), min(part.block_size for part in parts)
-    parts = [widen(part, bits, block_size) for part in parts]
-    values = np.concatenate([part.values for part in parts])  # (N, K)
-    offsets = None
-    if any(part.offsets is not None for part in parts):  # the others' runs have offset 0
-        pieces = [part.offsets if part.offsets is not None else np.zeros_like(part.scales) for part in parts]
-        offsets = np.ascontiguousarray(np.concatenate(pieces).T)  # (K / block_size, N)
-    scales = np.concatenate([part.scales for part in parts])  # (N, K / block_size)
-    return NBits(bits, pack(values, bits, block_size), scales, None, offsets, block_size)
+    return NBits(bits, block_size, [widen(part, bits, block_size) for part in parts])
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from .gguf_blocks import Runs, to_runs
+from .gguf_blocks import Runs, by_rows, to_runs
 from .gguf_header import HeaderError, read_header
 from .gguf_tokenizer import build_tokenizer_json
 from .limits import MAX_NORM_EPSILON, checked_number, context_length_problem
@@ -152,8 +152,7 @@ class GGUFModel:
         runs = to_runs(stored.tensor_type, stored.data, entry.shape[1])
         if runs is None or not entry.heads:
             return runs
-        values, scales, offsets = (None if a is None else _unpermute_rows(a, entry.heads) for a in runs[2:])
-        return runs._replace(values=values, scales=scales, offsets=offsets)
+        return by_rows(runs, lambda a: _unpermute_rows(a, entry.heads))
 
 
 def _number(

@@ -42,36 +42,29 @@ from edgelm.nbits_gather import gather_from_nbits
 from edgelm.onnxfile import placeholder
 
 from ..runtime.contract import IONames
+from .compact_blocks import write_blocks
 from .decoder import Decoder, Layer, Linear, NBits, Norm
 
 MS_DOMAIN = "com.microsoft"
 
 
-def _nbits_names(prefix: str, nbits: NBits) -> list[str]:
-    names = [f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales"]
-    return names + ([f"{prefix}.weight_zero_points"] if nbits.zero_points is not None else [])
-
-
-def _packed_zero_points(zero_points: np.ndarray, bits: int) -> np.ndarray:
-    """MatMulNBits' zero point input from one uint8 per (N, K / block_size) block: 4 bits pack two blocks a
-    byte (even block in the low nibble), each column padded to whole bytes; 8 bits, one a byte."""
-    if bits == 8:
-        return zero_points.reshape(-1)
-    n, blocks = zero_points.shape
-    padded = np.zeros((n, blocks + blocks % 2), np.uint8)
-    padded[:, :blocks] = zero_points
-    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+def _nbits_names(prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
+    """MatMulNBits' B and scales, and the block offsets (None: the blocks have none)."""
+    offsets = f"{prefix}.weight_block_offsets" if nbits.has_offsets else None
+    return f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales", offsets
 
 
 class _GraphBuilder:
     """Collects nodes and initializers; names every node after its output."""
 
-    def __init__(self, *, accuracy_level: int):
+    def __init__(self, *, accuracy_level: int, compact: bool):
+        self.weight_nodes: list[onnx.NodeProto] = []  # compact blocks' unpacking, first in the graph
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []  # placeholders: the data is in `weights`
         self.weights: dict[str, np.ndarray] = {}
         self.value_info: list[onnx.ValueInfoProto] = []
         self.accuracy_level = accuracy_level  # MatMulNBits: 0 float activations, 4 int8 activations
+        self.compact = compact  # kept blocks as bit planes and factors (export/compact_blocks.py)
 
     def float_output(self, name: str, shape: list) -> str:
         """Declare a contrib op's output: ONNX shape inference cannot type com.microsoft nodes, and the
@@ -80,7 +73,7 @@ class _GraphBuilder:
         return name
 
     def constant(self, name: str, array: np.ndarray) -> str:
-        """An initializer; floating arrays are written as float32 (by save_model, without a copy here)."""
+        """An initializer; floating arrays but float16 ones are written as float32 (by save_model, no copy here)."""
         array = np.asarray(array)
         self.initializers.append(placeholder(name, array))
         self.weights[name] = array
@@ -96,22 +89,34 @@ class _GraphBuilder:
         self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, domain=domain, **attributes))
         return output
 
-    def nbits_weights(self, prefix: str, nbits: NBits) -> list[str]:
-        """MatMulNBits' constant inputs: packed blocks, scales and, unless symmetric, zero points."""
-        arrays = [nbits.packed, nbits.scales]
-        if nbits.zero_points is not None:
-            arrays.append(_packed_zero_points(nbits.zero_points, nbits.bits))
-        return [self.constant(name, array) for name, array in zip(_nbits_names(prefix, nbits), arrays, strict=True)]
+    def weight_op(self, op_type: str, inputs: list[str], output: str, **attributes) -> str:
+        """A node of constants only, which ONNX Runtime folds at load (export/compact_blocks.py)."""
+        self.weight_nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attributes))
+        return output
+
+    def nbits_weights(self, prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
+        """MatMulNBits' B and scales and the block offsets (None: none), as initializers or, compact, as the
+        outputs of nodes that compute them from smaller ones."""
+        packed, scales, offsets = _nbits_names(prefix, nbits)
+        if self.compact:
+            write_blocks(self, nbits, packed=packed, scales=scales, offsets=offsets)
+        else:
+            self.constant(packed, nbits.packed)
+            self.constant(scales, nbits.scales)
+            if offsets is not None:
+                self.constant(offsets, nbits.block_offsets)
+        return packed, scales, offsets
 
     def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:
         """x @ W on the blocks; with block offsets (Q4_1's w = d * q + m) the integer-zero-point product
         plus (block sums of x) @ offsets, which keeps ONNX Runtime on its fast kernels."""
         k, n = nbits.shape
-        product = output if nbits.block_offsets is None else f"{output}/blocks"
+        packed, scales, offsets = self.nbits_weights(prefix, nbits)
+        product = output if offsets is None else f"{output}/blocks"
         self.nodes.append(
             helper.make_node(
                 "MatMulNBits",
-                [x, *self.nbits_weights(prefix, nbits)],
+                [x, packed, scales],
                 [product],
                 name=product,
                 domain=MS_DOMAIN,
@@ -123,14 +128,13 @@ class _GraphBuilder:
             )
         )
         self.float_output(product, ["batch_size", "sequence_length", n])
-        if nbits.block_offsets is None:
+        if offsets is None:
             return product
         split = np.array([0, 0, k // nbits.block_size, nbits.block_size], dtype=np.int64)
         shape = self.small_constant(f"{prefix}/block_shape", split)
         blocks = self.op("Reshape", [x, shape], f"{prefix}/Reshape")  # (B, S, K / block_size, block_size)
         axis = self.small_constant(f"{prefix}/block_axis", np.array([-1], dtype=np.int64))
         sums = self.op("ReduceSum", [blocks, axis], f"{prefix}/ReduceSum", keepdims=0)  # (B, S, K / block_size)
-        offsets = self.constant(f"{prefix}.weight_block_offsets", nbits.block_offsets)  # (K / block_size, N)
         correction = self.op("MatMul", [sums, offsets], f"{prefix}/offsets")  # (B, S, N)
         return self.op("Add", [product, correction], output)
 
@@ -247,14 +251,15 @@ class _GraphBuilder:
 
 
 def build_fused_graph(
-    decoder: Decoder, io: IONames, *, opset: int = 17, accuracy_level: int = 4
+    decoder: Decoder, io: IONames, *, opset: int = 17, accuracy_level: int = 4, compact: bool = True
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The decoder as an ONNX graph with fused attention and a shared KV buffer, and its weights: initializer
-    name -> array, for edgelm.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only).
-    io: the manifest's names; its logits_to_keep names the optional input."""
+    name -> array, for edgelm.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only);
+    compact: kept blocks as bit planes and the file's factors, unpacked at load (export/compact_blocks.py),
+    else as MatMulNBits' own arrays. io: the manifest's names; its logits_to_keep names the optional input."""
     assert io.logits_to_keep is not None, "the fused graph takes the number of positions to keep as an input"
     d = decoder
-    g = _GraphBuilder(accuracy_level=accuracy_level)
+    g = _GraphBuilder(accuracy_level=accuracy_level, compact=compact)
     one = g.small_constant("const_one", np.array(1, dtype=np.int64))
     axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
     x, head = _embeddings(g, d, io)
@@ -287,7 +292,7 @@ def build_fused_graph(
 
     inputs, outputs = _graph_io(d, io)
     graph = helper.make_graph(
-        g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
+        g.weight_nodes + g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
@@ -307,9 +312,7 @@ def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | N
             table = "lm_head.weight_T" if d.head_nbits is not None else g.constant("lm_head.weight_T", d.embedding.T)
             head = table
         else:
-            g.nbits_weights("embed", d.embedding_nbits)
-            if d.embedding_nbits.block_offsets is not None:
-                g.constant("embed.weight_block_offsets", d.embedding_nbits.block_offsets)  # (C / block, V)
+            g.nbits_weights("embed", d.embedding_nbits)  # offsets (C / block, V) too, where it has them
             table = "embed.weight_T"
         columns = g.op("Gather", [table, io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
         x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)
@@ -383,8 +386,9 @@ def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder) -> None:
     table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
     if table is None:
         return
-    assert table.zero_points is None, "an embedding gathers blocks with the default zero point only"
     gather = next(n for n in model.graph.node if n.name == "embed/Gather")
-    packed, scales = _nbits_names(prefix, table)
-    offsets = f"{prefix}.weight_block_offsets" if table.block_offsets is not None else None  # (K / block, V)
-    gather_from_nbits(model, gather, packed, scales, bits=table.bits, block_size=table.block_size, offsets=offsets)
+    packed, scales, offsets = _nbits_names(prefix, table)  # offsets: (K / block, V)
+    n_blocks = table.shape[0] // table.block_size
+    gather_from_nbits(
+        model, gather, packed, scales, bits=table.bits, block_size=table.block_size, n_blocks=n_blocks, offsets=offsets
+    )

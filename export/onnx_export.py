@@ -185,6 +185,7 @@ def export_package(
     accuracy_level: int = 4,
     tolerance: float | None = None,
     overwrite: bool = False,
+    compact_blocks: bool = True,
     progress: Progress = print,
 ) -> dict:
     """Checkpoint folder or GGUF file -> model package folder. Writes to a temporary folder beside `out_dir`
@@ -195,7 +196,9 @@ def export_package(
     to int8, 0 keeps them float; export/gguf_blocks.py) unless `dequantize` asks for an fp32 package or the
     graph is "standard"; keep_gguf_quantization (the old opt-in) insists on it. tolerance: the largest |logit
     difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept blocks at
-    accuracy_level 4."""
+    accuracy_level 4. compact_blocks: kept blocks as bit planes and the file's factors, which ONNX Runtime
+    unpacks at load (export/compact_blocks.py); False writes MatMulNBits' arrays themselves, a bigger package
+    that loads faster and with a lower memory peak (docs/results.md)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
@@ -211,8 +214,13 @@ def export_package(
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
     )  # fmt: skip
     manifest = plan.manifest
+    if plan.keep:  # compact: ONNX Runtime computes the blocks at load, by constant folding (export/compact_blocks.py)
+        manifest.recipe["storage"] = "compact" if compact_blocks else "plain"
     with staged as staging:
-        _write_graph(plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, progress=progress)
+        _write_graph(
+            plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, compact=compact_blocks,
+            progress=progress,
+        )  # fmt: skip
         manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress)
         progress("[4/4] writing package files")
         _write_files(staging, manifest, source)
@@ -263,9 +271,11 @@ def _plan(
     return _Plan(manifest=manifest, decoder=decoder, keep=keep, tolerance=tolerance)
 
 
-def _write_graph(plan: _Plan, model: torch.nn.Module, path: Path, *, accuracy_level: int, progress: Progress) -> None:
-    """Step 2: the fused graph built from the plan's Decoder (which it then lets go), or the standard graph
-    traced from the model; saved with its weights beside it."""
+def _write_graph(
+    plan: _Plan, model: torch.nn.Module, path: Path, *, accuracy_level: int, compact: bool, progress: Progress
+) -> None:
+    """Step 2: the fused graph built from the plan's Decoder (which it then lets go; compact: its kept blocks as
+    bit planes), or the standard graph traced from the model; saved with its weights beside it."""
     manifest = plan.manifest
     opset, last_token_logits = manifest.export["opset"], manifest.export["last_token_logits"]
     progress(
@@ -273,7 +283,9 @@ def _write_graph(plan: _Plan, model: torch.nn.Module, path: Path, *, accuracy_le
         f"{', last-token logits' if last_token_logits else ''})"
     )
     if plan.fused:
-        graph, weights = build_fused_graph(plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level)
+        graph, weights = build_fused_graph(
+            plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level, compact=compact
+        )
         plan.decoder = None  # save_model drops each array once written: its float copies go one by one
         manifest.export["external_data"] = save_model(graph, path, weights=weights)
     else:

@@ -208,6 +208,13 @@ def _parse_records(data: dict, where: str) -> dict:
     return objects
 
 
+# ONNX Runtime's graph optimization level for every package (runtime/session.py; genai_config.json says it to
+# onnxruntime-genai). At least "basic": its constant folding computes the MatMulNBits inputs of compact GGUF
+# blocks (recipe.storage "compact", export/compact_blocks.py); unfolded, those nodes take ONNX Runtime's
+# unprepacked path, far slower and at accuracy level 4 wrong (docs/results.md, "Compact storage").
+GRAPH_OPTIMIZATION_LEVEL = "ORT_ENABLE_ALL"
+
+
 def genai_config(manifest: Manifest) -> dict:
     """genai_config.json for a package, as onnxruntime-genai reads it. The model type is the one the package
     records (its family's genai type, export/families.py): the contract holds no family's mapping."""
@@ -241,7 +248,11 @@ def _genai_decoder(manifest: Manifest) -> dict:
     inputs |= {"past_key_names": io.past_key, "past_value_names": io.past_value}
     return {
         "filename": manifest.model_file,
-        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "session_options": {
+            "log_id": "onnxruntime-genai",
+            "provider_options": [],
+            "graph_optimization_level": GRAPH_OPTIMIZATION_LEVEL,
+        },
         "head_size": arch.head_dim,
         "hidden_size": arch.details.get("n_embd", arch.n_head * arch.head_dim),
         "num_attention_heads": arch.n_head,

@@ -4,14 +4,16 @@ Runtime failure in the middle of generation."""
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from .contract import GENAI_CONFIG_FILE, MANIFEST_FILE
+from .contract import GENAI_CONFIG_FILE, GRAPH_OPTIMIZATION_LEVEL, MANIFEST_FILE
 from .errors import PackageError, ProviderError
 from .foreign import HF_CONFIG_FILE
 from .package import PackageSpec
@@ -47,15 +49,31 @@ def resolve_providers(provider: str) -> list[str]:
 
 def open_session(model_path: Path, providers: list[str], threads: int | None) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, GRAPH_OPTIMIZATION_LEVEL)  # >= basic
     options.log_severity_level = 3  # errors only: warnings about unused initializers are noise to users
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
     try:
-        return ort.InferenceSession(str(model_path), options, providers=providers)
+        session = ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own pybind exception types
         raise PackageError(f"ONNX Runtime cannot load {model_path.name}: {ort_reason(e)}") from None
+    _return_freed_heap()
+    return session
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap that building the session freed back to the system. Constant folding of compact GGUF
+    blocks (export/compact_blocks.py) makes and frees several copies of their weights; glibc keeps such freed
+    memory in the process until asked (what that kept: docs/results.md, "Compact storage")."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # another C library: nothing to ask it
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 @dataclass

@@ -28,6 +28,28 @@ def copy_package(package: Path, tmp_path: Path, name: str = "copy") -> Path:
     return Path(shutil.copytree(package, tmp_path / name))
 
 
+def folded_graph(package: Path, tmp_path: Path, *, level: str = "basic"):
+    """(graph, initializer name -> array) of the package's model.onnx as ONNX Runtime runs it, after its graph
+    optimizations at `level` ("basic", "extended", "all"): compact blocks' unpacking folded into MatMulNBits'
+    constant inputs (export/compact_blocks.py)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    folder = tmp_path / f"folded-{level}"
+    folder.mkdir()
+    for name in ("model.onnx", "model.onnx.data"):  # the optimized model points into the same data file
+        if (package / name).exists():
+            shutil.copyfile(package / name, folder / name)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_ENABLE_{level.upper()}")
+    options.optimized_model_filepath = str(folder / "optimized.onnx")
+    ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    graph = onnx.load(str(folder / "optimized.onnx")).graph
+    return graph, {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+
+
 def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
     data = json.loads(path.read_text())
     edit(data)

@@ -5,14 +5,12 @@ MatMulNBits blocks against the GGUF's own weights; a hostile file at the command
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from onnx import numpy_helper
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from helpers import quiet  # noqa: E402
+from helpers import folded_graph, quiet  # noqa: E402
 from test_gguf import _unpack, write_gguf  # noqa: E402  (pytest puts tests/ on the path)
 
 from edgelm.cli import main  # noqa: E402
@@ -65,11 +63,10 @@ def kept(tmp_path_factory):
     return path, folder / "pkg", manifest
 
 
-def test_kept_blocks_dequantize_to_the_gguf_weights(kept):
+def test_kept_blocks_dequantize_to_the_gguf_weights(kept, tmp_path):
     path, package, manifest = kept
     weights = read_gguf(path)
-    graph = onnx.load(str(package / "model.onnx")).graph
-    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    graph, inits = folded_graph(package, tmp_path)  # the compact blocks as ONNX Runtime unpacks them
     nodes = {n.name: n for n in graph.node if n.op_type == "MatMulNBits"}
     parts = {
         "layers.0.qkv/MatMulNBits": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],

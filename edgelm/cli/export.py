@@ -91,6 +91,13 @@ def _add_gguf_options(p: argparse.ArgumentParser) -> None:
         default=4,
         help="kept GGUF blocks: MatMulNBits' accuracy_level, 4 (default) int8 activations, 0 float",
     )
+    p.add_argument(
+        "--plain-blocks",
+        action="store_true",
+        help="kept GGUF blocks as MatMulNBits' own 4- and 8-bit arrays and float32 scales: a bigger package that "
+        "loads faster and with a lower memory peak (docs/results.md). By default 5- and 6-bit values are stored as "
+        "bit planes and scales as the file's own numbers, which ONNX Runtime unpacks when a session loads",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,5 +115,6 @@ def run(args: argparse.Namespace) -> int:
         accuracy_level=args.accuracy_level,
         tolerance=args.tolerance,
         overwrite=args.overwrite,
+        compact_blocks=not args.plain_blocks,
     )
     return 0
