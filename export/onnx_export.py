@@ -42,6 +42,7 @@ from .decoder import Decoder
 from .families import Blocks
 from .gguf_blocks import LAYOUT_NAMES as LAYOUT
 from .graph import build_fused_graph
+from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
 from .parity import check_parity, check_parity_shared
 from .source import Source, open_source
 from .tokenizer_config import tokenizer_config
@@ -185,6 +186,8 @@ def export_package(
     accuracy_level: int = 4,
     tolerance: float | None = None,
     overwrite: bool = False,
+    lora: list[tuple[str | Path, float]] = (),
+    lora_slots: SlotSpec | None = None,
     progress: Progress = print,
 ) -> dict:
     """Checkpoint folder or GGUF file -> model package folder. Writes to a temporary folder beside `out_dir`
@@ -195,7 +198,8 @@ def export_package(
     to int8, 0 keeps them float; export/gguf_blocks.py) unless `dequantize` asks for an fp32 package or the
     graph is "standard"; keep_gguf_quantization (the old opt-in) insists on it. tolerance: the largest |logit
     difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept blocks at
-    accuracy_level 4."""
+    accuracy_level 4. lora: PEFT adapter folders and scales merged into the weights (export/lora.py);
+    lora_slots: run-time LoRA slots (fused graph only)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
@@ -204,13 +208,21 @@ def export_package(
         keep_gguf_quantization=keep_gguf_quantization,
         accuracy_level=accuracy_level,
     )
+    if lora_slots is not None and attention != "fused":
+        raise ValueError("LoRA slots need the fused graph (--attention fused)")
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
+    adapters = read_adapters(list(lora))
     source = _load(checkpoint, untie=untie, keep_gguf_quantization=keep_gguf_quantization, progress=progress)
+    apply_lora(source, adapters, progress=progress)
     plan = _plan(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
     )  # fmt: skip
     manifest = plan.manifest
+    slots = plan_slots(source.model, source.family, lora_slots) if lora_slots is not None else None
+    if slots is not None:
+        add_slots(plan.decoder, slots)
+    manifest.lora = lora_record(adapters, slots)
     with staged as staging:
         _write_graph(plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, progress=progress)
         manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress)
@@ -393,4 +405,5 @@ def _write_files(staging: Path, manifest: Manifest, source: Source) -> None:
         config = tokenizer_config(tokenizer_json, manifest, chat_template=source.chat_template)
         write_json(staging / TOKENIZER_CONFIG_FILE, config)
     manifest.files = list_files(staging)
+    finish_lora(manifest)
     write_json(staging / MANIFEST_FILE, manifest.to_json())
