@@ -80,7 +80,8 @@ def _read_values(path: Path, slots: LoraSlots) -> dict[str, np.ndarray]:
         adapter = ort.AdapterFormat.read_adapter(str(path))
         if adapter.get_model_version() != model_version(slots.base_sha256):
             raise AdapterError(f"{path.name} was made for another base model (its model_version differs)")
-        return {name: value.numpy() for name, value in adapter.get_parameters().items()}
+        # copied: the values are views of the reader's buffer, freed with it
+        return {name: np.array(value.numpy(), copy=True) for name, value in adapter.get_parameters().items()}
     except AdapterError:
         raise
     except Exception as e:  # onnxruntime's pybind types: a truncated or foreign file
