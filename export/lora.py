@@ -241,8 +241,9 @@ def read_adapters(lora: list[tuple[str | Path, float]]) -> list[PeftAdapter]:
     return [read_peft_adapter(folder, scale=scale) for folder, scale in lora]
 
 
-def apply_lora(source, adapters: list[PeftAdapter], *, progress: Progress) -> None:
-    """Merge the adapters into the source's reference model; kept GGUF blocks of merged linears are dropped."""
+def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progress: Progress) -> None:
+    """Merge the adapters into the source's reference model; kept GGUF blocks of merged linears are dropped
+    (keeps_blocks: whether the package would keep a GGUF file's blocks at all)."""
     if not adapters:
         return
     merged = merge_adapters(source.model, adapters, family=source.family.name)
@@ -252,9 +253,8 @@ def apply_lora(source, adapters: list[PeftAdapter], *, progress: Progress) -> No
                  f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}")  # fmt: skip
     if source.blocks is not None:
         source.blocks = without_blocks(source.blocks, merged)
-        progress(
-            f"      {len(merged)} GGUF weights the adapters change are written as fp32 (the rest keep their blocks)"
-        )
+        if keeps_blocks:
+            progress(f"      the {len(merged)} GGUF weights the adapters change are fp32 (the rest keep their blocks)")
 
 
 def lora_record(adapters: list[PeftAdapter], slots: LoraSlots | None) -> dict | None:

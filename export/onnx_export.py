@@ -213,7 +213,7 @@ def export_package(
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     adapters = read_adapters(list(lora))
     source = _load(checkpoint, untie=untie, keep_gguf_quantization=keep_gguf_quantization, progress=progress)
-    apply_lora(source, adapters, progress=progress)
+    apply_lora(source, adapters, keeps_blocks=attention == "fused" and not dequantize, progress=progress)
     plan = _plan(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
