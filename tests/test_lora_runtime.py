@@ -80,7 +80,11 @@ def test_slots_record_and_graph(case):
     assert record["base_sha256"] == slots["base_sha256"] and record["source"]["ranks"] == [8]
     graph = onnx.load(str(case["package"] / "model.onnx"), load_external_data=False).graph
     lora_inputs = [i for i in graph.input if "lora_" in i.name]
-    assert len(lora_inputs) == 2 * 4 * 2  # A and B of 4 linears in 2 layers
+    from edgelm.runtime.lora_contract import parse_slots
+
+    shapes = parse_slots(manifest["lora"], "edgelm.json").shapes()  # A of 4 linears in 2 layers, a B per packed part
+    assert len(lora_inputs) == len(shapes) == 2 * (4 + (7 if case["base"] == "llama" else 4))
+    assert {i.name for i in lora_inputs} == set(shapes)
 
 
 def test_alternating_adapters_equal_each_alone(case):
