@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import torch
 
 from ..runtime.contract import MANIFEST_FILE, Manifest
@@ -36,7 +37,7 @@ from ..runtime.lora_contract import (
     model_version,
     parse_slots,
 )
-from ..runtime.package import read_package
+from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
 from .peft_adapter import PeftAdapter, read_peft_adapter
@@ -199,8 +200,6 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
 def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0) -> Path:
     """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base.
     AdapterError for a package without slots or an adapter that does not fit them."""
-    import onnxruntime as ort
-
     out = Path(out)
     if out.suffix != ADAPTER_SUFFIX:
         raise AdapterError(f"the adapter file's name must end in {ADAPTER_SUFFIX}, got {out.name}")
@@ -218,8 +217,6 @@ def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Pat
     writer.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.export_adapter(str(out))
-    from ..runtime.package import file_sha256
-
     record = AdapterRecord(file_sha256(out), slots.base_sha256, slots.max_rank, adapter.record())
     Path(f"{out}{RECORD_SUFFIX}").write_text(json.dumps(record.to_json(), indent=2) + "\n", encoding="utf-8")
     return out
