@@ -147,25 +147,17 @@ class _GraphBuilder:
         return self.op("Add", [product, self.constant(f"{prefix}.bias", layer.bias)], f"{prefix}/Add")
 
     def lora_slot(self, x: str, prefix: str, layer: Linear, product: str) -> str:
-        """product + (x @ A) @ B: A (in, parts * r) and each packed part's B (r, width) are graph inputs whose
-        defaults have r = 0, so the base costs a few near-empty nodes; a run binds an adapter's (runtime/adapters.py).
-        Packed parts (Q, K, V) split x @ A into one piece each and concatenate their products."""
-        k = layer.nbits.shape[0] if layer.nbits is not None else layer.weight.shape[0]
-        a, bs = layer.lora
+        """product + (x @ A) @ B: A (in, r) and B (r, out) graph inputs whose defaults have r = 0, so the base
+        costs three near-empty nodes; a run binds an adapter's A and B (runtime/adapters.py)."""
+        k, n = layer.nbits.shape if layer.nbits is not None else layer.weight.shape
+        a, b = layer.lora
         rank = f"{prefix.split('.', 2)[-1]}_lora_rank"  # one symbolic width per kind of linear
-        self.lora_inputs.append(helper.make_tensor_value_info(a, TensorProto.FLOAT, [k, f"{rank}_parts"]))
+        self.lora_inputs.append(helper.make_tensor_value_info(a, TensorProto.FLOAT, [k, rank]))
+        self.lora_inputs.append(helper.make_tensor_value_info(b, TensorProto.FLOAT, [rank, n]))
         self.constant(a, np.zeros((k, 0), np.float32))
-        down = self.op("MatMul", [x, a], f"{prefix}/lora_A")  # (B, T, parts * r)
-        pieces = [down]
-        if len(bs) > 1:
-            pieces = [f"{prefix}/lora_A_{i}" for i in range(len(bs))]  # (B, T, r) each: an equal split
-            self.nodes.append(helper.make_node("Split", [down], pieces, name=f"{prefix}/lora_Split", axis=-1))
-        deltas = []
-        for i, (piece, (b, width)) in enumerate(zip(pieces, bs, strict=True)):
-            self.lora_inputs.append(helper.make_tensor_value_info(b, TensorProto.FLOAT, [rank, width]))
-            self.constant(b, np.zeros((0, width), np.float32))
-            deltas.append(self.op("MatMul", [piece, b], f"{prefix}/lora_B{i}"))  # (B, T, width)
-        delta = deltas[0] if len(deltas) == 1 else self.op("Concat", deltas, f"{prefix}/lora_Concat", axis=-1)
+        self.constant(b, np.zeros((0, n), np.float32))
+        down = self.op("MatMul", [x, a], f"{prefix}/lora_A")  # (B, T, r)
+        delta = self.op("MatMul", [down, b], f"{prefix}/lora_B")  # (B, T, out)
         return self.op("Add", [product, delta], f"{prefix}/lora_Add")
 
     def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder) -> str:

@@ -135,15 +135,21 @@ def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSl
         )
     modules = dict(model.named_modules())
     linears: dict[str, SlotLinear] = {}
+    offsets: dict[str, int] = {}
     for template, linear in table:  # in the packed order: a part's offset counts the parts before it
         module = modules[template % 0]
-        slot = linears.setdefault(linear, SlotLinear(f"layers.%d.{linear}.lora_A", module.in_features, 0, []))
-        b = f"layers.%d.{linear}.lora_B{len(slot.parts)}"
-        slot.parts.append({"module": template, "offset": slot.out_features, "width": module.out_features, "b": b,
-                           "slotted": _selected(template, spec.modules)})  # fmt: skip
-        slot.out_features += module.out_features
-    chosen = [slot for slot in linears.values() if any(part["slotted"] for part in slot.parts)]
-    return LoraSlots(spec.max_rank, list(spec.modules), model.config.n_layer, "", chosen)
+        offset = offsets.get(linear, 0)
+        offsets[linear] = offset + module.out_features
+        if not _selected(template, spec.modules):
+            continue
+        slot = linears.setdefault(
+            linear, SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", module.in_features, 0, [])
+        )
+        slot.parts.append({"module": template, "offset": offset, "width": module.out_features})
+    for linear, slot in linears.items():
+        slot.out_features = offsets[linear]
+    n_layer = model.config.n_layer
+    return LoraSlots(spec.max_rank, list(spec.modules), n_layer, "", list(linears.values()))
 
 
 def add_slots(decoder: Decoder, slots: LoraSlots) -> None:
@@ -151,7 +157,7 @@ def add_slots(decoder: Decoder, slots: LoraSlots) -> None:
     for slot in slots.linears:
         linear = slot.a.split(".")[2]  # "layers.%d.qkv.lora_A" -> the Layer field "qkv"
         for index, layer in enumerate(decoder.layers):
-            getattr(layer, linear).lora = (slot.a % index, [(part["b"] % index, part["width"]) for part in slot.parts])
+            getattr(layer, linear).lora = (slot.a % index, slot.b % index)
 
 
 def weights_hash(manifest: Manifest) -> str:
@@ -164,18 +170,18 @@ def weights_hash(manifest: Manifest) -> str:
 
 
 def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[str, np.ndarray]:
-    """Every slot tensor for this adapter: A (in, parts * R) and each part's B (R, width), zero where it adapts
-    nothing (ranks below R included)."""
+    """Every slot tensor for this adapter: A (in, parts * R), B (parts * R, out), zero where it adapts nothing."""
     rank, used = slots.max_rank, set()
     tensors = {}
     for slot in slots.linears:
+        width = len(slot.parts) * rank
         for layer in range(slots.n_layer):
-            a = tensors[slot.a % layer] = np.zeros((slot.in_features, len(slot.parts) * rank), np.float32)
+            a = np.zeros((slot.in_features, width), np.float32)
+            b = np.zeros((width, slot.out_features), np.float32)
             for index, part in enumerate(slot.parts):
                 path = part["module"] % layer
-                b = tensors[part["b"] % layer] = np.zeros((rank, part["width"]), np.float32)
                 weights = adapter.modules.get(path)
-                if weights is None or not part["slotted"]:
+                if weights is None:
                     continue
                 used.add(path)
                 if weights.rank > rank:
@@ -185,8 +191,10 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
                         f"{where}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) weight but the "
                         f"package's is ({part['width']}, {slot.in_features}) (shape mismatch)"
                     )
-                a[:, index * rank : index * rank + weights.rank] = weights.a.T
-                b[: weights.rank] = weights.scale * weights.b.T
+                columns = slice(index * rank, index * rank + weights.rank)
+                a[:, columns] = weights.a.T
+                b[columns, part["offset"] : part["offset"] + part["width"]] = weights.scale * weights.b.T
+            tensors[slot.a % layer], tensors[slot.b % layer] = a, b
     missing = sorted(set(adapter.modules) - used)
     if missing:
         raise AdapterError(

@@ -1,20 +1,17 @@
 """LoRA in the package contract: the manifest's `lora` record and the record beside a converted adapter.
 
-A package exported with LoRA slots adds x @ A @ B to the named linears, A and B being overridable
-initializers (graph inputs with a default) whose defaults have rank 0, so the base runs unchanged; an adapter
-file (ONNX Runtime's `.onnx_adapter` format, onnxruntime.AdapterFormat) holds values for them, and a run that
-binds them runs the adapted model. Linears packed into one MatMul (Q, K, V; gate, up) share one A,
-(in, parts * max_rank), whose product is split into one (max_rank,) piece per part, each multiplied by that
-part's own B, (max_rank, width), and concatenated: no block of zeros is stored or multiplied. The manifest
-says which tensors those are, which PEFT module each part is (a part not asked for has a B that every adapter
-leaves zero), and the hash of the base they belong to:
+A package exported with LoRA slots adds x @ A @ B to the named linears, A (in, parts * max_rank) and
+B (parts * max_rank, out) being overridable initializers (graph inputs with a default) that are zero by
+default, so the base runs unchanged; an adapter file (ONNX Runtime's `.onnx_adapter` format,
+onnxruntime.AdapterFormat) holds values for them, and a run that binds them runs the adapted model. The
+manifest says which tensors those are, which PEFT modules each packs (Q, K and V share one slot, their
+B block-diagonal), and the hash of the base they belong to:
 
     "lora": {"slots": {"max_rank": 16, "modules": ["q_proj", "v_proj"], "n_layer": 30,
                        "base_sha256": "...",
-                       "linears": [{"a": "layers.%d.qkv.lora_A", "in": 576, "out": 960,
-                                    "parts": [{"module": "model.layers.%d.self_attn.q_proj", "offset": 0,
-                                               "width": 576, "b": "layers.%d.qkv.lora_B0", "slotted": true},
-                                              ...]}]},
+                       "linears": [{"a": "layers.%d.qkv.lora_A", "b": "layers.%d.qkv.lora_B", "in": 576,
+                                    "out": 960, "parts": [{"module": "model.layers.%d.self_attn.q_proj",
+                                                            "offset": 0, "width": 576}, ...]}]},
              "merged": [{"adapter": "...", "sha256": "...", "scale": 1.0, ...}]}
 
 `edgelm adapter convert` writes `NAME.onnx_adapter` and `NAME.onnx_adapter.json` (AdapterRecord): the
@@ -45,11 +42,10 @@ class SlotLinear:
     """One slotted linear kind, the same in every layer (names hold %d for the layer)."""
 
     a: str  # "layers.%d.qkv.lora_A": (in, len(parts) * max_rank)
+    b: str  # "layers.%d.qkv.lora_B": (len(parts) * max_rank, out)
     in_features: int
     out_features: int
-    # {"module": PEFT module path with %d, "offset": first output column, "width": columns, "b": its B's name with
-    # %d, (max_rank, width), "slotted": whether adapters may adapt it (else its B stays zero)}
-    parts: list[dict]
+    parts: list[dict]  # {"module": PEFT module path with %d, "offset": first output column, "width": columns}
 
 
 @dataclass
@@ -64,16 +60,16 @@ class LoraSlots:
         """Every slot tensor's name -> shape."""
         out = {}
         for linear in self.linears:
+            width = len(linear.parts) * self.max_rank
             for layer in range(self.n_layer):
-                out[linear.a % layer] = (linear.in_features, len(linear.parts) * self.max_rank)
-                for part in linear.parts:
-                    out[part["b"] % layer] = (self.max_rank, part["width"])
+                out[linear.a % layer] = (linear.in_features, width)
+                out[linear.b % layer] = (width, linear.out_features)
         return out
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["linears"] = [
-            {"a": x.a, "in": x.in_features, "out": x.out_features, "parts": x.parts} for x in self.linears
+            {"a": x.a, "b": x.b, "in": x.in_features, "out": x.out_features, "parts": x.parts} for x in self.linears
         ]
         return data
 
@@ -110,13 +106,12 @@ def parse_slots(lora: object, where: str) -> LoraSlots | None:
         parts = linear.get("parts")
         if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
             raise PackageError(f"{where}: each linear needs a non-empty list of parts")
-        for part in parts:
-            _name(part, "b", where), _name(part, "module", where), _positive(part, "width", where)
         parsed.append(
             SlotLinear(
-                _name(linear, "a", where), _positive(linear, "in", where), _positive(linear, "out", where), parts
+                _name(linear, "a", where), _name(linear, "b", where), _positive(linear, "in", where),
+                _positive(linear, "out", where), parts,
             )
-        )
+        )  # fmt: skip
     modules, base = slots.get("modules"), slots.get("base_sha256")
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise PackageError(f"{where}: modules must be a list of names")

@@ -110,7 +110,7 @@ def test_load_refuses_nan_and_wrong_shapes(setup, tmp_path):
     for case, change in {"NaN": lambda a: a.__setitem__((0, 0), np.nan), "shape mismatch": None}.items():
         changed = {key: value.copy() for key, value in arrays.items()}
         if change is None:
-            changed[name] = np.zeros((changed[name].shape[0], 32), np.float32)  # 3 parts of rank 8 take 24
+            changed[name] = np.zeros((changed[name].shape[0], 32), np.float32)  # 3 packed parts of rank 8 take 24
         else:
             change(changed[name])
         writer = ort.AdapterFormat()

@@ -82,8 +82,8 @@ def test_slots_record_and_graph(case):
     lora_inputs = [i for i in graph.input if "lora_" in i.name]
     from edgelm.runtime.lora_contract import parse_slots
 
-    shapes = parse_slots(manifest["lora"], "edgelm.json").shapes()  # A of 4 linears in 2 layers, a B per packed part
-    assert len(lora_inputs) == len(shapes) == 2 * (4 + (7 if case["base"] == "llama" else 4))
+    shapes = parse_slots(manifest["lora"], "edgelm.json").shapes()  # A and B of 4 linears in 2 layers
+    assert len(lora_inputs) == len(shapes) == 2 * 4 * 2
     assert {i.name for i in lora_inputs} == set(shapes)
 
 
