@@ -78,6 +78,7 @@ class Linear:
     weight: np.ndarray | None  # (in, out): MatMul's layout, the transpose of nn.Linear's; None when nbits is set
     bias: np.ndarray | None = None  # (out,)
     nbits: NBits | None = None  # set: the graph multiplies by these blocks (MatMulNBits), not a float weight
+    lora: tuple[str, str] | None = None  # a LoRA slot: the graph adds x @ A @ B, A and B inputs named so
 
     def __post_init__(self) -> None:
         assert (self.weight is None) != (self.nbits is None), "a Linear has a float weight or nbits blocks"

@@ -247,6 +247,24 @@ class Family:
     gguf_architecture: str | None = None  # general.architecture of a llama.cpp file of this family
     gguf_config: Callable[[dict, dict, int], dict] | None = None  # (metadata, tensors, vocab) -> config.json
     gguf_tensors: Callable[[dict], dict] | None = None  # config.json -> HF name -> where the file stores it
+    # LoRA: (module path with %d for the layer, the Decoder Layer's linear it is packed into), in packed order
+    lora_linears: tuple[tuple[str, str], ...] = ()
+
+
+LLAMA_LORA = tuple(
+    (f"model.layers.%d.{path}", linear)
+    for path, linear in (
+        ("self_attn.q_proj", "qkv"), ("self_attn.k_proj", "qkv"), ("self_attn.v_proj", "qkv"),
+        ("self_attn.o_proj", "attention_out"), ("mlp.gate_proj", "up"), ("mlp.up_proj", "up"),
+        ("mlp.down_proj", "down"),
+    )
+)  # fmt: skip
+GPT2_LORA = (
+    ("transformer.h.%d.attn.c_attn", "qkv"),
+    ("transformer.h.%d.attn.c_proj", "attention_out"),
+    ("transformer.h.%d.mlp.c_fc", "up"),
+    ("transformer.h.%d.mlp.c_proj", "down"),
+)
 
 
 def _llama_build(hf: dict, state: dict) -> Llama:
@@ -276,6 +294,7 @@ def _llama_family(name: str) -> Family:
         gguf_architecture=name if hf_class else None,
         gguf_config=partial(llama_config, arch=name, hf_class=hf_class) if hf_class else None,
         gguf_tensors=partial(llama_tensors, permuted=permuted, qk_norm=qk_norm) if hf_class else None,
+        lora_linears=LLAMA_LORA,
     )
 
 
@@ -304,6 +323,7 @@ def _gemma3_family() -> Family:
         gguf_architecture="gemma3",
         gguf_config=gemma3_config,
         gguf_tensors=gemma3_tensors,
+        lora_linears=LLAMA_LORA,
     )
 
 
@@ -319,6 +339,7 @@ FAMILIES: dict[str, Family] = {
         gguf_architecture="gpt2",
         gguf_config=gpt2_config,
         gguf_tensors=gpt2_tensors,
+        lora_linears=GPT2_LORA,
     ),
     **{name: _llama_family(name) for name in MODEL_TYPES},
     "gemma3_text": _gemma3_family(),

@@ -65,6 +65,7 @@ class _GraphBuilder:
         self.value_info: list[onnx.ValueInfoProto] = []
         self.accuracy_level = accuracy_level  # MatMulNBits: 0 float activations, 4 int8 activations
         self.compact = compact  # kept blocks as bit planes and factors (export/compact_blocks.py)
+        self.lora_inputs: list[onnx.ValueInfoProto] = []  # LoRA slots' A and B: overridable, zero-size by default
 
     def float_output(self, name: str, shape: list) -> str:
         """Declare a contrib op's output: ONNX shape inference cannot type com.microsoft nodes, and the
@@ -143,9 +144,25 @@ class _GraphBuilder:
             product = self.matmul_nbits(x, prefix, layer.nbits, f"{prefix}/MatMulNBits")
         else:
             product = self.op("MatMul", [x, self.constant(f"{prefix}.weight", layer.weight)], f"{prefix}/MatMul")
+        if layer.lora is not None:
+            product = self.lora_slot(x, prefix, layer, product)
         if layer.bias is None:
             return product
         return self.op("Add", [product, self.constant(f"{prefix}.bias", layer.bias)], f"{prefix}/Add")
+
+    def lora_slot(self, x: str, prefix: str, layer: Linear, product: str) -> str:
+        """product + (x @ A) @ B: A (in, r) and B (r, out) graph inputs whose defaults have r = 0, so the base
+        costs three near-empty nodes; a run binds an adapter's A and B (runtime/adapters.py)."""
+        k, n = layer.nbits.shape if layer.nbits is not None else layer.weight.shape
+        a, b = layer.lora
+        rank = f"{prefix.split('.', 2)[-1]}_lora_rank"  # one symbolic width per kind of linear
+        self.lora_inputs.append(helper.make_tensor_value_info(a, TensorProto.FLOAT, [k, rank]))
+        self.lora_inputs.append(helper.make_tensor_value_info(b, TensorProto.FLOAT, [rank, n]))
+        self.constant(a, np.zeros((k, 0), np.float32))
+        self.constant(b, np.zeros((0, n), np.float32))
+        down = self.op("MatMul", [x, a], f"{prefix}/lora_A")  # (B, T, r)
+        delta = self.op("MatMul", [down, b], f"{prefix}/lora_B")  # (B, T, out)
+        return self.op("Add", [product, delta], f"{prefix}/lora_Add")
 
     def norm(self, x: str, prefix: str, norm: Norm, decoder: Decoder) -> str:
         if decoder.norm == "rms":  # x / sqrt(mean(x^2) + eps) * weight: ONNX Runtime's contrib op
@@ -291,6 +308,7 @@ def build_fused_graph(
     _logits(g, d, io, x, down, head=head, axis_1=axis_1)
 
     inputs, outputs = _graph_io(d, io)
+    inputs += g.lora_inputs
     graph = helper.make_graph(
         g.weight_nodes + g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
     )

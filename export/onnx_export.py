@@ -42,6 +42,7 @@ from .decoder import Decoder
 from .families import Blocks
 from .gguf_blocks import LAYOUT_NAMES as LAYOUT
 from .graph import build_fused_graph
+from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
 from .parity import check_parity, check_parity_shared
 from .source import Source, open_source
 from .tokenizer_config import tokenizer_config
@@ -186,6 +187,8 @@ def export_package(
     tolerance: float | None = None,
     overwrite: bool = False,
     compact_blocks: bool = True,
+    lora: list[tuple[str | Path, float]] = (),
+    lora_slots: SlotSpec | None = None,
     progress: Progress = print,
 ) -> dict:
     """Checkpoint folder or GGUF file -> model package folder. Writes to a temporary folder beside `out_dir`
@@ -198,7 +201,8 @@ def export_package(
     difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept blocks at
     accuracy_level 4. compact_blocks: kept blocks as bit planes and the file's factors, which ONNX Runtime
     unpacks at load (export/compact_blocks.py); False writes MatMulNBits' arrays themselves, a bigger package
-    that loads faster and with a lower memory peak (docs/results.md)."""
+    that loads faster and with a lower memory peak (docs/results.md). lora: PEFT adapter folders and scales merged
+    into the weights (export/lora.py); lora_slots: run-time LoRA slots (fused graph only)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
@@ -207,8 +211,12 @@ def export_package(
         keep_gguf_quantization=keep_gguf_quantization,
         accuracy_level=accuracy_level,
     )
+    if lora_slots is not None and attention != "fused":
+        raise ValueError("LoRA slots need the fused graph (--attention fused)")
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
+    adapters = read_adapters(list(lora))
     source = _load(checkpoint, untie=untie, keep_gguf_quantization=keep_gguf_quantization, progress=progress)
+    apply_lora(source, adapters, keeps_blocks=attention == "fused" and not dequantize, progress=progress)
     plan = _plan(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
@@ -216,6 +224,10 @@ def export_package(
     manifest = plan.manifest
     if plan.keep:  # compact: ONNX Runtime computes the blocks at load, by constant folding (export/compact_blocks.py)
         manifest.recipe["storage"] = "compact" if compact_blocks else "plain"
+    slots = plan_slots(source.model, source.family, lora_slots) if lora_slots is not None else None
+    if slots is not None:
+        add_slots(plan.decoder, slots)
+    manifest.lora = lora_record(adapters, slots)
     with staged as staging:
         _write_graph(
             plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, compact=compact_blocks,
@@ -405,4 +417,5 @@ def _write_files(staging: Path, manifest: Manifest, source: Source) -> None:
         config = tokenizer_config(tokenizer_json, manifest, chat_template=source.chat_template)
         write_json(staging / TOKENIZER_CONFIG_FILE, config)
     manifest.files = list_files(staging)
+    finish_lora(manifest)
     write_json(staging / MANIFEST_FILE, manifest.to_json())

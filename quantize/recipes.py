@@ -82,9 +82,16 @@ class _FlatHistograms:
 
 
 def _linear_matmuls(model: onnx.ModelProto) -> list[str]:
-    """Names of MatMul nodes whose weight (input B) is an initializer: the model's linear layers."""
-    initializers = {init.name for init in model.graph.initializer}
+    """Names of MatMul nodes whose weight (input B) is an initializer: the model's linear layers. A weight that
+    is also a graph input (a LoRA slot's A or B, runtime/lora_contract.py) is a run's to bind: it stays fp32."""
+    initializers = {init.name for init in model.graph.initializer} - {i.name for i in model.graph.input}
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers]
+
+
+def _overridable_matmuls(model: onnx.ModelProto) -> list[str]:
+    """MatMuls whose weight a run may override (LoRA slots): never quantized."""
+    inputs = {i.name for i in model.graph.input}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inputs]
 
 
 def _dynamic_int8(model: onnx.ModelProto | Path, dst: Path, *, nodes: list[str], per_channel: bool) -> None:
@@ -219,12 +226,13 @@ def _nbits_blocks(model: onnx.ModelProto, *, bits: int, block_size: int, head: s
     # accuracy_level 4: the kernel quantizes activations to int8 per block and runs integer dot products
     # (the other levels, compared in docs/results.md, were no more accurate and slower)
     nbits = dict(block_size=block_size, is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
+    slots = _overridable_matmuls(model)
     excluded = [head] if head is not None and head_bits != bits else []
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, nodes_to_exclude=excluded, **nbits)
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, nodes_to_exclude=excluded + slots, **nbits)
     quantizer.process()
     if not excluded:
         return quantizer.model.model
-    quantizer = MatMulNBitsQuantizer(quantizer.model.model, bits=head_bits, **nbits)
+    quantizer = MatMulNBitsQuantizer(quantizer.model.model, bits=head_bits, nodes_to_exclude=slots, **nbits)
     quantizer.process()  # the head is the one MatMul left with a constant weight
     return quantizer.model.model
 

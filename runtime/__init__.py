@@ -6,6 +6,7 @@ alone (its imports are all relative).
 
 from .chat import Conversation, TurnStats
 from .errors import (
+    AdapterError,
     ChatTemplateError,
     ContextLengthError,
     EdgelmError,
@@ -20,6 +21,7 @@ from .results import GenerationResult, Stream, Timings
 from .sampling import SamplingParams
 
 __all__ = [
+    "AdapterError",
     "ChatTemplateError",
     "ContextLengthError",
     "Conversation",

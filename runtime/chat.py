@@ -61,6 +61,8 @@ class TurnStats:
     reused_tokens: int  # of them, already in the cache from earlier turns
     prefilled_tokens: int  # fed in this turn's prompt pass: prompt_tokens - reused_tokens
     dropped_messages: int = 0  # oldest messages dropped from the history to fit the context
+    adapter: str | None = None  # the LoRA adapter this turn ran with (None: the base model)
+    adapter_switched: bool = False  # another adapter than the last turn's: the cache was dropped, all prefilled
 
 
 @dataclass
@@ -106,12 +108,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversation:
     """A chat history and the KV cache that holds it; see the module docstring."""
 
-    def __init__(self, model: TextModel, *, system: str | None = None, template: ChatTemplate | str | None = None):
+    def __init__(
+        self,
+        model: TextModel,
+        *,
+        system: str | None = None,
+        template: ChatTemplate | str | None = None,
+        adapter: str | None = None,
+    ):
         if model.tokenizer is None:
             raise InvalidInputError("chat needs a tokenizer, and this package has none")
         if system is not None and not isinstance(system, str):
             raise ChatTemplateError(f"system must be a string or None, got {type(system).__name__}")
-        self.model = model
+        self._base, self.adapter = model, adapter  # a LoRA adapter's name (runtime/adapters.py), None: the base
+        self.model = model if adapter is None else model.runner(adapter)
         self.template = package_template(model, template)
         self.system = system
         self.last_turn: TurnStats | None = None
@@ -251,14 +261,19 @@ class Conversation:
     def _start(self, history: list[dict], max_new_tokens: Any, options: dict, *, drop_oldest: bool) -> Stream:
         """Check everything and plan the turn (which ids the cache already holds); the stream then runs it."""
         started = time.perf_counter()
+        adapter = options.pop("adapter", self.adapter)
+        runner = self.model if adapter == self.adapter else self._base.runner(adapter)  # an unknown name raises
         checked = generation_options(
             max_new_tokens, options, tokenizer=self.model.tokenizer, allowed=TURN_OPTIONS, caller="a chat turn"
         )
         history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest)
+        switched = adapter != self.adapter
+        if switched:  # the cache holds another adapter's keys and values: start it afresh
+            self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
         # at least one id is fed: its logits start the reply
         reused = min(common_prefix(self._ids, ids), len(ids) - 1)
         path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"
-        stats = TurnStats(path, len(ids), reused, len(ids) - reused, dropped)
+        stats = TurnStats(path, len(ids), reused, len(ids) - reused, dropped, adapter, switched)
         earlier = sum(message["role"] == "user" for message in history) - 1  # exchanges before this one
         starts = self._turn_starts[max(0, len(self._turn_starts) - earlier) :] if earlier > 0 else []
         turn = _Turn(history, ids, reused, starts + [reused], checked, started)

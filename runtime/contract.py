@@ -16,6 +16,7 @@ import copy
 from dataclasses import asdict, dataclass, field, fields
 
 from .errors import PackageError
+from .lora_contract import parse_slots
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -104,9 +105,13 @@ class Manifest:
     evaluation: dict | None = None  # quantize's accuracy report against the fp32 package
     files: dict = field(default_factory=dict)  # name -> {"sha256", "bytes"} for every other file
     created_by: str = ""
+    lora: dict | None = None  # LoRA adapters merged at export and run-time slots (runtime/lora_contract.py)
 
     def to_json(self) -> dict:
-        return {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, **asdict(self)}
+        data = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, **asdict(self)}
+        if data["lora"] is None:  # packages without LoRA keep the manifest they always had
+            del data["lora"]
+        return data
 
     def derive(self, **changes) -> Manifest:
         """A deep copy with some fields replaced: quantize's manifest from the fp32 one."""
@@ -130,6 +135,7 @@ class Manifest:
         if not isinstance(model_file, str) or not model_file:
             raise PackageError(f"{where}: model_file must be a file name, got {model_file!r}")
         objects = _parse_records(data, where)
+        parse_slots(objects["lora"], where)  # a malformed slot record fails at load, naming the field
         return cls(
             architecture=architecture,
             io=io_names,
@@ -143,6 +149,7 @@ class Manifest:
             evaluation=objects["evaluation"],
             files=objects["files"] or {},
             created_by=str(data.get("created_by", "")),
+            lora=objects["lora"],
         )
 
 
@@ -201,7 +208,8 @@ def _parse_io(io: dict, where: str) -> IONames:
 
 def _parse_records(data: dict, where: str) -> dict:
     """The records export and quantize keep for people (recipe, parity, ...): objects or absent."""
-    objects = {key: data.get(key) for key in ("recipe", "export", "source", "parity", "evaluation", "files")}
+    keys = ("recipe", "export", "source", "parity", "evaluation", "files", "lora")
+    objects = {key: data.get(key) for key in keys}
     for key, value in objects.items():
         if value is not None and not isinstance(value, dict):
             raise PackageError(f"{where}: {key} must be an object, got {type(value).__name__}")

@@ -34,3 +34,7 @@ class ProviderError(EdgelmError, ValueError):
 
 class ChatTemplateError(EdgelmError, ValueError):
     """A chat template that does not compile or fails to render, or messages it cannot take."""
+
+
+class AdapterError(EdgelmError, ValueError):
+    """A LoRA adapter that cannot be used: unreadable, tampered, for another base, or not fitting its slots."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .adapters import AdapterMixin
 from .chat import Conversation
 from .decode import DecodeState, GenerationOptions, decode, decode_texts, generation_options, text_pieces
 from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
@@ -51,7 +52,7 @@ def model_bytes(model_path: Path) -> int:
     return sum(path.stat().st_size for path in files)
 
 
-class Model:
+class Model(AdapterMixin):
     def __init__(self, path: str | Path, *, provider: str = "auto", threads: int | None = None, verify: bool = True):
         if threads is not None and (
             isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
@@ -80,6 +81,7 @@ class Model:
             raise PackageError(
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only {self.spec.arch.vocab_size}"
             )
+        self._init_adapters()  # LoRA slots and the adapters loaded for them (runtime/adapters.py)
         self.load_s = time.perf_counter() - started  # from the call to a model ready to generate
 
     # ---- package facts -------------------------------------------------------------------------
@@ -120,29 +122,38 @@ class Model:
             "size_bytes": sum(sizes) if sizes else model_bytes(s.model_path),
             "parity": manifest.parity if manifest else None,
             "evaluation": manifest.evaluation if manifest else None,
+            "lora_slots": self.lora_slots.to_json() if self.lora_slots else None,
+            "adapters": [self._adapters[name].info() for name in self.adapters],
         }
 
-    def forward(self, input_ids: np.ndarray, past: list | None = None) -> tuple[np.ndarray, list]:
+    def forward(
+        self, input_ids: np.ndarray, past: list | None = None, *, adapter: str | None = None
+    ) -> tuple[np.ndarray, list]:
         """One plain run, for evaluation and calibration: input_ids (B, T) after `past` (the present
         list of the previous call, or None for an empty cache). Returns logits (B, T, V) for every
-        position (the graph's default) and the present keys/values."""
+        position (the graph's default) and the present keys/values. adapter: a loaded LoRA adapter's name."""
         names = [self.spec.io.logits, *self.spec.io.present_names(self.spec.arch.n_layer)]
+        feed = plain_feed(self, input_ids, past) | ({} if adapter is None else self._adapter(adapter).arrays)
         try:
-            outputs = self.session.run(names, plain_feed(self, input_ids, past))
+            outputs = self.session.run(names, feed)
         except Exception as e:  # onnxruntime's pybind types
             raise PackageError(f"ONNX Runtime failed running {self.spec.model_path.name}: {ort_reason(e)}") from None
         return outputs[0], outputs[1:]
 
     # ---- chat (runtime/chat.py) ----------------------------------------------------------------
 
-    def chat(self, messages: list[dict], max_new_tokens: int = 256, *, template=None, **options) -> GenerationResult:
+    def chat(
+        self, messages: list[dict], max_new_tokens: int = 256, *, template=None, adapter=None, **options
+    ) -> GenerationResult:
         """The assistant's reply to messages ([{"role": ..., "content": ...}]), rendered with the package's chat
         template (or `template`, Jinja source). Options as generate's; ContextLengthError when they do not fit."""
-        return Conversation(self, template=template).reply_to(messages, max_new_tokens=max_new_tokens, **options)
+        conversation = Conversation(self, template=template, adapter=adapter)
+        return conversation.reply_to(messages, max_new_tokens=max_new_tokens, **options)
 
-    def conversation(self, system: str | None = None, *, template=None) -> Conversation:
-        """A multi-turn chat that keeps its KV cache between turns: .send(text), .stream(text), .undo(), .reset()."""
-        return Conversation(self, system=system, template=template)
+    def conversation(self, system: str | None = None, *, template=None, adapter=None) -> Conversation:
+        """A multi-turn chat that keeps its KV cache between turns: .send(text), .stream(text), .undo(), .reset().
+        adapter: a loaded LoRA adapter's name; send/stream(..., adapter=) switches it (and re-prefills)."""
+        return Conversation(self, system=system, template=template, adapter=adapter)
 
     # ---- input handling ------------------------------------------------------------------------
 
@@ -214,14 +225,15 @@ class Model:
         GenerationOptions): temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed, stop, cancel,
         truncate_prompt, ignore_eos (keep generating past EOS, for benchmarks). Row r samples with seed + r;
         greedy output equals running each prompt alone, except with dynamic/static int8 packages, whose
-        activation scale spans the batch (README, "Batches")."""
+        activation scale spans the batch (README, "Batches"). adapter: a loaded LoRA adapter's name, None = base."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
+        runner = self.runner(options.pop("adapter", None))
         checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()")
         encoded = self._encode_all(prompts, checked)
         state = DecodeState.start(len(encoded))
-        generated, texts = decode_texts(self, encoded, state, checked, self.tokenizer)
+        generated, texts = decode_texts(runner, encoded, state, checked, self.tokenizer)
         ended = time.perf_counter()
         return [
             GenerationResult(
@@ -244,6 +256,7 @@ class Model:
         (never half a character, never part of a stop string); its .result is set at the end.
         Options are validated here, before the first piece is asked for."""
         started = time.perf_counter()
+        runner = self.runner(options.pop("adapter", None))
         checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="stream()")
         (ids,) = self._encode_all([prompt], checked)
         if self.tokenizer is None:
@@ -255,7 +268,7 @@ class Model:
             # of token n, so a slow consumer slows generation and nothing piles up
             assembler = TextAssembler(self.tokenizer, checked.stops)
             state = DecodeState.start(1)
-            yield from text_pieces(decode(self, [ids], state, checked), assembler, state)
+            yield from text_pieces(decode(runner, [ids], state, checked), assembler, state)
             tail = assembler.flush()
             if tail:
                 yield tail

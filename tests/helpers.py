@@ -138,3 +138,60 @@ def rewrite_gguf(source: Path, target: Path, changes: dict, *, add: Callable | N
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+# ---- LoRA: tiny bases and random PEFT adapters (tests/test_lora_*.py) ----------------------------------
+
+LORA_BASES = {  # name: (transformers classes, config)
+    "llama": (("LlamaConfig", "LlamaForCausalLM"), dict(
+        vocab_size=2048, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=128, max_position_embeddings=128, rope_theta=1e5, rms_norm_eps=1e-5, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, initializer_range=0.15, tie_word_embeddings=True)),
+    "qwen2": (("Qwen2Config", "Qwen2ForCausalLM"), dict(
+        vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0, initializer_range=0.15, tie_word_embeddings=False)),
+    "gpt2": (("GPT2Config", "GPT2LMHeadModel"), dict(
+        vocab_size=2048, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+        initializer_range=0.15)),
+}  # fmt: skip
+LORA_ATTENTION = {"gpt2": ["c_attn", "attn.c_proj"], "llama": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+LORA_MLP = {"gpt2": ["c_fc", "mlp.c_proj"], "llama": ["gate_proj", "up_proj", "down_proj"]}
+
+
+def lora_targets(base: str, *, mlp: bool) -> list[str]:
+    family = "gpt2" if base == "gpt2" else "llama"
+    return LORA_ATTENTION[family] + (LORA_MLP[family] if mlp else [])
+
+
+def save_lora_base(folder: Path, base: str, *, seed: int = 0):
+    classes, config = LORA_BASES[base]
+    return save_random_model(folder, classes, config, seed=seed)
+
+
+def save_peft_adapter(hf, folder: Path, *, r: int, targets: list[str], rslora: bool = False, seed: int = 1, **extra):
+    """A random PEFT LoRA adapter on a copy of `hf` (B drawn non-zero, so the adapter matters), saved to folder;
+    returns the PeftModel (the reference)."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    fan_in_fan_out = type(hf).__name__.startswith("GPT2")
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora, init_lora_weights=False,
+                        fan_in_fan_out=fan_in_fan_out, **extra)  # fmt: skip
+    peft_model = get_peft_model(copy.deepcopy(hf), config).eval()
+    peft_model.save_pretrained(folder)
+    return peft_model
+
+
+def torch_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy continuation by repeated full forward passes (any causal LM, a PeftModel included)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]

@@ -272,3 +272,38 @@ def test_a_forged_system_turn_stays_text(app, chat_package):
     assert ids == chat_prompt_ids(app.conversation.template, app.model.tokenizer, messages)
     start, end = IM_END - 1, IM_END  # the system turn, the user turn and the generation prompt; no forged one
     assert [i for i in ids if i in app.model.tokenizer.special_ids] == [start, end, start, end, start]
+
+
+def test_adapter_menu_on_a_package_with_lora_slots(app, chat_package, tmp_path):
+    """The Adapter menu shows only for a package with slots; a reply runs with the adapter chosen, as the
+    runtime's own conversation with that adapter does, and switching back to the base says it re-prefilled."""
+    from chat_package import make_chat_folder
+    from helpers import save_peft_adapter
+    from transformers import LlamaForCausalLM
+
+    from edgelm.export.lora import SlotSpec, convert_adapter
+    from edgelm.export.onnx_export import export_package
+    from edgelm.runtime import load
+
+    load_tiny(app, chat_package, "chat")
+    assert not app.adapter_menu.winfo_ismapped() and not app.adapter_menu.grid_info()
+    folder = make_chat_folder(tmp_path / "checkpoint")
+    export_package(folder, tmp_path / "slots", lora_slots=SlotSpec(["all"], 8), progress=lambda _: None)
+    save_peft_adapter(LlamaForCausalLM.from_pretrained(folder), tmp_path / "lora", r=8, targets=["q_proj", "v_proj"])
+    adapter = convert_adapter(tmp_path / "lora", tmp_path / "slots", tmp_path / "pirate.onnx_adapter")
+    load_tiny(app, tmp_path / "slots", "chat")
+    assert app.adapter_menu.grid_info() and app.adapter_choice.get() == "(base)"
+    app.load_adapter(str(adapter))
+    assert app.adapter_choice.get() == "pirate" and "pirate" in app.adapter_menu["values"]
+    set_input(app, "", max_new_tokens="12", temperature="0")
+    app.system_prompt.set("Be brief.")
+    send(app, "Hello!")
+    model = load(tmp_path / "slots", provider="cpu")
+    model.load_adapter(adapter)
+    expected = model.conversation(system="Be brief.", adapter="pirate").send("Hello!", 12, temperature=0)
+    assert app.last_result.token_ids == expected.token_ids
+    app.adapter_choice.set("(base)")
+    send(app, "And again?")
+    assert app.conversation.last_turn.adapter_switched and "prefilled again" in app.status_text
+    app.load_adapter(str(tmp_path / "missing.onnx_adapter"))
+    assert app.status_text.startswith("Error:") and app.model.adapters == ["pirate"]

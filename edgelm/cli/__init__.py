@@ -1,4 +1,4 @@
-"""The `edgelm` command: export, quantize, eval, generate, chat, info, bench.
+"""The `edgelm` command: export, quantize, eval, generate, chat, info, bench, adapter.
 
 Each command's options and handler live together in a module of this package (export.py, quantize.py for
 quantize and eval, generate.py, chat.py, info.py for info and bench); the option groups several commands share
@@ -21,7 +21,7 @@ import threading
 
 from edgelm import __version__
 
-from . import chat, export, generate, info, quantize
+from . import adapter, chat, export, generate, info, quantize
 from .options import HELP_WIDTH, Parser
 from .quantize import QUANTIZE_MODES
 from .text import printable
@@ -47,8 +47,9 @@ ADD_PARSERS = (
     chat.add_parser,
     info.add_parser,
     info.add_bench_parser,
+    adapter.add_parser,
 )
-EXTRA_FOR = {"export": "export", "quantize": "export", "eval": "export"}
+EXTRA_FOR = {"export": "export", "quantize": "export", "eval": "export", "adapter": "export"}
 WRITES_STDOUT = {"generate", "info", "bench", "eval"}  # commands whose product is their standard output
 
 

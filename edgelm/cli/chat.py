@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+from .adapter import add_adapter_option, load_adapter
 from .options import add_command, add_runtime, add_sampling, sampling_options
 
 CHAT_COMMANDS = "/reset, /undo, /stats, /exit; Ctrl-C stops a reply"
@@ -27,6 +28,7 @@ def add_parser(sub) -> None:
     add_sampling(p, max_new_tokens=256, truncate=False)
     p.add_argument("--stats", action="store_true", help="print tokens/s and the tokens prefilled after each reply")
     add_runtime(p)
+    add_adapter_option(p)
     p.set_defaults(run=run)
 
 
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
-    conv = model.conversation(system=args.system)
+    conv = model.conversation(system=args.system, adapter=load_adapter(model, args.adapter))
     conv.prompt_ids("Hello")  # a template that fails on an ordinary message fails here, not on every turn
     options = sampling_options(args)
     model.options(args.max_new_tokens, **options)  # bad options end here, not per message

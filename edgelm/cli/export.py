@@ -60,6 +60,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
     _add_gguf_options(p)
+    _add_lora_options(p)
     p.add_argument(
         "--tolerance",
         type=finite_at_least(0.0),
@@ -100,8 +101,30 @@ def _add_gguf_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_lora_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="ADAPTER_DIR[:SCALE]",
+        help="merge a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the weights, times "
+        "SCALE (default 1); repeat for several, merged in order. A kept-blocks GGUF base writes the linears it "
+        "changes as fp32",
+    )
+    p.add_argument(
+        "--lora-slots",
+        action="append",
+        default=[],
+        metavar="MODULES:MAX_RANK",
+        help="add run-time LoRA slots (e.g. q_proj,k_proj,v_proj,o_proj:16, or all:8), or the slots a PEFT adapter "
+        "folder needs; repeat to join them. Adapters for them: `edgelm adapter convert`",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    from edgelm.export.lora import merge_slot_specs, parse_slot_argument
     from edgelm.export.onnx_export import export_package
+    from edgelm.export.peft_adapter import parse_lora_argument
 
     export_package(
         args.checkpoint,
@@ -116,5 +139,7 @@ def run(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         overwrite=args.overwrite,
         compact_blocks=not args.plain_blocks,
+        lora=[parse_lora_argument(text) for text in args.lora],
+        lora_slots=merge_slot_specs([parse_slot_argument(text) for text in args.lora_slots]),
     )
     return 0

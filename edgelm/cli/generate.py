@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .adapter import add_adapter_option, load_adapter
 from .options import add_command, add_json, add_runtime, add_sampling, sampling_options
 from .text import printable, to_json
 
@@ -21,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
     add_sampling(p)
     add_runtime(p)
+    add_adapter_option(p)
     add_json(p, " (text, ids, finish reason, timings)")
     p.set_defaults(run=run)
 
@@ -29,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from edgelm.runtime import load
 
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
-    options = sampling_options(args)
+    options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter)}
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(to_json(result.to_dict(), ensure_ascii=False))

@@ -1,6 +1,6 @@
 """A small desktop chat app: Tkinter (stdlib) + edgelm.runtime, nothing else.
 
-    python examples/desktop/app.py [--package PATH] [--provider cpu|cuda|auto] [--threads N]
+    python examples/desktop/app.py [--package PATH] [--provider cpu|cuda|auto] [--threads N] [--adapter FILE]
 
 A package with a chat template gets a chat: a history view, a message box, Send, Stop and New chat, and
 a Conversation (runtime/chat.py) that keeps its KV cache between turns, so a follow-up message is
@@ -13,6 +13,10 @@ calls Tk: it puts messages on a queue, and the UI thread drains that queue every
 `after`, so the window keeps repainting and answering clicks. Stop sets the threading.Event
 passed to the stream as `cancel`; the runtime checks it before every decode step, so the reply
 ends within one step (and stays in the conversation as far as it got).
+
+A package with LoRA slots (`edgelm export --lora-slots`) gets an Adapter menu beside Load: "(base)" and the
+.onnx_adapter files added with Add... (or --adapter); each message runs with the adapter chosen, and a chat
+whose adapter changes is prefilled again under the new one (runtime/adapters.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ PARAMETERS = [
     ("seed", "Seed", int, ""),
 ]
 DEFAULT_SYSTEM = "You are a helpful assistant."
+BASE_ADAPTER = "(base)"  # the adapter menu's entry for no LoRA adapter
 
 
 class ChatApp:
@@ -45,8 +50,17 @@ class ChatApp:
     stop_generation() and new_chat(); both read mode ("chat" or "completion"), status_text,
     history_text(), is_busy, is_generating and last_result."""
 
-    def __init__(self, root: tk.Tk, package: str | None = None, *, provider: str = "auto", threads: int | None = None):
+    def __init__(
+        self,
+        root: tk.Tk,
+        package: str | None = None,
+        *,
+        provider: str = "auto",
+        threads: int | None = None,
+        adapters: tuple[str, ...] = (),
+    ):
         self.root = root
+        self.start_adapters = adapters  # .onnx_adapter files to load once the package is
         self.provider = provider
         self.threads = threads
         self.model: Model | None = None
@@ -91,6 +105,27 @@ class ChatApp:
         ttk.Button(top, text="Browse...", command=self._browse).grid(row=0, column=2, padx=(6, 0))
         self.load_button = ttk.Button(top, text="Load", command=lambda: self.load_package(self.package_path.get()))
         self.load_button.grid(row=0, column=3, padx=(6, 0))
+        # LoRA adapters: shown for a package with LoRA slots (edgelm export --lora-slots); "(base)" is no adapter
+        self.adapter_label = ttk.Label(top, text="Adapter")
+        self.adapter_choice = tk.StringVar(value=BASE_ADAPTER)
+        self.adapter_menu = ttk.Combobox(top, textvariable=self.adapter_choice, state="readonly", width=16)
+        self.adapter_add = ttk.Button(top, text="Add...", command=self._browse_adapter)
+        self._adapter_widgets = [(self.adapter_label, 4), (self.adapter_menu, 5), (self.adapter_add, 6)]
+        self._show_adapters(False)
+
+    def _show_adapters(self, show: bool) -> None:
+        for widget, column in self._adapter_widgets:
+            if show:
+                widget.grid(row=0, column=column, padx=(10 if column == 4 else 6, 0))
+            else:
+                widget.grid_remove()
+        self.adapter_menu.configure(values=[BASE_ADAPTER, *(self.model.adapters if show and self.model else [])])
+        self.adapter_choice.set(BASE_ADAPTER)
+
+    def _browse_adapter(self) -> None:
+        path = filedialog.askopenfilename(title="LoRA adapter", filetypes=[("ONNX Runtime adapter", "*.onnx_adapter")])
+        if path:
+            self.load_adapter(path)
 
     def _build_settings(self) -> None:
         """Sampling on one row, the system prompt below it."""
@@ -184,6 +219,26 @@ class ChatApp:
         self._set_status(f"Loading {path} ...")
         self._start_worker("load", self._load_worker, path)
 
+    @property
+    def adapter(self) -> str | None:
+        """The adapter chosen in the menu; None for the base model."""
+        choice = self.adapter_choice.get()
+        return None if choice == BASE_ADAPTER else choice
+
+    def load_adapter(self, path: str) -> None:
+        """Load an .onnx_adapter for the package's LoRA slots (a small file: on the UI thread) and choose it."""
+        if self.model is None or self.model.lora_slots is None:
+            self._set_error("This package has no LoRA slots (export it with --lora-slots).")
+            return
+        try:
+            name = self.model.load_adapter(path)
+        except (EdgelmError, OSError) as e:
+            self._set_error(str(e))
+            return
+        self.adapter_menu.configure(values=[BASE_ADAPTER, *self.model.adapters])
+        self.adapter_choice.set(name)
+        self._set_status(f"Loaded adapter {name}.")
+
     def new_chat(self) -> None:
         """Start over with the system prompt as it is now set (the cache keeps what the new chat shares)."""
         if self.is_busy or self.model is None:
@@ -210,6 +265,7 @@ class ChatApp:
             self._set_error("Type a message first.")
             return
         max_new_tokens = options.pop("max_new_tokens")
+        options["adapter"] = self.adapter
         self._cancel = threading.Event()  # a fresh one: a late Stop of the last run must not end this one
         system = self.system_prompt.get().strip() or None
         try:
@@ -308,6 +364,9 @@ class ChatApp:
         if kind == "loaded":
             self.model = value
             info = value.info()
+            self._show_adapters(value.lora_slots is not None)
+            for path in self.start_adapters if value.lora_slots is not None else ():
+                self.load_adapter(path)
             try:
                 self.conversation = value.conversation(system=self.system_prompt.get().strip() or None)
                 mode = "chat"
@@ -324,6 +383,8 @@ class ChatApp:
                 self._append("\n\n")
             timings, turn = value.timings, getattr(self.conversation, "last_turn", None)
             cached = f", reused {turn.reused_tokens} cached tokens" if turn is not None else ""
+            if turn is not None and turn.adapter_switched:
+                cached = f", adapter {turn.adapter or BASE_ADAPTER}: the whole chat prefilled again"
             self._set_status(
                 f"{timings.new_tokens} tokens, {timings.decode_tokens_per_s:.1f} tokens/s, first token "
                 f"{timings.time_to_first_token_s * 1000:.0f} ms{cached}, finish: {value.finish_reason}"
@@ -364,10 +425,11 @@ def main() -> None:
     parser.add_argument("--package", help="model package folder to load at start")
     parser.add_argument("--provider", choices=["cpu", "cuda", "auto"], default="auto")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's)")
+    parser.add_argument("--adapter", action="append", default=[], help="a LoRA .onnx_adapter to load (repeatable)")
     args = parser.parse_args()
     root = tk.Tk()
     root.geometry("900x650")
-    ChatApp(root, args.package, provider=args.provider, threads=args.threads)
+    ChatApp(root, args.package, provider=args.provider, threads=args.threads, adapters=tuple(args.adapter))
     root.mainloop()
 
 

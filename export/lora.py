@@ -1,0 +1,270 @@
+"""LoRA at export: PEFT adapters merged into the weights, and run-time slots for adapters chosen per request.
+
+Merge (`edgelm export BASE OUT --lora ADAPTER_DIR[:SCALE]`): W += scale * B @ A on the reference model's own
+linears before the graph is built, so every family, graph and quantization mode works on the result. A GGUF
+base whose blocks are kept has no float weights to add to: the linears an adapter touches are written as
+fp32 from the file's dequantized values plus the adapter (the others keep their blocks); `--dequantize`
+gives an all-fp32 package for `edgelm quantize`.
+
+Slots (`--lora-slots MODULES:MAX_RANK`, or adapter folders whose modules and largest rank they take): each
+slotted linear adds x @ A @ B, A and B being graph inputs with zero-size defaults (ranks 0: the base runs as
+it is, at its speed) that a run may bind; runtime/lora_contract.py describes them, and `convert_adapter` writes
+an ONNX Runtime adapter file of A and B for one PEFT adapter, ranks zero-padded to the slots', the scale folded
+into B. Linears packed into one MatMul (Q, K, V; gate, up) share one slot: A is their A's side by side and B
+holds each part's B in its own rows and columns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from ..runtime.contract import MANIFEST_FILE, Manifest
+from ..runtime.errors import AdapterError
+from ..runtime.lora_contract import (
+    ADAPTER_SUFFIX,
+    RECORD_SUFFIX,
+    AdapterRecord,
+    LoraSlots,
+    SlotLinear,
+    model_version,
+    parse_slots,
+)
+from ..runtime.package import file_sha256, read_package
+from .decoder import Decoder
+from .families import Family
+from .peft_adapter import PeftAdapter, read_peft_adapter
+
+Progress = Callable[[str], None]
+MAX_RANK = 1024
+
+
+@dataclass
+class SlotSpec:
+    modules: list[str]  # module names ("q_proj", "c_attn", "mlp.c_proj") or ["all"]
+    max_rank: int
+
+
+def parse_slot_argument(text: str) -> SlotSpec:
+    """ "q_proj,k_proj,v_proj:16" (or "all:16") -> SlotSpec; an existing folder is a PEFT adapter to take them from."""
+    if Path(text).is_dir():
+        return slots_from_adapters([read_peft_adapter(text)])
+    modules, sep, rank = text.rpartition(":")
+    names = [name.strip() for name in modules.split(",") if name.strip()]
+    if not sep or not names or not rank.isdigit() or not 1 <= int(rank) <= MAX_RANK:
+        raise AdapterError(
+            f"--lora-slots {text!r}: expected MODULES:MAX_RANK (e.g. q_proj,v_proj:16 or all:8, rank 1 to "
+            f"{MAX_RANK}) or a PEFT adapter folder"
+        )
+    return SlotSpec(names, int(rank))
+
+
+def slots_from_adapters(adapters: list[PeftAdapter]) -> SlotSpec:
+    """Slots that fit every adapter given: the modules any of them adapts, at the largest rank among them."""
+    names = sorted({path.rsplit(".", 1)[-1] for adapter in adapters for path in adapter.modules})
+    return SlotSpec(names, max(w.rank for adapter in adapters for w in adapter.modules.values()))
+
+
+def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
+    if not specs:
+        return None
+    names = sorted({name for spec in specs for name in spec.modules})
+    return SlotSpec(["all"] if "all" in names else names, max(spec.max_rank for spec in specs))
+
+
+# ---- merge ------------------------------------------------------------------------------------------
+
+
+def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, family: str) -> set[str]:
+    """Add every adapter's scale * B @ A to the model's linears, in order; returns the weights changed
+    (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError before any change when a
+    module is not a linear of this model or a shape differs."""
+    modules = dict(model.named_modules())
+    for adapter in adapters:
+        for path, weights in adapter.modules.items():
+            module = modules.get(path)
+            if not isinstance(module, torch.nn.Linear):
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: {path} is not a linear layer of this {family} model "
+                    "(an adapter for another architecture?)"
+                )
+            expected = (module.out_features, module.in_features)
+            if (weights.b.shape[0], weights.a.shape[1]) != expected:
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) "
+                    f"weight but the model's is {expected} (shape mismatch: an adapter for another model size?)"
+                )
+    with torch.no_grad():
+        for adapter in adapters:
+            for path, weights in adapter.modules.items():
+                modules[path].weight += torch.from_numpy(weights.delta())
+    return {f"{path}.weight" for adapter in adapters for path in adapter.modules}
+
+
+def without_blocks(blocks, merged: set[str]):
+    """A GGUF file's blocks but for the merged weights: those linears become fp32 with the adapter added."""
+    if blocks is None or not merged:
+        return blocks
+    return lambda name: None if name in merged else blocks(name)
+
+
+# ---- slots ------------------------------------------------------------------------------------------
+
+
+def _selected(template: str, names: list[str]) -> bool:
+    return "all" in names or any(template.endswith(f".{name}") for name in names)
+
+
+def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSlots:
+    """The slots for `spec` on this model (base_sha256 left empty until the weights are written)."""
+    table = family.lora_linears
+    if not table:
+        raise AdapterError(f"the {family.name} family has no LoRA slots")
+    known = sorted({t.rsplit(".", 1)[-1] for t, _ in table} | {".".join(t.split(".")[-2:]) for t, _ in table})
+    unknown = [name for name in spec.modules if name != "all" and not any(_selected(t, [name]) for t, _ in table)]
+    if unknown:
+        raise AdapterError(
+            f"no linear named {', '.join(unknown)} in a {family.name} model; slots can be {', '.join(known)}"
+        )
+    modules = dict(model.named_modules())
+    linears: dict[str, SlotLinear] = {}
+    offsets: dict[str, int] = {}
+    for template, linear in table:  # in the packed order: a part's offset counts the parts before it
+        module = modules[template % 0]
+        offset = offsets.get(linear, 0)
+        offsets[linear] = offset + module.out_features
+        if not _selected(template, spec.modules):
+            continue
+        slot = linears.setdefault(
+            linear, SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", module.in_features, 0, [])
+        )
+        slot.parts.append({"module": template, "offset": offset, "width": module.out_features})
+    for linear, slot in linears.items():
+        slot.out_features = offsets[linear]
+    n_layer = model.config.n_layer
+    return LoraSlots(spec.max_rank, list(spec.modules), n_layer, "", list(linears.values()))
+
+
+def add_slots(decoder: Decoder, slots: LoraSlots) -> None:
+    """Mark the decoder's slotted linears: the graph adds x @ A @ B to them (export/graph.py)."""
+    for slot in slots.linears:
+        linear = slot.a.split(".")[2]  # "layers.%d.qkv.lora_A" -> the Layer field "qkv"
+        for index, layer in enumerate(decoder.layers):
+            getattr(layer, linear).lora = (slot.a % index, slot.b % index)
+
+
+def weights_hash(manifest: Manifest) -> str:
+    """What an adapter is bound to: the model file and its weights, by their sha256 in the manifest."""
+    lines = sorted(f"{name} {entry['sha256']}" for name, entry in manifest.files.items() if name.startswith("model."))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+# ---- convert ----------------------------------------------------------------------------------------
+
+
+def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[str, np.ndarray]:
+    """Every slot tensor for this adapter: A (in, parts * R), B (parts * R, out), zero where it adapts nothing."""
+    rank, used = slots.max_rank, set()
+    tensors = {}
+    for slot in slots.linears:
+        width = len(slot.parts) * rank
+        for layer in range(slots.n_layer):
+            a = np.zeros((slot.in_features, width), np.float32)
+            b = np.zeros((width, slot.out_features), np.float32)
+            for index, part in enumerate(slot.parts):
+                path = part["module"] % layer
+                weights = adapter.modules.get(path)
+                if weights is None:
+                    continue
+                used.add(path)
+                if weights.rank > rank:
+                    raise AdapterError(f"{where}: {path} has rank {weights.rank}, above the package's slots ({rank})")
+                if weights.a.shape[1] != slot.in_features or weights.b.shape[0] != part["width"]:
+                    raise AdapterError(
+                        f"{where}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) weight but the "
+                        f"package's is ({part['width']}, {slot.in_features}) (shape mismatch)"
+                    )
+                columns = slice(index * rank, index * rank + weights.rank)
+                a[:, columns] = weights.a.T
+                b[columns, part["offset"] : part["offset"] + part["width"]] = weights.scale * weights.b.T
+            tensors[slot.a % layer], tensors[slot.b % layer] = a, b
+    missing = sorted(set(adapter.modules) - used)
+    if missing:
+        raise AdapterError(
+            f"{where}: {missing[0]} has no LoRA slot in this package (slots: {', '.join(slots.modules)}); "
+            "export the base with --lora-slots covering it"
+            + (f" ({len(missing)} modules without a slot)" if len(missing) > 1 else "")
+        )
+    return tensors
+
+
+def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0) -> Path:
+    """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base.
+    AdapterError for a package without slots or an adapter that does not fit them."""
+    out = Path(out)
+    if out.suffix != ADAPTER_SUFFIX:
+        raise AdapterError(f"the adapter file's name must end in {ADAPTER_SUFFIX}, got {out.name}")
+    spec = read_package(package)
+    slots = parse_slots(spec.manifest.lora if spec.manifest else None, MANIFEST_FILE)
+    if slots is None:
+        raise AdapterError(f"{package} has no LoRA slots: export the base with --lora-slots MODULES:MAX_RANK")
+    adapter = read_peft_adapter(adapter_dir, scale=scale)
+    tensors = _slot_tensors(slots, adapter, f"LoRA adapter {adapter.name}")
+    dtype = np.float16 if spec.io.kv_dtype == "float16" else np.float32  # an fp16 package's inputs are half
+    writer = ort.AdapterFormat()
+    writer.set_adapter_version(1)
+    writer.set_model_version(model_version(slots.base_sha256))
+    arrays = {name: np.ascontiguousarray(t, dtype=dtype) for name, t in tensors.items()}  # alive while written
+    writer.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer.export_adapter(str(out))
+    record = AdapterRecord(file_sha256(out), slots.base_sha256, slots.max_rank, adapter.record())
+    Path(f"{out}{RECORD_SUFFIX}").write_text(json.dumps(record.to_json(), indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+# ---- export's steps -------------------------------------------------------------------------------
+
+
+def read_adapters(lora: list[tuple[str | Path, float]]) -> list[PeftAdapter]:
+    """The adapters to merge, read (and checked) before the checkpoint is."""
+    return [read_peft_adapter(folder, scale=scale) for folder, scale in lora]
+
+
+def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progress: Progress) -> None:
+    """Merge the adapters into the source's reference model; kept GGUF blocks of merged linears are dropped
+    (keeps_blocks: whether the package would keep a GGUF file's blocks at all)."""
+    if not adapters:
+        return
+    merged = merge_adapters(source.model, adapters, family=source.family.name)
+    for adapter in adapters:
+        ranks = sorted({w.rank for w in adapter.modules.values()})
+        progress(f"      merged LoRA adapter {adapter.name}: {len(adapter.modules)} linears, rank "
+                 f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}")  # fmt: skip
+    if source.blocks is not None:
+        source.blocks = without_blocks(source.blocks, merged)
+        if keeps_blocks:
+            progress(f"      the {len(merged)} GGUF weights the adapters change are fp32 (the rest keep their blocks)")
+
+
+def lora_record(adapters: list[PeftAdapter], slots: LoraSlots | None) -> dict | None:
+    """The manifest's `lora`: merged adapters (sha256, scale, ranks) and the slots (runtime/lora_contract.py)."""
+    if not adapters and slots is None:
+        return None
+    record: dict = {"merged": [adapter.record() for adapter in adapters]}
+    if slots is not None:
+        record["slots"] = slots.to_json()
+    return record
+
+
+def finish_lora(manifest: Manifest) -> None:
+    """Once the package's files are hashed: the slots' base_sha256, which adapters are bound to."""
+    if manifest.lora and manifest.lora.get("slots"):
+        manifest.lora["slots"]["base_sha256"] = weights_hash(manifest)

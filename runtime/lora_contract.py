@@ -1,0 +1,150 @@
+"""LoRA in the package contract: the manifest's `lora` record and the record beside a converted adapter.
+
+A package exported with LoRA slots adds x @ A @ B to the named linears, A (in, parts * max_rank) and
+B (parts * max_rank, out) being overridable initializers (graph inputs with a default) that are zero by
+default, so the base runs unchanged; an adapter file (ONNX Runtime's `.onnx_adapter` format,
+onnxruntime.AdapterFormat) holds values for them, and a run that binds them runs the adapted model. The
+manifest says which tensors those are, which PEFT modules each packs (Q, K and V share one slot, their
+B block-diagonal), and the hash of the base they belong to:
+
+    "lora": {"slots": {"max_rank": 16, "modules": ["q_proj", "v_proj"], "n_layer": 30,
+                       "base_sha256": "...",
+                       "linears": [{"a": "layers.%d.qkv.lora_A", "b": "layers.%d.qkv.lora_B", "in": 576,
+                                    "out": 960, "parts": [{"module": "model.layers.%d.self_attn.q_proj",
+                                                            "offset": 0, "width": 576}, ...]}]},
+             "merged": [{"adapter": "...", "sha256": "...", "scale": 1.0, ...}]}
+
+`edgelm adapter convert` writes `NAME.onnx_adapter` and `NAME.onnx_adapter.json` (AdapterRecord): the
+adapter file's sha256 and the base_sha256 it was made for, so the runtime refuses a tampered file or one
+made for another base. The adapter file's model_version is the base hash's first 28 bits, for readers that
+only see the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import AdapterError, PackageError
+
+ADAPTER_SUFFIX = ".onnx_adapter"
+RECORD_SUFFIX = ".json"  # the record is the adapter file's name + this
+ADAPTER_FORMAT = "edgelm-lora-adapter"
+ADAPTER_FORMAT_VERSION = 1
+
+
+def model_version(base_sha256: str) -> int:
+    """The adapter file's model_version (an int32 in ONNX Runtime's format): the base hash's first 28 bits."""
+    return int(base_sha256[:7], 16)
+
+
+@dataclass
+class SlotLinear:
+    """One slotted linear kind, the same in every layer (names hold %d for the layer)."""
+
+    a: str  # "layers.%d.qkv.lora_A": (in, len(parts) * max_rank)
+    b: str  # "layers.%d.qkv.lora_B": (len(parts) * max_rank, out)
+    in_features: int
+    out_features: int
+    parts: list[dict]  # {"module": PEFT module path with %d, "offset": first output column, "width": columns}
+
+
+@dataclass
+class LoraSlots:
+    max_rank: int
+    modules: list[str]  # the module names asked for ("q_proj", "c_attn", ...)
+    n_layer: int
+    base_sha256: str  # the fp32 (or kept-block) export's weights: an adapter is bound to it
+    linears: list[SlotLinear]
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """Every slot tensor's name -> shape."""
+        out = {}
+        for linear in self.linears:
+            width = len(linear.parts) * self.max_rank
+            for layer in range(self.n_layer):
+                out[linear.a % layer] = (linear.in_features, width)
+                out[linear.b % layer] = (width, linear.out_features)
+        return out
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["linears"] = [
+            {"a": x.a, "b": x.b, "in": x.in_features, "out": x.out_features, "parts": x.parts} for x in self.linears
+        ]
+        return data
+
+
+def _positive(data: dict, key: str, where: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PackageError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _name(data: dict, key: str, where: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or value.count("%") != 1 or "%d" not in value:
+        raise PackageError(f"{where}: {key} must be a tensor name with one %d, got {value!r}")
+    return value
+
+
+def parse_slots(lora: object, where: str) -> LoraSlots | None:
+    """The manifest's lora.slots, validated; None when the package has none. PackageError names the field."""
+    if lora is None:
+        return None
+    if not isinstance(lora, dict) or not isinstance(lora.get("slots", {}), dict):
+        raise PackageError(f"{where}: lora must be an object and lora.slots an object")
+    slots = lora.get("slots")
+    if not slots:
+        return None
+    where = f"{where} lora.slots"
+    linears = slots.get("linears")
+    if not isinstance(linears, list) or not linears or not all(isinstance(x, dict) for x in linears):
+        raise PackageError(f"{where}: linears must be a non-empty list of objects")
+    parsed = []
+    for linear in linears:
+        parts = linear.get("parts")
+        if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
+            raise PackageError(f"{where}: each linear needs a non-empty list of parts")
+        parsed.append(
+            SlotLinear(
+                _name(linear, "a", where), _name(linear, "b", where), _positive(linear, "in", where),
+                _positive(linear, "out", where), parts,
+            )
+        )  # fmt: skip
+    modules, base = slots.get("modules"), slots.get("base_sha256")
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise PackageError(f"{where}: modules must be a list of names")
+    if not isinstance(base, str) or len(base) != 64:
+        raise PackageError(f"{where}: base_sha256 must be a sha256 hex digest")
+    return LoraSlots(_positive(slots, "max_rank", where), modules, _positive(slots, "n_layer", where), base, parsed)
+
+
+@dataclass
+class AdapterRecord:
+    """NAME.onnx_adapter.json: what a converted adapter is and which base it belongs to."""
+
+    sha256: str  # of the .onnx_adapter file
+    base_sha256: str  # LoraSlots.base_sha256 of the package it was converted for
+    max_rank: int  # the slots' rank the tensors are padded to
+    source: dict  # the PEFT adapter: name, sha256, rank(s), alpha, use_rslora, scale, modules
+    format: str = ADAPTER_FORMAT
+    format_version: int = ADAPTER_FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def parse(cls, data: object, where: str) -> AdapterRecord:
+        if not isinstance(data, dict) or data.get("format") != ADAPTER_FORMAT:
+            raise AdapterError(f"{where} is not an edgelm adapter record (format {ADAPTER_FORMAT!r})")
+        if data.get("format_version") != ADAPTER_FORMAT_VERSION:
+            raise AdapterError(f"{where}: format_version {data.get('format_version')!r} is not supported")
+        for key in ("sha256", "base_sha256"):
+            if not isinstance(data.get(key), str) or len(data[key]) != 64:
+                raise AdapterError(f"{where}: {key} must be a sha256 hex digest")
+        rank = data.get("max_rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise AdapterError(f"{where}: max_rank must be an integer >= 1")
+        source = data.get("source") if isinstance(data.get("source"), dict) else {}
+        return cls(data["sha256"], data["base_sha256"], rank, source)
