@@ -244,7 +244,12 @@ class Conversation:
         """Check everything and plan the turn (which ids the cache already holds); the stream then runs it."""
         started = time.perf_counter()
         checked = generation_options(
-            max_new_tokens, options, tokenizer=self.model.tokenizer, allowed=TURN_OPTIONS, caller="a chat turn"
+            max_new_tokens,
+            options,
+            tokenizer=self.model.tokenizer,
+            allowed=TURN_OPTIONS,
+            caller="a chat turn",
+            runner=self.model,
         )
         history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest)
         # at least one id is fed: its logits start the reply
@@ -285,7 +290,8 @@ class Conversation:
             if self._cache is cache:
                 self._commit(turn.history, ids, assembler, cache, turn.starts)
                 new = len(assembler.ids)
-                timings = make_timings(turn.started, state.first_token_time, time.perf_counter(), len(ids), new)
+                ended = time.perf_counter()
+                timings = make_timings(turn.started, state.first_token_time, ended, len(ids), new, state=state)
                 finished(GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings))
         if tail:
             yield tail
