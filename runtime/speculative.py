@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +48,9 @@ LOOKUP = "lookup"
 NGRAM_SIZES = (3, 2)  # prompt lookup matches the last 3 tokens, else the last 2 (one token matches too often)
 MAX_DRAFT = 10  # guesses per round at most
 FIRST_DRAFT = 4  # guesses in the first round
+STEP_TOLERANCE = 1e-3  # logits of a multi-token step may differ from one-token steps' by this, relative
 _checked_pairs: dict[tuple[int, int], None] = {}  # (target, draft) ids whose vocabularies matched
+_consistent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> supports_multi_token_steps
 
 
 def check_speculative(value: Any) -> None:
@@ -105,14 +109,50 @@ def check_same_vocabulary(target: Any, draft: Any) -> None:
 
 
 def supports_multi_token_steps(runner: Runner) -> bool:
-    """Whether a step of several tokens returns logits for each (a graph exported with last-token logits only
-    cannot check guesses; the fused graph returns all with num_logits_to_keep = 0)."""
+    """Whether a step of several tokens gives each position the logits that steps of one token give (checked once
+    per model). A graph exported with last-token logits only cannot check guesses; and int4/int8 MatMulNBits with
+    accuracy_level 4 quantize activations differently for one row than for several (logits apart by ~0.5 on
+    SmolLM2), which would change greedy output: those packages decode plainly (docs/speculative.md)."""
+    try:
+        known = _consistent.get(runner)
+    except TypeError:  # not weakly referable: check every time
+        known = None
+    if known is None:
+        known = not _last_token_only(runner) and _steps_agree(runner)
+        if not known:
+            warnings.warn(
+                f"{runner.spec.folder.name}: speculative decoding is off (plain decoding): a step of several tokens "
+                "does not give the logits of single steps in this package (see docs/speculative.md)",
+                stacklevel=4,
+            )
+        try:
+            _consistent[runner] = known
+        except TypeError:
+            pass
+    return known
+
+
+def _last_token_only(runner: Runner) -> bool:
     if runner.spec.io.logits_to_keep:
-        return True
+        return False  # the fused graph: num_logits_to_keep = 0 returns every position
     for output in runner.session.get_outputs():
         if output.name == runner.spec.io.logits:
-            return not (len(output.shape) == 3 and output.shape[1] == 1)
-    return True
+            return len(output.shape) == 3 and output.shape[1] == 1
+    return False
+
+
+def _steps_agree(runner: Runner) -> bool:
+    """Feed a few fixed ids one at a time and then as one step after the same cache; compare the logits."""
+    vocab = runner.spec.arch.vocab_size
+    ids = [(7 + 131 * i) % vocab for i in range(6)]
+    one = make_cache(runner, [ids[:3]], capacity=len(ids))
+    one.prompt()
+    singles = np.stack([one.next(np.array([[token]], dtype=np.int64))[0].copy() for token in ids[3:]])
+    several = make_cache(runner, [ids[:3]], capacity=len(ids))
+    several.prompt()
+    together = several.extend(ids[3:], all_logits=True)
+    scale = float(np.abs(singles).max()) if np.isfinite(singles).all() else 0.0
+    return together.shape == singles.shape and float(np.abs(together - singles).max()) <= STEP_TOLERANCE * (1 + scale)
 
 
 # ---- choosing and checking tokens ------------------------------------------------------------------------

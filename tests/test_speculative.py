@@ -246,3 +246,24 @@ def test_lookup_index_proposes_what_followed_the_latest_match():
     lookup = Lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 6])
     assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 3) == ([5, 6, 1], None)
     assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3, 7], 3) == ([], None)
+
+
+# ---- packages whose multi-token steps compute other logits -------------------------------------------------
+
+
+def test_a_package_whose_steps_disagree_decodes_plainly(fused_package, monkeypatch):
+    # int4/int8 MatMulNBits (accuracy_level 4) quantize activations differently for one row than for several:
+    # the logits of a verification step would not be plain decoding's, so such a package decodes plainly
+    from edgelm.runtime import kvcache
+
+    extend = kvcache.SharedCache.extend
+
+    def noisy(self, ids, *, all_logits=False):
+        logits = extend(self, ids, all_logits=all_logits)
+        return logits + 0.5 * (np.arange(logits.shape[-1]) % 3) if all_logits else logits
+
+    monkeypatch.setattr(kvcache.SharedCache, "extend", noisy)
+    model = load(fused_package, provider="cpu", threads=1)  # a fresh model: the check runs once per model
+    with pytest.warns(UserWarning, match="speculative decoding is off"):
+        result = same_greedy(model, PROMPTS[0], 20, "lookup", ignore_eos=True)
+    assert result.timings.proposed_tokens == 0
