@@ -267,3 +267,35 @@ def test_a_package_whose_steps_disagree_decodes_plainly(fused_package, monkeypat
     with pytest.warns(UserWarning, match="speculative decoding is off"):
         result = same_greedy(model, PROMPTS[0], 20, "lookup", ignore_eos=True)
     assert result.timings.proposed_tokens == 0
+
+
+# ---- the command line ----------------------------------------------------------------------------------------
+
+
+def test_cli_generate_and_bench_take_speculative(fused_package):
+    import json
+
+    from helpers import edgelm
+
+    runs = []
+    for extra in ([], ["--speculative", "lookup"]):
+        run = edgelm(
+            "generate", fused_package, "the cat sat on the mat, the cat", "--json", "--max-new-tokens", "24", *extra
+        )
+        assert run.returncode == 0, run.stderr
+        runs.append(json.loads(run.stdout))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert {"proposed_tokens", "accepted_tokens"} <= set(runs[1]["timings"])
+    bench = edgelm("bench", fused_package, "--speculative", "lookup", "--repeats", "1", "--new-tokens", "8", "--json")
+    assert bench.returncode == 0, bench.stderr
+    assert json.loads(bench.stdout)["speculative"] == "lookup"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_cli_refuses_a_bad_value_in_one_line(fused_package, command):
+    from helpers import edgelm
+
+    args = [command, fused_package] + (["hello"] if command == "generate" else []) + ["--speculative", "nope"]
+    run = edgelm(*args)
+    assert run.returncode != 0 and "speculative must be" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
