@@ -112,7 +112,7 @@ def supports_multi_token_steps(runner: Runner) -> bool:
     """Whether a step of several tokens gives each position the logits that steps of one token give (checked once
     per model). A graph exported with last-token logits only cannot check guesses; and int4/int8 MatMulNBits with
     accuracy_level 4 quantize activations differently for one row than for several (logits apart by ~0.5 on
-    SmolLM2), which would change greedy output: those packages decode plainly (docs/speculative.md)."""
+    SmolLM2), which would change greedy output: those packages decode plainly (README, "Speculative decoding")."""
     try:
         known = _consistent.get(runner)
     except TypeError:  # not weakly referable: check every time
@@ -122,7 +122,7 @@ def supports_multi_token_steps(runner: Runner) -> bool:
         if not known:
             warnings.warn(
                 f"{runner.spec.folder.name}: speculative decoding is off (plain decoding): a step of several tokens "
-                "does not give the logits of single steps in this package (see docs/speculative.md)",
+                "does not give the logits of single steps in this package (README, 'Speculative decoding')",
                 stacklevel=4,
             )
         try:
