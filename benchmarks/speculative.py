@@ -224,6 +224,36 @@ def summarise(rounds: list[dict]) -> dict:
     return summary
 
 
+def plot(report: dict, path: Path) -> None:
+    """Decode tokens/s relative to edgelm plain, per precision and prompt set, one bar per system."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    groups = [(precision, set_name) for precision in report["results"] for set_name in ("grounded", "free")]
+    systems = list(report["results"][groups[0][0]]["grounded"])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(systems)
+    for index, name in enumerate(systems):
+        ratios = [report["results"][p][s].get(name, {}).get("ratio_to_edgelm_plain", 0) for p, s in groups]
+        xs = [g + (index - (len(systems) - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, ratios, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), [f"{p}\n{s}" for p, s in groups])
+    ax.set_ylabel("decode tokens/s / edgelm plain")
+    ax.set_title(f"SmolLM2-135M-Instruct, greedy, {report['new_tokens']} tokens, {report['threads']} threads")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
@@ -236,6 +266,9 @@ def main() -> int:
     sub.add_argument("source")
     sub.add_argument("target")
     sub.add_argument("--type", choices=("f32", "q8_0"), required=True)
+    sub = commands.add_parser("plot", help="the plot of a recorded run")
+    sub.add_argument("json", type=Path)
+    sub.add_argument("png", type=Path)
     pair = lambda text: tuple(text.split("=", 1))  # noqa: E731
     parser.add_argument("--package", type=pair, action="append", default=[], help="PRECISION=FOLDER (edgelm)")
     parser.add_argument("--gguf", type=pair, action="append", default=[], help="PRECISION=FILE (llama.cpp)")
@@ -249,6 +282,9 @@ def main() -> int:
         return 0
     if args.command == "requantize":
         requantize(args)
+        return 0
+    if args.command == "plot":
+        plot(json.loads(args.json.read_text()), args.png)
         return 0
     report = {"command": " ".join(sys.argv), "cpu": cpu_name(), "threads": args.threads, "new_tokens": NEW_TOKENS}
     report["results"] = {}

@@ -178,7 +178,7 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 class Chooser:
     """The target's choices: plain sampling for a step without guesses, and the acceptance rule for a round."""
 
-    def __init__(self, params: SamplingParams, seed: int | None, prompt: list[int]):
+    def __init__(self, params: SamplingParams, seed: int | None):
         self.params = params
         self.rng = np.random.default_rng(seed)  # row 0 of a batch: seed + 0
         self.penalize = params.repetition_penalty != 1.0
@@ -187,12 +187,15 @@ class Chooser:
         return np.array(history, dtype=np.int64) if self.penalize else None
 
     def choose(self, logits: np.ndarray, history: list[int]) -> int:
-        """One token from one position's logits (V,), as plain decoding picks it."""
-        if not np.isfinite(logits).all():
-            raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
+        """One token from one position's logits (V,), as plain decoding (decode.py's TokenPicker) picks it."""
         if self.params.greedy and not self.penalize:
-            return int(np.argmax(logits))
-        return sample(logits, self.params, self.rng, self.seen(history))
+            token = int(np.argmax(logits))
+            checked = logits[token : token + 1]  # finite exactly when the pick is sound (see TokenPicker.pick)
+        else:
+            token, checked = -1, logits
+        if not np.isfinite(checked).all():
+            raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
+        return token if token >= 0 else sample(logits, self.params, self.rng, self.seen(history))
 
     def check(self, logits: np.ndarray, history: list[int], guesses: list[int], q) -> tuple[int, int]:
         """logits (len(guesses) + 1, V) of a round; q: the draft's distributions, one per guess, or None (a
@@ -329,7 +332,7 @@ def speculative_decode(
     if cache is None:
         capacity = min(len(prompt) + budget + MAX_DRAFT, runner.spec.arch.context_length)
         cache = make_cache(runner, [prompt], capacity=capacity)
-    chooser = Chooser(options.sampling, options.seed, prompt)
+    chooser = Chooser(options.sampling, options.seed)
     if speculative == LOOKUP:
         proposer = Lookup(prompt)
     else:

@@ -204,7 +204,7 @@ def test_the_acceptance_rule_keeps_p(q_kind):
     seen = [1, 4]
     p = probabilities(target, params, np.array(seen))
     q = probabilities(draft, params, np.array(seen))
-    chooser = Chooser(params, 11, seen)
+    chooser = Chooser(params, 11)
     counts = np.zeros(12)
     trials = 20_000
     for _ in range(trials):
