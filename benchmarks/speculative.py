@@ -4,8 +4,8 @@ Two prompt sets in SmolLM2's chat template: input-grounded (summarise, rewrite a
 passage of data/tinyshakespeare.txt, a code edit, a multi-turn chat that asks the model to repeat its own reply)
 and free generation (open questions). Every system gets the same token ids, generates 128 tokens greedily
 (EOS ignored, so every run is 128 tokens) on --threads threads; decode speed is new tokens per second after the
-first token. Systems run in turn within each round, their order rotated every round, and each round gives a
-ratio per system (its decode tokens/s over edgelm plain's, all prompts of a set); the median of the per-round
+first token. Systems take turns on each prompt (their order rotated per prompt and per round), and each round
+gives a ratio per system (its decode tokens/s over edgelm plain's, all prompts of a set); the median of the per-round
 ratios is reported, because the machine is shared and noisy (docs/benchmarks.md, "Speculative decoding").
 
 llama.cpp runs in a child process of the llama-cpp-python interpreter (benchmarks/setup_llamacpp.sh), kept
@@ -68,7 +68,6 @@ def prompt_sets() -> dict[str, list[list[dict]]]:
     free = [
         [user("Write a short story about a lighthouse keeper who finds a message in a bottle.")],
         [user("Explain how a bicycle stays upright, for a ten-year-old.")],
-        [user("What are the pros and cons of working from home?")],
     ]
     return {"grounded": grounded, "free": free}
 
@@ -180,27 +179,36 @@ def systems_for(precision: str, args: argparse.Namespace, prompts: dict) -> tupl
     gguf = dict(args.gguf).get(precision)
     if gguf and args.llamacpp_python:
         context = max(len(i) for group in ids.values() for i in group) + NEW_TOKENS + 16
-        for lookup in (False, True):
+        for lookup in (False, True) if args.llamacpp_plain else (True,):
             llama = LlamaChild(args.llamacpp_python, gguf, lookup=lookup, threads=args.threads, context=context)
             systems["llama.cpp lookup" if lookup else "llama.cpp plain"] = llama.run
     return model, ids, systems
 
 
 def one_round(systems: dict, ids: dict, order: list[str]) -> dict:
-    """system -> set -> {"decode_s", "tokens" (per prompt), "proposed", "accepted"} for one pass over every prompt."""
-    out = {}
-    for name in order:
-        out[name] = {}
-        for set_name, group in ids.items():
-            runs = [systems[name](i) for i in group]
-            out[name][set_name] = {
-                "decode_s": sum(r["decode_s"] for r in runs),
-                "new_tokens": sum(len(r["tokens"]) - 1 for r in runs),
-                "tokens": [r["tokens"] for r in runs],
-                "proposed": sum(r.get("proposed", 0) for r in runs),
-                "accepted": sum(r.get("accepted", 0) for r in runs),
+    """system -> set -> {"decode_s", "new_tokens", "tokens" (per prompt), "proposed", "accepted"} for one pass over
+    every prompt. The systems take turns on each prompt (the order rotated per prompt), so a change in the
+    machine's load falls on all of them alike."""
+    runs = {name: {set_name: [] for set_name in ids} for name in order}
+    for set_name, group in ids.items():
+        for index, prompt in enumerate(group):
+            turn = order[index % len(order) :] + order[: index % len(order)]
+            for name in turn:
+                runs[name][set_name].append(systems[name](prompt))
+        print(f"  {set_name}: done", flush=True)
+    return {
+        name: {
+            set_name: {
+                "decode_s": sum(r["decode_s"] for r in done),
+                "new_tokens": sum(len(r["tokens"]) - 1 for r in done),
+                "tokens": [r["tokens"] for r in done],
+                "proposed": sum(r.get("proposed", 0) for r in done),
+                "accepted": sum(r.get("accepted", 0) for r in done),
             }
-    return out
+            for set_name, done in sets.items()
+        }
+        for name, sets in runs.items()
+    }
 
 
 def summarise(rounds: list[dict]) -> dict:
@@ -212,7 +220,9 @@ def summarise(rounds: list[dict]) -> dict:
             rates = [r[name][set_name]["new_tokens"] / r[name][set_name]["decode_s"] for r in rounds]
             base = [r["edgelm plain"][set_name]["new_tokens"] / r["edgelm plain"][set_name]["decode_s"] for r in rounds]
             first = rounds[0][name][set_name]
-            plain = rounds[0]["edgelm plain" if name.startswith("edgelm") else "llama.cpp plain"][set_name]
+            llama_plain = name.startswith("llama.cpp") and "llama.cpp plain" in rounds[0]
+            reference = "llama.cpp plain" if llama_plain else "edgelm plain"  # whose tokens must be the same
+            plain = rounds[0][reference][set_name]
             summary[set_name][name] = {
                 "decode_tokens_per_s": statistics.median(rates),
                 "ratio_to_edgelm_plain": statistics.median(a / b for a, b in zip(rates, base, strict=True)),
@@ -266,13 +276,14 @@ def main() -> int:
     sub.add_argument("source")
     sub.add_argument("target")
     sub.add_argument("--type", choices=("f32", "q8_0"), required=True)
-    sub = commands.add_parser("plot", help="the plot of a recorded run")
-    sub.add_argument("json", type=Path)
+    sub = commands.add_parser("plot", help="the plot of recorded runs (their precisions together)")
     sub.add_argument("png", type=Path)
+    sub.add_argument("json", type=Path, nargs="+")
     pair = lambda text: tuple(text.split("=", 1))  # noqa: E731
     parser.add_argument("--package", type=pair, action="append", default=[], help="PRECISION=FOLDER (edgelm)")
     parser.add_argument("--gguf", type=pair, action="append", default=[], help="PRECISION=FILE (llama.cpp)")
     parser.add_argument("--llamacpp-python", default=None, help="the llama-cpp-python interpreter")
+    parser.add_argument("--llamacpp-plain", action="store_true", help="also time llama.cpp without lookup")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speculative.json")
@@ -284,7 +295,9 @@ def main() -> int:
         requantize(args)
         return 0
     if args.command == "plot":
-        plot(json.loads(args.json.read_text()), args.png)
+        reports = [json.loads(path.read_text()) for path in args.json]
+        merged = {**reports[0], "results": {k: v for r in reports for k, v in r["results"].items()}}
+        plot(merged, args.png)
         return 0
     report = {"command": " ".join(sys.argv), "cpu": cpu_name(), "threads": args.threads, "new_tokens": NEW_TOKENS}
     report["results"] = {}
@@ -297,12 +310,13 @@ def main() -> int:
             order = names[index % len(names) :] + names[: index % len(names)]
             rounds.append(one_round(systems, ids, order))
             print(f"{precision} round {index + 1}: " + json.dumps(summarise(rounds[-1:])), flush=True)
-        report["results"][precision] = summarise(rounds)
-        report["results"][precision]["prompt_tokens"] = {name: [len(i) for i in group] for name, group in ids.items()}
+            report["results"][precision] = summarise(rounds)
+            report["results"][precision]["rounds"] = len(rounds)
+            report["results"][precision]["prompt_tokens"] = {k: [len(i) for i in group] for k, group in ids.items()}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")  # after every round: a partial run is kept
         for system in systems.values():
             getattr(getattr(system, "__self__", None), "close", lambda: None)()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["results"], indent=2))
     return 0
 
