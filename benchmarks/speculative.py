@@ -264,6 +264,31 @@ def plot(report: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def table(report: dict) -> str:
+    """The markdown table of docs/benchmarks.md: medians of per-round ratios."""
+    rows = [
+        "| precision | prompts | edgelm plain tokens/s | lookup / plain | lookup / llama.cpp lookup "
+        "| llama.cpp lookup / edgelm plain | guesses accepted | same ids as plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for precision, result in report["results"].items():
+        for set_name in ("grounded", "free"):
+            r = result[set_name]
+            ours, theirs = r["edgelm lookup"], r.get("llama.cpp lookup")
+            versus = peer = "n/a"
+            if theirs:
+                pairs = zip(ours["per_round_ratios"], theirs["per_round_ratios"], strict=True)
+                versus = f"{statistics.median(a / b for a, b in pairs):.2f}x"
+                peer = f"{theirs['ratio_to_edgelm_plain']:.2f}x"
+            same = "yes" if ours["same_tokens_as_plain"] else "NO"
+            rows.append(
+                f"| {precision} | {set_name} | {r['edgelm plain']['decode_tokens_per_s']:.1f} "
+                f"| {ours['ratio_to_edgelm_plain']:.2f}x | {versus} | {peer} "
+                f"| {ours['accepted']} of {ours['proposed']} | {same} |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
@@ -298,6 +323,7 @@ def main() -> int:
         reports = [json.loads(path.read_text()) for path in args.json]
         merged = {**reports[0], "results": {k: v for r in reports for k, v in r["results"].items()}}
         plot(merged, args.png)
+        print(table(merged))
         return 0
     report = {"command": " ".join(sys.argv), "cpu": cpu_name(), "threads": args.threads, "new_tokens": NEW_TOKENS}
     report["results"] = {}
