@@ -221,8 +221,9 @@ class Model:
     ) -> list[GenerationResult]:
         """Generate for several prompts at once (padding + attention mask). Options (runtime/decode.py's
         GenerationOptions): temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed, stop, cancel,
-        truncate_prompt, ignore_eos (keep generating past EOS, for benchmarks). Row r samples with seed + r;
-        greedy output equals running each prompt alone, except with dynamic/static int8 packages, whose
+        truncate_prompt, ignore_eos (keep generating past EOS, for benchmarks), speculative ("lookup", a draft
+        package or Model: runtime/speculative.py; a batch of several prompts decodes plainly). Row r samples with
+        seed + r; greedy output equals running each prompt alone, except with dynamic/static int8 packages, whose
         activation scale spans the batch (README, "Batches")."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")

@@ -18,6 +18,7 @@ A batch of several prompts decodes plainly (runtime/decode.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -49,7 +50,7 @@ NGRAM_SIZES = (3, 2)  # prompt lookup matches the last 3 tokens, else the last 2
 MAX_DRAFT = 10  # guesses per round at most
 FIRST_DRAFT = 4  # guesses in the first round
 STEP_TOLERANCE = 1e-3  # logits of a multi-token step may differ from one-token steps' by this, relative
-_checked_pairs: dict[tuple[int, int], None] = {}  # (target, draft) ids whose vocabularies matched
+_same_vocabulary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> drafts checked against it
 _consistent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> supports_multi_token_steps
 
 
@@ -86,8 +87,12 @@ def prepare_speculative(value: Any, runner: Runner) -> Any:
 
 def check_same_vocabulary(target: Any, draft: Any) -> None:
     """A draft must tokenize as the target does: the same token for every id."""
-    if (id(target), id(draft)) in _checked_pairs:
-        return
+    try:
+        checked = _same_vocabulary.setdefault(target, weakref.WeakSet())
+        if draft in checked:
+            return
+    except TypeError:  # a runner that cannot be weakly referred to: checked every time
+        checked = set()
     ours, theirs = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
     name = draft.spec.folder.name
     if ours is None or theirs is None:
@@ -105,7 +110,8 @@ def check_same_vocabulary(target: Any, draft: Any) -> None:
             )
     if draft.spec.arch.vocab_size > target.spec.arch.vocab_size:
         raise InvalidParameterError(f"the draft package {name} has a larger vocabulary than the model")
-    _checked_pairs[(id(target), id(draft))] = None
+    with contextlib.suppress(TypeError):  # a draft that cannot be weakly referred to is checked every time
+        checked.add(draft)
 
 
 def supports_multi_token_steps(runner: Runner) -> bool:
@@ -125,10 +131,8 @@ def supports_multi_token_steps(runner: Runner) -> bool:
                 "does not give the logits of single steps in this package (README, 'Speculative decoding')",
                 stacklevel=4,
             )
-        try:
+        with contextlib.suppress(TypeError):  # a runner that cannot be weakly referred to is checked every time
             _consistent[runner] = known
-        except TypeError:
-            pass
     return known
 
 
