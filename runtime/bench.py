@@ -11,6 +11,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -49,11 +50,14 @@ def bench(
     threads: int | None = None,
     repeats: int = 3,
     model: Model | None = None,
+    speculative: Any = None,
 ) -> dict:
+    """speculative: as generate's ("lookup", a draft package; random prompts give lookup little to find)."""
     model = model or load(package, provider=provider, threads=threads)
     check_fits(model, prompt_tokens, new_tokens)
+    speculative = model.options(new_tokens, speculative=speculative).speculative  # a bad value fails here
     prompts = random_prompts(model, prompt_tokens=prompt_tokens, batch=batch)
-    runs = timed_runs(model, prompts, new_tokens=new_tokens, repeats=repeats)
+    runs = timed_runs(model, prompts, new_tokens=new_tokens, repeats=repeats, speculative=speculative)
     median = lambda key: statistics.median(r[key] for r in runs)
     return {
         "package": package,
@@ -70,6 +74,11 @@ def bench(
         "runtime_overhead_pct": 100.0 * (1.0 - median("ort_share")),
         "peak_rss_mb": peak_rss_mb(),
         "size_mb": model.info()["size_bytes"] / 1e6,
+        "speculative": speculative
+        if speculative is None or isinstance(speculative, str)
+        else str(speculative.spec.folder),
+        "proposed_tokens": runs[-1]["proposed_tokens"],
+        "accepted_tokens": runs[-1]["accepted_tokens"],
     }
 
 
@@ -92,7 +101,9 @@ def random_prompts(model: Model, *, prompt_tokens: int, batch: int) -> list[list
     return [[t if t not in eos else (t + 1) % model.vocab_size for t in p] for p in prompts]
 
 
-def timed_runs(model: Model, prompts: list[list[int]], *, new_tokens: int, repeats: int) -> list[dict]:
+def timed_runs(
+    model: Model, prompts: list[list[int]], *, new_tokens: int, repeats: int, speculative: Any = None
+) -> list[dict]:
     """A warm-up, then `repeats` generations to the full length, each timed inside and outside ONNX Runtime."""
     batch = len(prompts)
     timed = TimedSession(model.session)
@@ -103,7 +114,7 @@ def timed_runs(model: Model, prompts: list[list[int]], *, new_tokens: int, repea
         for _ in range(repeats):
             timed.run_seconds.clear()
             step_started = time.perf_counter()
-            results = model.generate_batch(prompts, new_tokens, ignore_eos=True)
+            results = model.generate_batch(prompts, new_tokens, ignore_eos=True, speculative=speculative)
             total = time.perf_counter() - step_started
             decode_steps = timed.run_seconds[1:]
             timing = results[0].timings
@@ -114,6 +125,8 @@ def timed_runs(model: Model, prompts: list[list[int]], *, new_tokens: int, repea
                     "decode_tokens_per_s": batch * timing.decode_tokens_per_s,
                     "ort_share": sum(decode_steps) / decode_wall if decode_wall > 0 else 1.0,
                     "new_tokens": timing.new_tokens,
+                    "proposed_tokens": timing.proposed_tokens,
+                    "accepted_tokens": timing.accepted_tokens,
                 }
             )
     finally:

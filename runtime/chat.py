@@ -264,7 +264,12 @@ class Conversation:
         adapter = options.pop("adapter", self.adapter)
         runner = self.model if adapter == self.adapter else self._base.runner(adapter)  # an unknown name raises
         checked = generation_options(
-            max_new_tokens, options, tokenizer=self.model.tokenizer, allowed=TURN_OPTIONS, caller="a chat turn"
+            max_new_tokens,
+            options,
+            tokenizer=self.model.tokenizer,
+            allowed=TURN_OPTIONS,
+            caller="a chat turn",
+            runner=self._base,  # the Model, which loads a draft package (an adapter's runner does not)
         )
         history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest)
         switched = adapter != self.adapter
@@ -308,7 +313,8 @@ class Conversation:
             if self._cache is cache:
                 self._commit(turn.history, ids, assembler, cache, turn.starts)
                 new = len(assembler.ids)
-                timings = make_timings(turn.started, state.first_token_time, time.perf_counter(), len(ids), new)
+                ended = time.perf_counter()
+                timings = make_timings(turn.started, state.first_token_time, ended, len(ids), new, state=state)
                 finished(GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings))
         if tail:
             yield tail

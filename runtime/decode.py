@@ -24,6 +24,7 @@ import numpy as np
 from .errors import InvalidParameterError, PackageError
 from .kvcache import check_generation_memory, make_cache
 from .sampling import SamplingParams, sample
+from .speculative import check_speculative, prepare_speculative, speculative_decode, supports_multi_token_steps
 from .text import TextAssembler
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class GenerationOptions:
     cancel: threading.Event | None = None  # set from another thread to end the generation early
     truncate_prompt: bool = False  # drop the oldest prompt tokens when the prompt does not fit the context
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    speculative: Any = None  # "lookup", a draft Model or package folder, or None (runtime/speculative.py)
 
     def __post_init__(self) -> None:
         self.sampling  # noqa: B018  (SamplingParams checks its own ranges)
@@ -62,6 +64,7 @@ class GenerationOptions:
             raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise InvalidParameterError(f"cancel must be a threading.Event or None, got {self.cancel!r}")
+        check_speculative(self.speculative)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -89,16 +92,19 @@ def generation_options(
     tokenizer: Tokenizer | None,
     allowed: frozenset[str] = OPTION_NAMES,
     caller: str = "options()",
+    runner: Runner | None = None,
 ) -> GenerationOptions:
     """Options from keyword arguments, checked once: TypeError for an unknown name, InvalidParameterError for a
-    bad value. The result holds max_new_tokens as an int and stop as a tuple."""
+    bad value. The result holds max_new_tokens as an int and stop as a tuple; with a `runner`, a speculative
+    draft folder is loaded and checked against it."""
     unknown = set(options) - allowed
     if unknown:
         raise TypeError(f"{caller} got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
     checked = GenerationOptions(max_new_tokens=max_new_tokens, **options)
     if checked.stops and tokenizer is None:
         raise InvalidParameterError("stop strings need a tokenizer, and this package has none")
-    return replace(checked, max_new_tokens=int(max_new_tokens), stop=checked.stops)
+    speculative = checked.speculative if runner is None else prepare_speculative(checked.speculative, runner)
+    return replace(checked, max_new_tokens=int(max_new_tokens), stop=checked.stops, speculative=speculative)
 
 
 @dataclass
@@ -107,6 +113,8 @@ class DecodeState:
 
     finish: list[str]  # per row: "" while running, then "eos", "stop", "length" or "cancelled"
     first_token_time: float = 0.0  # time.perf_counter() when the first token was sampled
+    proposed_tokens: int = 0  # speculative decoding: tokens guessed ...
+    accepted_tokens: int = 0  # ... and of them, accepted
 
     @classmethod
     def start(cls, batch: int) -> DecodeState:
@@ -175,6 +183,9 @@ def decode(
     len(feed) ids, and the `feed` to extend it with."""
     batch, max_new_tokens = len(prompts), options.max_new_tokens
     check_generation_memory(runner.spec, list(map(len, prompts)), new_tokens=max_new_tokens, kv_dtype=runner.kv_dtype)
+    if options.speculative is not None and batch == 1 and supports_multi_token_steps(runner):
+        yield from speculative_decode(runner, prompts[0], state, options, cache=cache, feed=feed)  # a batch: plain
+        return
     if cache is None:
         cache = make_cache(runner, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
     else:

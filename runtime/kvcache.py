@@ -7,6 +7,7 @@ Both drivers have one interface (gpt-fast's KVCache has one job too):
     logits = cache.next(next_ids)    # (B, V) after one token per row, next_ids (B, 1)
     cache.lengths                    # (B,) tokens held per row
     logits = cache.extend(ids)       # batch 1: feed several more tokens (a chat turn), (V,)
+    logits = cache.extend(ids, all_logits=True)  # the same, logits of every fed position (T, V)
     cache.rewind(length)             # batch 1: forget everything after the first `length` tokens
 
 The cache never goes through numpy between steps and, with CUDA, stays on the device. `plain_feed`
@@ -133,11 +134,11 @@ class ConcatCache:
         self.lengths += 1
         return self._step(next_ids)
 
-    def extend(self, ids: list[int]) -> np.ndarray:
+    def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
         assert len(self.lengths) == 1, "extend is for a batch of one"
         self.attention_mask = np.ones((1, int(self.lengths[0]) + len(ids)), dtype=np.int64)
         self.lengths += len(ids)
-        return self._step(np.array([ids], dtype=np.int64))[0]
+        return self._step(np.array([ids], dtype=np.int64), last=not all_logits)[0]
 
     def rewind(self, length: int) -> None:
         assert len(self.lengths) == 1 and 0 <= length <= self.lengths[0], f"cannot rewind to {length}"
@@ -149,7 +150,7 @@ class ConcatCache:
         self.lengths[0] = length
         self.attention_mask = np.ones((1, length), dtype=np.int64)
 
-    def _step(self, input_ids: np.ndarray) -> np.ndarray:
+    def _step(self, input_ids: np.ndarray, *, last: bool = True) -> np.ndarray:
         io, binding, device = self.spec.io, self.binding, self.model.device
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
@@ -167,7 +168,7 @@ class ConcatCache:
         self.model.run(binding)
         outputs = binding.get_outputs()
         self.past = outputs[1:]
-        return outputs[0].numpy()[:, -1, :]
+        return outputs[0].numpy()[:, -1, :] if last else outputs[0].numpy()  # (B, V) or (B, T, V)
 
 
 class SharedCache:
@@ -223,7 +224,7 @@ class SharedCache:
             return logits[:, -1, :]
         return logits[np.arange(batch), self.lengths - 1]  # each row's last real position
 
-    def extend(self, ids: list[int]) -> np.ndarray:
+    def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
         assert len(self.lengths) == 1, "extend is for a batch of one"
         start = int(self.lengths[0])
         if start + len(ids) > self.capacity:
@@ -231,7 +232,8 @@ class SharedCache:
         self.lengths[0] = start + len(ids)
         self.mask[0, : start + len(ids)] = 1
         mask = np.ones((1, start + len(ids)), dtype=np.int64)
-        return self._run_tokens(np.array([ids], dtype=np.int64), mask, start, keep_last=True)[0, -1]
+        logits = self._run_tokens(np.array([ids], dtype=np.int64), mask, start, keep_last=not all_logits)[0]
+        return logits if all_logits else logits[-1]
 
     def _grown(self) -> int:
         # no wider than the context: a decode step's mask is as wide as the buffer, and the graph's rotary

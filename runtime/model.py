@@ -82,6 +82,7 @@ class Model(AdapterMixin):
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only {self.spec.arch.vocab_size}"
             )
         self._init_adapters()  # LoRA slots and the adapters loaded for them (runtime/adapters.py)
+        self.threads, self._drafts = threads, {}
         self.load_s = time.perf_counter() - started  # from the call to a model ready to generate
 
     # ---- package facts -------------------------------------------------------------------------
@@ -139,6 +140,14 @@ class Model(AdapterMixin):
         except Exception as e:  # onnxruntime's pybind types
             raise PackageError(f"ONNX Runtime failed running {self.spec.model_path.name}: {ort_reason(e)}") from None
         return outputs[0], outputs[1:]
+
+    def load_draft(self, path: str | Path) -> Model:
+        """A draft package for speculative decoding (runtime/speculative.py), loaded once per folder with this
+        model's provider and threads."""
+        key = str(Path(path).resolve())
+        if key not in self._drafts:
+            self._drafts[key] = Model(path, provider=self.device, threads=self.threads)
+        return self._drafts[key]
 
     # ---- chat (runtime/chat.py) ----------------------------------------------------------------
 
@@ -213,7 +222,7 @@ class Model(AdapterMixin):
 
     def options(self, max_new_tokens: int = 64, **options: Any) -> GenerationOptions:
         """Validate generation options once (TypeError for an unknown name, InvalidParameterError for a bad value)."""
-        return generation_options(max_new_tokens, options, tokenizer=self.tokenizer)
+        return generation_options(max_new_tokens, options, tokenizer=self.tokenizer, runner=self)
 
     def _encode_all(self, prompts: Sequence[str | Sequence[int]], options: GenerationOptions) -> list[list[int]]:
         return [self._fit_context(self.encode(p), options.max_new_tokens, options.truncate_prompt) for p in prompts]
@@ -223,14 +232,17 @@ class Model(AdapterMixin):
     ) -> list[GenerationResult]:
         """Generate for several prompts at once (padding + attention mask). Options (runtime/decode.py's
         GenerationOptions): temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, seed, stop, cancel,
-        truncate_prompt, ignore_eos (keep generating past EOS, for benchmarks). Row r samples with seed + r;
-        greedy output equals running each prompt alone, except with dynamic/static int8 packages, whose
+        truncate_prompt, ignore_eos (keep generating past EOS, for benchmarks), speculative ("lookup", a draft
+        package or Model: runtime/speculative.py; a batch of several prompts decodes plainly). Row r samples with
+        seed + r; greedy output equals running each prompt alone, except with dynamic/static int8 packages, whose
         activation scale spans the batch (README, "Batches"). adapter: a loaded LoRA adapter's name, None = base."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
         runner = self.runner(options.pop("adapter", None))
-        checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()")
+        checked = generation_options(
+            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self
+        )
         encoded = self._encode_all(prompts, checked)
         state = DecodeState.start(len(encoded))
         generated, texts = decode_texts(runner, encoded, state, checked, self.tokenizer)
@@ -241,7 +253,7 @@ class Model(AdapterMixin):
                 generated[row],
                 state.finish[row],
                 ids,
-                make_timings(started, state.first_token_time, ended, len(ids), len(generated[row])),
+                make_timings(started, state.first_token_time, ended, len(ids), len(generated[row]), state=state),
             )
             for row, ids in enumerate(encoded)
         ]
@@ -257,7 +269,7 @@ class Model(AdapterMixin):
         Options are validated here, before the first piece is asked for."""
         started = time.perf_counter()
         runner = self.runner(options.pop("adapter", None))
-        checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="stream()")
+        checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="stream()", runner=self)
         (ids,) = self._encode_all([prompt], checked)
         if self.tokenizer is None:
             raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
@@ -273,7 +285,7 @@ class Model(AdapterMixin):
             if tail:
                 yield tail
             new = len(assembler.ids)
-            timings = make_timings(started, state.first_token_time, time.perf_counter(), len(ids), new)
+            timings = make_timings(started, state.first_token_time, time.perf_counter(), len(ids), new, state=state)
             stream.result = GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings)
 
         stream = Stream(pieces())

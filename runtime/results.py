@@ -13,6 +13,8 @@ class Timings:
     time_to_first_token_s: float = 0.0  # from the call to the first sampled token (prompt pass included)
     decode_tokens_per_s: float = 0.0  # tokens after the first, per second
     total_s: float = 0.0
+    proposed_tokens: int = 0  # speculative decoding: tokens guessed (runtime/speculative.py) ...
+    accepted_tokens: int = 0  # ... and of them, accepted by the model
 
 
 @dataclass
@@ -47,7 +49,10 @@ class Stream:
         return next(self._pieces)
 
 
-def make_timings(started: float, first: float, ended: float, prompt_tokens: int, new_tokens: int) -> Timings:
+def make_timings(
+    started: float, first: float, ended: float, prompt_tokens: int, new_tokens: int, *, state=None
+) -> Timings:
+    """Timings of a generation; `state` (runtime/decode.py's DecodeState) adds speculative decoding's counts."""
     ttft = (first - started) if first else 0.0
     decode_time = ended - first if first else 0.0
     rate = (new_tokens - 1) / decode_time if new_tokens > 1 and decode_time > 0 else 0.0
@@ -57,4 +62,6 @@ def make_timings(started: float, first: float, ended: float, prompt_tokens: int,
         time_to_first_token_s=ttft,
         decode_tokens_per_s=rate,
         total_s=ended - started,
+        proposed_tokens=state.proposed_tokens if state is not None else 0,
+        accepted_tokens=state.accepted_tokens if state is not None else 0,
     )

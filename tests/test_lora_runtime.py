@@ -198,3 +198,21 @@ def test_onnxruntime_genai_runs_the_converted_adapter(case):
         ids = [int(t) for t in generator.get_sequence(0)][len(PROMPT) :]
         expected = model.generate(PROMPT, NEW_TOKENS, ignore_eos=True, adapter=adapter).token_ids
         assert ids and ids == expected[: len(ids)], adapter  # genai stops at EOS (id 0); edgelm ignored it
+
+
+def test_speculative_decoding_runs_with_an_adapter(case):
+    """An adapter's runner is the target of speculative decoding: prompt lookup and a draft package (the slotted
+    package itself, given as a folder) give the plain greedy ids with that adapter, in generate and in a chat."""
+    model = _loaded(case)
+    repetitive = PROMPT + PROMPT  # a prompt that repeats itself, so lookup finds guesses
+    plain = model.generate(repetitive, NEW_TOKENS, ignore_eos=True, adapter="r16-mlp-rslora")
+    for speculative in ("lookup", str(case["package"])):
+        fast = model.generate(
+            repetitive, NEW_TOKENS, ignore_eos=True, adapter="r16-mlp-rslora", speculative=speculative
+        )
+        assert fast.token_ids == plain.token_ids
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    expected = model.conversation(template=template, adapter="r8-attention").send("say it twice: hello hello", 6)
+    conv = model.conversation(template=template, adapter="r8-attention")
+    got = conv.send("say it twice: hello hello", 6, speculative=str(case["package"]))
+    assert got.token_ids == expected.token_ids

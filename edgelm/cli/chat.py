@@ -8,7 +8,7 @@ import sys
 import threading
 
 from .adapter import add_adapter_option, load_adapter
-from .options import add_command, add_runtime, add_sampling, sampling_options
+from .options import add_command, add_runtime, add_sampling, add_speculative, sampling_options
 
 CHAT_COMMANDS = "/reset, /undo, /stats, /exit; Ctrl-C stops a reply"
 
@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("package")
     p.add_argument("--system", default=None, help="the system message (default: the template's own, if any)")
     add_sampling(p, max_new_tokens=256, truncate=False)
+    add_speculative(p)
     p.add_argument("--stats", action="store_true", help="print tokens/s and the tokens prefilled after each reply")
     add_runtime(p)
     add_adapter_option(p)
@@ -120,6 +121,7 @@ def _print_stats(t, turn) -> None:
         f"{t.time_to_first_token_s * 1000:.0f} ms, prefilled {turn.prefilled_tokens} of "
         f"{turn.prompt_tokens} prompt tokens ({turn.path})"
         + (f", dropped {turn.dropped_messages} old messages" if turn.dropped_messages else "")
+        + (f", {t.accepted_tokens} of {t.proposed_tokens} guessed tokens accepted" if t.proposed_tokens else "")
         + "]",
         file=sys.stderr,
     )

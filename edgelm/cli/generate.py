@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .adapter import add_adapter_option, load_adapter
-from .options import add_command, add_json, add_runtime, add_sampling, sampling_options
+from .options import add_command, add_json, add_runtime, add_sampling, add_speculative, sampling_options
 from .text import printable, to_json
 
 
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("package")
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
     add_sampling(p)
+    add_speculative(p)
     add_runtime(p)
     add_adapter_option(p)
     add_json(p, " (text, ids, finish reason, timings)")
@@ -46,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     t = r.timings
     print(
         f"[{t.new_tokens} tokens, finish: {r.finish_reason}, first token {t.time_to_first_token_s * 1000:.0f} ms, "
-        f"{t.decode_tokens_per_s:.1f} tokens/s, {printable(model.info()['precision'])} on {model.device}]",
+        f"{t.decode_tokens_per_s:.1f} tokens/s, {printable(model.info()['precision'])} on {model.device}"
+        + (f", {t.accepted_tokens} of {t.proposed_tokens} guessed tokens accepted" if args.speculative else "")
+        + "]",
         file=sys.stderr,
     )
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_command, add_json, add_runtime, add_verify, int_in
+from .options import add_command, add_json, add_runtime, add_speculative, add_verify, int_in
 from .text import printable, to_json
 
 
@@ -49,6 +49,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int_in(2), default=128, help="tokens to generate, >= 2 (default 128)")
     p.add_argument("--batch", type=int_in(1, 4096), default=1, help="prompts per batch, 1 to 4096 (default 1)")
     p.add_argument("--repeats", type=int_in(1, 1000), default=3, help="timed runs, 1 to 1000 (default 3)")
+    add_speculative(p)
     add_json(p)
     add_runtime(p)
     p.set_defaults(run=run_bench)
@@ -67,6 +68,7 @@ def run_bench(args: argparse.Namespace) -> int:
         provider=args.provider,
         threads=args.threads,
         repeats=args.repeats,
+        speculative=args.speculative,
     )
     if args.json:
         print(to_json(report, indent=2))
@@ -81,5 +83,10 @@ def run_bench(args: argparse.Namespace) -> int:
         f"decode {report['decode_tokens_per_s']:.1f} tokens/s | runtime overhead "
         f"{report['runtime_overhead_pct']:.1f}% | peak RSS {report['peak_rss_mb']:.0f} MB | "
         f"size {report['size_mb']:.1f} MB"
+        + (
+            f" | accepted {report['accepted_tokens']} of {report['proposed_tokens']} guesses"
+            if args.speculative
+            else ""
+        )
     )
     return 0

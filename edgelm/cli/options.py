@@ -102,10 +102,22 @@ def add_sampling(p: argparse.ArgumentParser, *, max_new_tokens: int = 64, trunca
         )
 
 
+def add_speculative(p: argparse.ArgumentParser) -> None:
+    """generate's, chat's and bench's speculative decoding (runtime/speculative.py)."""
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="lookup|PACKAGE",
+        help="speculative decoding, same output: 'lookup' guesses from the prompt and output so far; a package "
+        "folder with the same tokenizer guesses with that (smaller) model. Batch 1 only",
+    )
+
+
 def sampling_options(args: argparse.Namespace) -> dict:
-    """The sampling options of add_sampling as keyword arguments of Model.generate/stream and Conversation.stream
-    (without max_new_tokens, which those take by position)."""
+    """The sampling options of add_sampling (and add_speculative) as keyword arguments of Model.generate/stream and
+    Conversation.stream (without max_new_tokens, which those take by position)."""
     names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "truncate_prompt")
+    names += ("speculative",)
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

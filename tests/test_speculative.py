@@ -1,0 +1,301 @@
+"""Speculative decoding (runtime/speculative.py) on tiny random Llama packages (tests/chat_package.py).
+
+Greedy output equals plain greedy output token for token: many prompts, both graphs, fp32 / int8 / int4, at the
+context's end, with EOS, stop strings, a token budget that ends inside an accepted run, cancellation, a repetition
+penalty, chat turns, and a draft package. The acceptance rule keeps the sampling distribution (chi-square against
+the exact distribution computed from the model's logits); a seed reproduces a run; bad values raise one error."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from chat_package import IM_END, make_chat_package
+from helpers import quiet
+
+from edgelm.runtime import InvalidParameterError, load
+from edgelm.runtime.sampling import SamplingParams
+from edgelm.runtime.speculative import Chooser, Lookup, probabilities
+
+RNG = np.random.default_rng(7)
+# prompts with repeats (lookup's guesses get accepted) and random ones (they get rejected or there are none)
+PROMPTS = [list(RNG.integers(3, 2000, size=n)) * r for n, r in ((5, 3), (9, 2), (3, 6), (20, 1), (40, 1), (7, 4))]
+PROMPTS += [list(RNG.integers(3, 60, size=30)) for _ in range(6)]
+
+
+@pytest.fixture(scope="module", params=["fused", "standard"])
+def graph_model(request, tmp_path_factory):
+    out = make_chat_package(tmp_path_factory.mktemp("spec") / request.param, attention=request.param)
+    return load(out, provider="cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def fused_package(tmp_path_factory):
+    return make_chat_package(tmp_path_factory.mktemp("spec") / "fused")
+
+
+@pytest.fixture(scope="module")
+def model(fused_package):
+    return load(fused_package, provider="cpu", threads=1)
+
+
+def same_greedy(model, prompt, max_new_tokens: int, speculative, **options):
+    plain = model.generate(prompt, max_new_tokens, **options)
+    fast = model.generate(prompt, max_new_tokens, speculative=speculative, **options)
+    assert fast.token_ids == plain.token_ids, f"prompt {prompt[:8]}...: speculative output differs"
+    assert (fast.text, fast.finish_reason) == (plain.text, plain.finish_reason)
+    return fast
+
+
+# ---- greedy: the plain output, token for token --------------------------------------------------------------
+
+
+def test_lookup_greedy_equals_plain_on_many_prompts(graph_model):
+    results = [same_greedy(graph_model, p, 48, "lookup", ignore_eos=True) for p in PROMPTS]
+    proposed = sum(r.timings.proposed_tokens for r in results)
+    accepted = sum(r.timings.accepted_tokens for r in results)
+    assert 0 < accepted < proposed, "the prompts exercise both accepted and rejected guesses"
+
+
+@pytest.mark.parametrize("mode", ["int8-weight-only", "int4"])
+def test_lookup_greedy_equals_plain_quantized(fused_package, tmp_path, mode):
+    from edgelm.quantize.quantize import quantize_package
+
+    quantize_package(fused_package, tmp_path / mode, mode=mode, progress=quiet)
+    quantized = load(tmp_path / mode, provider="cpu", threads=1)
+    for prompt in PROMPTS:
+        same_greedy(quantized, prompt, 40, "lookup", ignore_eos=True)
+
+
+def test_the_budget_ends_inside_an_accepted_run(model):
+    prompt = PROMPTS[2]
+    full = model.generate(prompt, 60, ignore_eos=True, speculative="lookup")
+    assert full.timings.accepted_tokens >= 4
+    for n in range(1, 24):
+        result = same_greedy(model, prompt, n, "lookup", ignore_eos=True)
+        assert len(result.token_ids) == n and result.finish_reason == "length"
+
+
+def test_the_context_end(graph_model):
+    limit = graph_model.context_length
+    for prompt in PROMPTS[:4]:
+        long = (prompt * (limit // len(prompt) + 1))[: limit - 30]
+        same_greedy(graph_model, long, 30, "lookup", ignore_eos=True)
+
+
+def test_eos_inside_a_run(model, tmp_path):
+    # with a frequent token as EOS, generation ends where plain decoding ends, guesses past it unused
+    prompt = PROMPTS[0]
+    tokens = model.generate(prompt, 40, ignore_eos=True).token_ids
+    eos_model = load(tmp_path_package(model, tmp_path, eos=tokens[12]), provider="cpu", threads=1)
+    result = same_greedy(eos_model, prompt, 40, "lookup")
+    assert result.finish_reason == "eos" and len(result.token_ids) == tokens.index(tokens[12])
+
+
+def tmp_path_package(model, tmp_path, *, eos: int):
+    from helpers import copy_package, edit_manifest
+
+    folder = copy_package(model.spec.folder, tmp_path, "eos")
+    edit_manifest(folder, lambda m: m["tokenizer"].update(eos_token_ids=[int(eos), IM_END]))
+    return folder
+
+
+def test_stop_strings_and_streams(model):
+    prompt = PROMPTS[2]
+    text = model.generate(prompt, 40, ignore_eos=True).text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    result = same_greedy(model, prompt, 40, "lookup", stop=stop)
+    assert result.finish_reason == "stop"
+    pieces = list(stream := model.stream(prompt, 40, stop=stop, speculative="lookup"))
+    assert "".join(pieces) == result.text and stream.result.token_ids == result.token_ids
+
+
+def test_cancel_mid_run(model):
+    prompt = PROMPTS[2]
+    outputs = []
+    for speculative in (None, "lookup"):
+        cancel = threading.Event()
+        stream = model.stream(prompt, 40, ignore_eos=True, cancel=cancel, speculative=speculative)
+        for i, _ in enumerate(stream):
+            if i == 6:
+                cancel.set()
+        outputs.append((stream.result.token_ids, stream.result.finish_reason))
+    assert outputs[0] == outputs[1] and outputs[1][1] == "cancelled"
+
+
+def test_repetition_penalty_applies_as_in_plain_decoding(graph_model):
+    for prompt in PROMPTS[:6]:
+        same_greedy(graph_model, prompt, 32, "lookup", ignore_eos=True, repetition_penalty=1.3)
+
+
+def test_a_batch_decodes_plainly(model):
+    plain = model.generate_batch(PROMPTS[:3], 20, ignore_eos=True)
+    batched = model.generate_batch(PROMPTS[:3], 20, ignore_eos=True, speculative="lookup")
+    assert [r.token_ids for r in batched] == [r.token_ids for r in plain]
+    assert all(r.timings.proposed_tokens == 0 for r in batched)
+
+
+def test_chat_turns_equal_plain_turns(graph_model):
+    replies = []
+    for speculative in (None, "lookup"):
+        conv = graph_model.conversation(system="Repeat after me.")
+        turns = ["say: the cat sat on the mat", "say it again: the cat sat on the mat", "once more, twice"]
+        replies.append([conv.send(t, 40, speculative=speculative).token_ids for t in turns])
+        again = graph_model.chat(conv.messages[:-1], 40, speculative=speculative)  # from the ids afresh
+        assert again.token_ids == replies[-1][-1]
+    assert replies[0] == replies[1]
+
+
+# ---- a draft package ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_package(tmp_path_factory):
+    return make_chat_package(tmp_path_factory.mktemp("spec") / "draft", layers=1, seed=3)
+
+
+def test_a_draft_package_gives_the_plain_greedy_output(graph_model, draft_package):
+    draft = load(draft_package, provider="cpu", threads=1)
+    for prompt in PROMPTS[:6]:
+        same_greedy(graph_model, prompt, 30, draft, ignore_eos=True)
+    result = same_greedy(graph_model, PROMPTS[0], 30, str(draft_package), ignore_eos=True)  # a folder works too
+    assert result.timings.proposed_tokens > 0
+    same_greedy(graph_model, PROMPTS[1], 30, graph_model, ignore_eos=True)  # the model as its own draft
+
+
+def test_a_draft_with_another_tokenizer_is_refused(model, package):
+    other = load(package, provider="cpu", threads=1)  # tests/conftest.py's GPT-2, its own 320-token vocabulary
+    with pytest.raises(InvalidParameterError, match="same tokenizer"):
+        model.generate(PROMPTS[0], 5, speculative=other)
+
+
+@pytest.mark.parametrize("value", [3, "lookup ", "/no/such/package", 1.5, ["lookup"]])
+def test_invalid_values(model, value):
+    with pytest.raises(InvalidParameterError, match="speculative must be"):
+        model.generate(PROMPTS[0], 5, speculative=value)
+    with pytest.raises(InvalidParameterError, match="speculative must be"):
+        model.stream(PROMPTS[0], 5, speculative=value)
+    with pytest.raises(InvalidParameterError, match="speculative must be"):
+        model.conversation().send("hi", 5, speculative=value)
+
+
+# ---- sampling: the distribution is plain sampling's ---------------------------------------------------------
+
+
+def test_a_seed_reproduces_a_sampled_run(model, draft_package):
+    for speculative in ("lookup", str(draft_package)):
+        runs = [
+            model.generate(PROMPTS[2], 30, temperature=0.9, top_k=20, seed=5, speculative=speculative).token_ids
+            for _ in range(2)
+        ]
+        assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("q_kind", ["point", "draft"])
+def test_the_acceptance_rule_keeps_p(q_kind):
+    # one position: target logits p, a guess drawn from q (or fixed: lookup's point mass); the emitted token
+    # must be distributed as p after the same transforms as plain sampling
+    from scipy.stats import chisquare
+
+    rng = np.random.default_rng(0)
+    target, draft = rng.normal(size=(2, 12)) * 1.5
+    params = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.2)
+    seen = [1, 4]
+    p = probabilities(target, params, np.array(seen))
+    q = probabilities(draft, params, np.array(seen))
+    chooser = Chooser(params, 11)
+    counts = np.zeros(12)
+    trials = 20_000
+    for _ in range(trials):
+        guess = 3 if q_kind == "point" else int(chooser.rng.choice(12, p=q))
+        logits = np.stack([target, draft])  # the second row is the position after the guess
+        accepted, token = chooser.check(logits, seen, [guess], None if q_kind == "point" else [q])
+        counts[guess if accepted else token] += 1
+    keep = p > 0
+    assert counts[~keep].sum() == 0, "a token the filters drop is never emitted"
+    assert chisquare(counts[keep], p[keep] / p[keep].sum() * trials).pvalue > 1e-3
+
+
+def test_sampled_tokens_follow_the_models_distribution(model, draft_package):
+    # end to end with a draft package: the second token's guess is checked by the rule; the pair (t1, t2) is
+    # compared with the exact distribution from the model's logits (chi-square, categories with >= 5 expected)
+    from scipy.stats import chisquare
+
+    prompt, params = PROMPTS[3], dict(temperature=1.0, top_k=4, repetition_penalty=1.1)
+    sampling = SamplingParams(**params)
+    first = probabilities(model.forward(np.array([prompt]))[0][0, -1], sampling, np.array(prompt))
+    expected = {}
+    for t1 in np.flatnonzero(first):
+        second = probabilities(model.forward(np.array([prompt + [t1]]))[0][0, -1], sampling, np.array(prompt + [t1]))
+        for t2 in np.flatnonzero(second):
+            expected[(int(t1), int(t2))] = first[t1] * second[t2]
+    trials, counts = 3000, dict.fromkeys(expected, 0)
+    draft = load(draft_package, provider="cpu", threads=1)
+    proposed = 0
+    for seed in range(trials):
+        result = model.generate(prompt, 3, ignore_eos=True, seed=seed, speculative=draft, **params)
+        counts[tuple(result.token_ids[:2])] += 1
+        proposed += result.timings.proposed_tokens
+    assert proposed == trials, "every run checked one guess for its second token"
+    keys = sorted(expected)
+    assert chisquare([counts[k] for k in keys], [expected[k] * trials for k in keys]).pvalue > 1e-3
+
+
+def test_lookup_index_proposes_what_followed_the_latest_match():
+    lookup = Lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 6])
+    assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 3) == ([5, 6, 1], None)
+    assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3, 7], 3) == ([], None)
+
+
+# ---- packages whose multi-token steps compute other logits -------------------------------------------------
+
+
+def test_a_package_whose_steps_disagree_decodes_plainly(fused_package, monkeypatch):
+    # int4/int8 MatMulNBits (accuracy_level 4) quantize activations differently for one row than for several:
+    # the logits of a verification step would not be plain decoding's, so such a package decodes plainly
+    from edgelm.runtime import kvcache
+
+    extend = kvcache.SharedCache.extend
+
+    def noisy(self, ids, *, all_logits=False):
+        logits = extend(self, ids, all_logits=all_logits)
+        return logits + 0.5 * (np.arange(logits.shape[-1]) % 3) if all_logits else logits
+
+    monkeypatch.setattr(kvcache.SharedCache, "extend", noisy)
+    model = load(fused_package, provider="cpu", threads=1)  # a fresh model: the check runs once per model
+    with pytest.warns(UserWarning, match="speculative decoding is off"):
+        result = same_greedy(model, PROMPTS[0], 20, "lookup", ignore_eos=True)
+    assert result.timings.proposed_tokens == 0
+
+
+# ---- the command line ----------------------------------------------------------------------------------------
+
+
+def test_cli_generate_and_bench_take_speculative(fused_package):
+    import json
+
+    from helpers import edgelm
+
+    runs = []
+    for extra in ([], ["--speculative", "lookup"]):
+        run = edgelm(
+            "generate", fused_package, "the cat sat on the mat, the cat", "--json", "--max-new-tokens", "24", *extra
+        )
+        assert run.returncode == 0, run.stderr
+        runs.append(json.loads(run.stdout))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert {"proposed_tokens", "accepted_tokens"} <= set(runs[1]["timings"])
+    bench = edgelm("bench", fused_package, "--speculative", "lookup", "--repeats", "1", "--new-tokens", "8", "--json")
+    assert bench.returncode == 0, bench.stderr
+    assert json.loads(bench.stdout)["speculative"] == "lookup"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_cli_refuses_a_bad_value_in_one_line(fused_package, command):
+    from helpers import edgelm
+
+    args = [command, fused_package] + (["hello"] if command == "generate" else []) + ["--speculative", "nope"]
+    run = edgelm(*args)
+    assert run.returncode != 0 and "speculative must be" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
