@@ -289,7 +289,7 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
     sub = commands.add_parser("child")
@@ -312,19 +312,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speculative.json")
-    args = parser.parse_args()
-    if args.command == "child":
-        child(args)
-        return 0
-    if args.command == "requantize":
-        requantize(args)
-        return 0
-    if args.command == "plot":
-        reports = [json.loads(path.read_text()) for path in args.json]
-        merged = {**reports[0], "results": {k: v for r in reports for k, v in r["results"].items()}}
-        plot(merged, args.png)
-        print(table(merged))
-        return 0
+    return parser.parse_args()
+
+
+def run_rounds(args: argparse.Namespace) -> dict:
+    """Every precision's systems in turn on each prompt, round after round; the report is saved after each round."""
     report = {"command": " ".join(sys.argv), "cpu": cpu_name(), "threads": args.threads, "new_tokens": NEW_TOKENS}
     report["results"] = {}
     prompts = prompt_sets()
@@ -343,7 +335,22 @@ def main() -> int:
             args.out.write_text(json.dumps(report, indent=2) + "\n")  # after every round: a partial run is kept
         for system in systems.values():
             getattr(getattr(system, "__self__", None), "close", lambda: None)()
-    print(json.dumps(report["results"], indent=2))
+    return report
+
+
+def main() -> int:
+    args = parse_args()
+    if args.command == "child":
+        child(args)
+    elif args.command == "requantize":
+        requantize(args)
+    elif args.command == "plot":
+        reports = [json.loads(path.read_text()) for path in args.json]
+        merged = {**reports[0], "results": {k: v for r in reports for k, v in r["results"].items()}}
+        plot(merged, args.png)
+        print(table(merged))
+    else:
+        print(json.dumps(run_rounds(args)["results"], indent=2))
     return 0
 
 

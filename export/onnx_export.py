@@ -191,18 +191,12 @@ def export_package(
     lora_slots: SlotSpec | None = None,
     progress: Progress = print,
 ) -> dict:
-    """Checkpoint folder or GGUF file -> model package folder. Writes to a temporary folder beside `out_dir`
-    and renames it into place at the end, so a failed export leaves no half-written package. Returns the
-    manifest (as JSON). attention: "fused" (the default) or "standard"; last_token_logits applies to
-    "standard" (the fused graph takes the number of positions to keep as an input). A GGUF file's quantized
-    weights stay in their own blocks (MatMulNBits nodes, run with `accuracy_level`: 4 quantizes activations
-    to int8, 0 keeps them float; export/gguf_blocks.py) unless `dequantize` asks for an fp32 package or the
-    graph is "standard"; keep_gguf_quantization (the old opt-in) insists on it. tolerance: the largest |logit
-    difference| allowed; None: PARITY_TOLERANCE, or INT8_ACTIVATION_TOLERANCE for kept blocks at
-    accuracy_level 4. compact_blocks: kept blocks as bit planes and the file's factors, which ONNX Runtime
-    unpacks at load (export/compact_blocks.py); False writes MatMulNBits' arrays themselves, a bigger package
-    that loads faster and with a lower memory peak (docs/results.md). lora: PEFT adapter folders and scales merged
-    into the weights (export/lora.py); lora_slots: run-time LoRA slots (fused graph only)."""
+    """Checkpoint folder or GGUF file -> model package folder, staged beside `out_dir` and renamed into place, so a
+    failed export leaves nothing half-written; returns the manifest (JSON). attention: "fused" or "standard"
+    (last_token_logits is the standard graph's). A GGUF file's quantized blocks are kept (MatMulNBits run at
+    `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph; compact_blocks
+    stores them as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py). tolerance: the largest
+    |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
@@ -210,9 +204,8 @@ def export_package(
         dequantize=dequantize,
         keep_gguf_quantization=keep_gguf_quantization,
         accuracy_level=accuracy_level,
+        lora_slots=lora_slots,
     )
-    if lora_slots is not None and attention != "fused":
-        raise ValueError("LoRA slots need the fused graph (--attention fused)")
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     adapters = read_adapters(list(lora))
     source = _load(checkpoint, untie=untie, keep_gguf_quantization=keep_gguf_quantization, progress=progress)
@@ -221,13 +214,7 @@ def export_package(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
     )  # fmt: skip
-    manifest = plan.manifest
-    if plan.keep:  # compact: ONNX Runtime computes the blocks at load, by constant folding (export/compact_blocks.py)
-        manifest.recipe["storage"] = "compact" if compact_blocks else "plain"
-    slots = plan_slots(source.model, source.family, lora_slots) if lora_slots is not None else None
-    if slots is not None:
-        add_slots(plan.decoder, slots)
-    manifest.lora = lora_record(adapters, slots)
+    manifest = _add_storage_and_lora(plan, source, compact_blocks=compact_blocks, adapters=adapters, slots=lora_slots)
     with staged as staging:
         _write_graph(
             plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, compact=compact_blocks,
@@ -239,6 +226,20 @@ def export_package(
     size = sum(f["bytes"] for f in manifest.files.values())
     progress(f"wrote {out_dir} ({size / 1e6:.1f} MB)")
     return manifest.to_json()
+
+
+def _add_storage_and_lora(
+    plan: _Plan, source: Source, *, compact_blocks: bool, adapters: list, slots: SlotSpec | None
+) -> Manifest:
+    """The plan's manifest with how kept blocks are stored and the LoRA record; run-time slots join the Decoder."""
+    manifest = plan.manifest
+    if plan.keep:  # compact: ONNX Runtime computes the blocks at load, by constant folding (export/compact_blocks.py)
+        manifest.recipe["storage"] = "compact" if compact_blocks else "plain"
+    planned = plan_slots(source.model, source.family, slots) if slots is not None else None
+    if planned is not None:
+        add_slots(plan.decoder, planned)
+    manifest.lora = lora_record(adapters, planned)
+    return manifest
 
 
 @dataclass
@@ -306,7 +307,13 @@ def _write_graph(
 
 
 def _check_options(
-    *, attention: str, last_token_logits: bool, dequantize: bool, keep_gguf_quantization: bool, accuracy_level: int
+    *,
+    attention: str,
+    last_token_logits: bool,
+    dequantize: bool,
+    keep_gguf_quantization: bool,
+    accuracy_level: int,
+    lora_slots: SlotSpec | None,
 ) -> None:
     """ValueError for options that contradict each other or are out of range (export_package's)."""
     if attention not in ATTENTION_KINDS:
@@ -319,6 +326,8 @@ def _check_options(
         raise ValueError("keeping a GGUF file's quantization needs the fused graph")
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise ValueError(f"accuracy_level must be 0, 1, 2, 3 or 4, got {accuracy_level}")
+    if lora_slots is not None and attention != "fused":
+        raise ValueError("LoRA slots need the fused graph (--attention fused)")
 
 
 def _load(checkpoint: Path, *, untie: bool, keep_gguf_quantization: bool, progress: Progress) -> Source:
