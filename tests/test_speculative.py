@@ -8,6 +8,7 @@ the exact distribution computed from the model's logits); a seed reproduces a ru
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -299,3 +300,29 @@ def test_cli_refuses_a_bad_value_in_one_line(fused_package, command):
     run = edgelm(*args)
     assert run.returncode != 0 and "speculative must be" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_cli_says_speculation_is_off_in_one_line(fused_package, monkeypatch, capsys):
+    """The library's warning reaches the terminal as `edgelm generate: warning: ...`, one line, no source line."""
+    from edgelm.cli import main
+    from edgelm.runtime import kvcache
+
+    extend = kvcache.SharedCache.extend
+    monkeypatch.setattr(  # steps that disagree, as int4/int8 MatMulNBits' do on some CPUs
+        kvcache.SharedCache,
+        "extend",
+        lambda self, ids, *, all_logits=False: extend(self, ids, all_logits=all_logits) + (0.5 if all_logits else 0),
+    )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code = main(["generate", str(fused_package), "the cat sat", "--max-new-tokens", "4", "--speculative", "lookup"])
+    err = capsys.readouterr().err
+    assert code == 0
+    warning, *rest = err.strip().splitlines()  # then generate's status line
+    assert warning == (
+        f"edgelm generate: warning: {Path(fused_package).name}: speculative decoding is off (plain decoding): a step "
+        "of several tokens does not give the logits of single steps in this package (README, 'Speculative decoding')"
+    )
+    assert len(rest) == 1 and "UserWarning" not in err and ".py:" not in err, err

@@ -18,6 +18,7 @@ import signal
 import sys
 import textwrap
 import threading
+import warnings
 
 from edgelm import __version__
 
@@ -79,6 +80,20 @@ def _error(command: str, message: str) -> None:
         pass
 
 
+def _show_warnings_as_one_line(command: str) -> None:
+    """The library's warnings (speculative decoding off for a package, say) as one line each: `edgelm CMD:
+    warning: ...`, without Python's file and source line."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = printable(" ".join(str(message).split()))
+        try:
+            print(f"edgelm {command}: warning: {text}", file=sys.stderr)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    warnings.showwarning = show
+
+
 def _silence_stdout() -> None:
     """After the reader closed stdout: point fd 1 at /dev/null, so the interpreter's final flush does
     not print a BrokenPipeError of its own."""
@@ -127,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = args.command
+        _show_warnings_as_one_line(command)
         return _run(args)
     except KeyboardInterrupt:
         _error(command, "interrupted")
