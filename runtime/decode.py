@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import InvalidParameterError, PackageError
+from .errors import InvalidParameterError, non_finite_logits
 from .kvcache import check_generation_memory, make_cache
 from .sampling import SamplingParams, sample
 from .speculative import check_speculative, prepare_speculative, speculative_decode, supports_multi_token_steps
@@ -157,7 +157,7 @@ class TokenPicker:
         else:
             checked = rows
         if not np.isfinite(checked).all():
-            raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
+            raise non_finite_logits()
         if self.argmax_only:
             return [int(token) for token in picks]
         return [

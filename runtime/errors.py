@@ -38,3 +38,8 @@ class ChatTemplateError(EdgelmError, ValueError):
 
 class AdapterError(EdgelmError, ValueError):
     """A LoRA adapter that cannot be used: unreadable, tampered, for another base, or not fitting its slots."""
+
+
+def non_finite_logits() -> PackageError:
+    """The error for logits holding NaN or inf where a token is picked (plain and speculative decoding alike)."""
+    return PackageError("the model produced non-finite logits (a broken or badly quantized package)")

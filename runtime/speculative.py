@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import InvalidParameterError, PackageError
+from .errors import InvalidParameterError, non_finite_logits
 from .kvcache import make_cache
 from .sampling import (
     SamplingParams,
@@ -50,8 +50,10 @@ NGRAM_SIZES = (3, 2)  # prompt lookup matches the last 3 tokens, else the last 2
 MAX_DRAFT = 10  # guesses per round at most
 FIRST_DRAFT = 4  # guesses in the first round
 STEP_TOLERANCE = 1e-3  # logits of a multi-token step may differ from one-token steps' by this, relative
-_same_vocabulary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> drafts checked against it
-_consistent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> supports_multi_token_steps
+# Checked once per model. Keyed by what a model shares with its adapters' runners (runtime/adapters.py), which
+# are made per request: the tokenizer and the ONNX Runtime session.
+_same_vocabulary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> draft tokenizers it matches
+_consistent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> supports_multi_token_steps
 
 
 def check_speculative(value: Any) -> None:
@@ -87,16 +89,23 @@ def prepare_speculative(value: Any, runner: Runner) -> Any:
 
 def check_same_vocabulary(target: Any, draft: Any) -> None:
     """A draft must tokenize as the target does: the same token for every id."""
-    try:
-        checked = _same_vocabulary.setdefault(target, weakref.WeakSet())
-        if draft in checked:
-            return
-    except TypeError:  # a runner that cannot be weakly referred to: checked every time
-        checked = set()
     ours, theirs = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
     name = draft.spec.folder.name
     if ours is None or theirs is None:
         raise InvalidParameterError(f"a draft package and the model need tokenizers to be compared; {name} has none")
+    try:
+        checked = _same_vocabulary.setdefault(ours, weakref.WeakSet())
+    except TypeError:  # a tokenizer that cannot be weakly referred to: checked every time
+        checked = set()
+    if theirs not in checked:
+        _compare_tokens(ours, theirs, name)
+        with contextlib.suppress(TypeError):
+            checked.add(theirs)
+    if draft.spec.arch.vocab_size > target.spec.arch.vocab_size:
+        raise InvalidParameterError(f"the draft package {name} has a larger vocabulary than the model")
+
+
+def _compare_tokens(ours: Any, theirs: Any, name: str) -> None:
     if ours.vocab_size != theirs.vocab_size:
         raise InvalidParameterError(
             f"the draft package {name} has {theirs.vocab_size} tokens, the model {ours.vocab_size}: "
@@ -108,10 +117,6 @@ def check_same_vocabulary(target: Any, draft: Any) -> None:
                 f"the draft package {name} has token {theirs.token_text(token_id)!r} at id {token_id} where the "
                 f"model has {ours.token_text(token_id)!r}: a draft must use the same tokenizer"
             )
-    if draft.spec.arch.vocab_size > target.spec.arch.vocab_size:
-        raise InvalidParameterError(f"the draft package {name} has a larger vocabulary than the model")
-    with contextlib.suppress(TypeError):  # a draft that cannot be weakly referred to is checked every time
-        checked.add(draft)
 
 
 def supports_multi_token_steps(runner: Runner) -> bool:
@@ -120,7 +125,7 @@ def supports_multi_token_steps(runner: Runner) -> bool:
     accuracy_level 4 quantize activations differently for one row than for several (logits apart by ~0.5 on
     SmolLM2), which would change greedy output: those packages decode plainly (README, "Speculative decoding")."""
     try:
-        known = _consistent.get(runner)
+        known = _consistent.get(runner.session)
     except TypeError:  # not weakly referable: check every time
         known = None
     if known is None:
@@ -131,8 +136,8 @@ def supports_multi_token_steps(runner: Runner) -> bool:
                 "does not give the logits of single steps in this package (README, 'Speculative decoding')",
                 stacklevel=4,
             )
-        with contextlib.suppress(TypeError):  # a runner that cannot be weakly referred to is checked every time
-            _consistent[runner] = known
+        with contextlib.suppress(TypeError):  # a session that cannot be weakly referred to is checked every time
+            _consistent[runner.session] = known
     return known
 
 
@@ -198,7 +203,7 @@ class Chooser:
         else:
             token, checked = -1, logits
         if not np.isfinite(checked).all():
-            raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
+            raise non_finite_logits()
         return token if token >= 0 else sample(logits, self.params, self.rng, self.seen(history))
 
     def check(self, logits: np.ndarray, history: list[int], guesses: list[int], q) -> tuple[int, int]:
@@ -209,7 +214,7 @@ class Chooser:
             agree = picks[: len(guesses)] == np.array(guesses, dtype=picks.dtype)
             accepted = len(guesses) if agree.all() else int(np.argmin(agree))
             if not np.isfinite(logits[np.arange(accepted + 1), picks[: accepted + 1]]).all():
-                raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
+                raise non_finite_logits()
             return accepted, int(picks[accepted])
         for i, guess in enumerate(guesses):
             seen = history + guesses[:i]
@@ -219,7 +224,7 @@ class Chooser:
                     return i, token
                 continue
             if not np.isfinite(logits[i]).all():
-                raise PackageError("the model produced non-finite logits (a broken or badly quantized package)")
+                raise non_finite_logits()
             p = probabilities(logits[i], self.params, self.seen(seen))
             q_guess = 1.0 if q is None else q[i][guess]
             if self.rng.random() * q_guess < p[guess]:  # accepted with probability min(1, p/q)

@@ -216,3 +216,22 @@ def test_speculative_decoding_runs_with_an_adapter(case):
     conv = model.conversation(template=template, adapter="r8-attention")
     got = conv.send("say it twice: hello hello", 6, speculative=str(case["package"]))
     assert got.token_ids == expected.token_ids
+
+
+def test_speculative_checks_run_once_per_model_not_per_adapter_request(case, monkeypatch):
+    """An adapter's runner is made per request; the step check and the draft's vocabulary check are the model's."""
+    from edgelm.runtime import speculative
+
+    calls = {"steps": 0, "tokens": 0}
+    steps, tokens = speculative._steps_agree, speculative._compare_tokens
+    monkeypatch.setattr(
+        speculative, "_steps_agree", lambda r: calls.__setitem__("steps", calls["steps"] + 1) or steps(r)
+    )
+    monkeypatch.setattr(
+        speculative, "_compare_tokens", lambda *a: calls.__setitem__("tokens", calls["tokens"] + 1) or tokens(*a)
+    )
+    model = _loaded(case)
+    draft = load(case["package"], provider="cpu", threads=1)
+    for adapter in ("r1-mlp", "r8-attention", "r1-mlp"):
+        model.generate(PROMPT, 4, ignore_eos=True, adapter=adapter, speculative=draft)
+    assert calls == {"steps": 1, "tokens": 1}
