@@ -72,26 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _error(command: str, message: str) -> None:
+def _say(command: str, kind: str, message: str) -> None:
+    """One line on stderr: `edgelm CMD: error: ...` or `edgelm CMD: warning: ...`."""
     message = printable(" ".join(str(message).split()))
     try:
-        print(f"edgelm {command}: error: {message}", file=sys.stderr)
+        print(f"edgelm {command}: {kind}: {message}", file=sys.stderr)
     except (OSError, ValueError, AttributeError):  # stderr closed too: the exit status says it
         pass
+
+
+def _error(command: str, message: str) -> None:
+    _say(command, "error", message)
 
 
 def _show_warnings_as_one_line(command: str) -> None:
     """The library's warnings (speculative decoding off for a package, say) as one line each: `edgelm CMD:
     warning: ...`, without Python's file and source line."""
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        text = printable(" ".join(str(message).split()))
-        try:
-            print(f"edgelm {command}: warning: {text}", file=sys.stderr)
-        except (OSError, ValueError, AttributeError):
-            pass
-
-    warnings.showwarning = show
+    warnings.showwarning = lambda message, *_, **__: _say(command, "warning", message)
 
 
 def _silence_stdout() -> None:
