@@ -87,17 +87,15 @@ def read_config(folder: Path) -> dict:
     return read_json(folder / CONFIG_FILE)
 
 
-def read_json(path: Path) -> dict:
-    """A checkpoint's JSON file (config, index, tokenizer config) as a dict, or a CheckpointError."""
-    text = read_text(path, "checkpoint file", error=CheckpointError)
+def read_json(path: Path, what: str = "checkpoint file", *, error: type[Exception] = CheckpointError) -> dict:
+    """A checkpoint's JSON file (config, index, tokenizer config, a LoRA adapter's config) as a dict, or `error`."""
+    text = read_text(path, what, error=error)
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(
-            f"{path} is not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from None
+        raise error(f"{path} is not valid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
+        raise error(f"{path} is not a JSON object")
     return data
 
 

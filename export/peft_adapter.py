@@ -15,7 +15,6 @@ adapters, modules_to_save (whole replaced layers), other PEFT types, non-finite 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import numpy as np
 from ..runtime.errors import AdapterError
 from ..runtime.files import check_file
 from ..runtime.package import file_sha256
+from .checkpoint import read_json
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -89,13 +89,7 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
 
 def _read_config(folder: Path) -> dict:
     path = folder / CONFIG_FILE
-    check_file(path, "LoRA adapter config", error=AdapterError)
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{path} must hold a JSON object")
+    config = read_json(path, "LoRA adapter config", error=AdapterError)
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA; edgelm merges LoRA adapters")
     for key, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases"), ("modules_to_save", "modules_to_save")):
