@@ -16,13 +16,9 @@ from .contract import (
     Architecture,
     IONames,
     Tokens,
-    heads,
-    integer,
-    io_name,
-    optional_id,
-    token_list,
 )
 from .errors import PackageError
+from .fields import heads, integer, io_name, optional_id, token_list
 
 HF_CONFIG_FILE = "config.json"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .errors import AdapterError, PackageError
+from .fields import integer, io_name
 
 ADAPTER_SUFFIX = ".onnx_adapter"
 RECORD_SUFFIX = ".json"  # the record is the adapter file's name + this
@@ -74,20 +75,6 @@ class LoraSlots:
         return data
 
 
-def _positive(data: dict, key: str, where: str) -> int:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PackageError(f"{where}: {key} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _name(data: dict, key: str, where: str) -> str:
-    value = data.get(key)
-    if not isinstance(value, str) or value.count("%") != 1 or "%d" not in value:
-        raise PackageError(f"{where}: {key} must be a tensor name with one %d, got {value!r}")
-    return value
-
-
 def parse_slots(lora: object, where: str) -> LoraSlots | None:
     """The manifest's lora.slots, validated; None when the package has none. PackageError names the field."""
     if lora is None:
@@ -108,8 +95,9 @@ def parse_slots(lora: object, where: str) -> LoraSlots | None:
             raise PackageError(f"{where}: each linear needs a non-empty list of parts")
         parsed.append(
             SlotLinear(
-                _name(linear, "a", where), _name(linear, "b", where), _positive(linear, "in", where),
-                _positive(linear, "out", where), parts,
+                io_name(linear, "a", None, where, per_layer=True), io_name(linear, "b", None, where, per_layer=True),
+                integer(linear, "in", where, minimum=1),
+                integer(linear, "out", where, minimum=1), parts,
             )
         )  # fmt: skip
     modules, base = slots.get("modules"), slots.get("base_sha256")
@@ -117,7 +105,9 @@ def parse_slots(lora: object, where: str) -> LoraSlots | None:
         raise PackageError(f"{where}: modules must be a list of names")
     if not isinstance(base, str) or len(base) != 64:
         raise PackageError(f"{where}: base_sha256 must be a sha256 hex digest")
-    return LoraSlots(_positive(slots, "max_rank", where), modules, _positive(slots, "n_layer", where), base, parsed)
+    return LoraSlots(
+        integer(slots, "max_rank", where, minimum=1), modules, integer(slots, "n_layer", where, minimum=1), base, parsed
+    )
 
 
 @dataclass
