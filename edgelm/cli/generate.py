@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .adapter import add_adapter_option, load_adapter
+from .cache import add_model_argument, open_model
 from .options import add_command, add_json, add_runtime, add_sampling, add_speculative, sampling_options
 from .text import printable, to_json
 
@@ -18,7 +19,7 @@ def add_parser(sub) -> None:
         description="Generate from a prompt, streaming the text to stdout and a timing line to stderr.",
         example='edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1',
     )
-    p.add_argument("package")
+    add_model_argument(p)
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
     add_sampling(p)
     add_speculative(p)
@@ -29,9 +30,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgelm.runtime import load
-
-    model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
+    model = open_model(args)
     options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter)}
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .cache import add_model_argument, open_model, resolve_draft, resolve_model
 from .options import add_command, add_json, add_runtime, add_speculative, add_verify, int_in
 from .text import printable, to_json
 
@@ -17,16 +18,14 @@ def add_parser(sub) -> None:
         "files were verified against their sha256.",
         example="edgelm info out/int8 --json",
     )
-    p.add_argument("package")
+    add_model_argument(p)
     add_json(p)
     add_verify(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgelm.runtime import load
-
-    info = load(args.package, provider="cpu", verify=not args.no_verify).info()
+    info = open_model(args, provider="cpu").info()
     if args.json:
         print(to_json(info, indent=2))
         return 0
@@ -44,7 +43,7 @@ def add_bench_parser(sub) -> None:
         description="Time generation on random prompts: median of --repeats runs after one warm-up.",
         example="edgelm bench out/int8 --prompt-tokens 32 --new-tokens 128",
     )
-    p.add_argument("package")
+    add_model_argument(p)
     p.add_argument("--prompt-tokens", type=int_in(1), default=32, help="prompt length (default 32)")
     p.add_argument("--new-tokens", type=int_in(2), default=128, help="tokens to generate, >= 2 (default 128)")
     p.add_argument("--batch", type=int_in(1, 4096), default=1, help="prompts per batch, 1 to 4096 (default 1)")
@@ -60,8 +59,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.no_verify:
         raise ValueError("bench measures load time with verification; run it on a verified package")
+    resolved = resolve_model(args)  # a GGUF file or model folder is exported first, outside the timings
+    resolve_draft(args)
     report = bench(
-        args.package,
+        str(resolved.path),
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
         batch=args.batch,
