@@ -170,6 +170,7 @@ def build_manifest(
         },
         source={"checkpoint": source.name, "sha256": source.sha256, "files": source.hashes},
         created_by=f"edgelm {__version__}",
+        sampling=source.sampling,
     )
 
 
