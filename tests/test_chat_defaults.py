@@ -100,7 +100,8 @@ def test_chat_samples_as_the_model_recommends_and_greedy_on_request(recommending
     # a flag replaces its one value; the others stay the model's
     done = chat(package, "--seed", "3", "--top-k", "5", "--max-new-tokens", "24")
     assert "temperature 0.6, top-k 5, top-p 0.8" in done.stderr
-    assert f"> {model.conversation().send('Hello there', 24, seed=3, **recommended | {'top_k': 5}).text}\n" in done.stdout
+    expected = model.conversation().send("Hello there", 24, seed=3, **recommended | {"top_k": 5}).text
+    assert f"> {expected}\n" in done.stdout
 
 
 def test_chat_without_a_recommendation_uses_edgelm_defaults_and_generate_stays_greedy(recommending, tmp_path):
