@@ -161,6 +161,13 @@ def resolve(
         raise PackageError(f"a model path must be a str or Path without NUL characters, got {source!r}")
     path, options = Path(source), CACHE_EXPORT_OPTIONS | dict(export_options or {})
     kind = source_kind(path)
+    if kind_of(path) is None and not os.path.islink(path):
+        raise PackageNotFoundError(f"{path} does not exist (give a package folder, a GGUF file or a model folder)")
+    if kind_of(path) == "a regular file" and kind is None:
+        raise PackageError(
+            f"{path} is a file but not a GGUF file (it does not start with GGUF's magic bytes); give a package "
+            "folder, a GGUF file or a Hugging Face model folder"
+        )
     if kind in (None, "package"):
         return Resolved(path, "package", path)  # the runtime's loader names what is wrong with anything else
     say = progress or _stderr

@@ -140,7 +140,7 @@ def assert_error(done: subprocess.CompletedProcess, command: str, mentions: str)
 def test_every_bad_option_is_one_line_and_exit_1(package, tmp_path, args, mentions):
     named = {"OUT": str(tmp_path / "out")}
     args = [named.get(a, a.replace("PKG", str(package))) for a in args]
-    command = "edgelm" if mentions == "unrecognized" else args[0]  # argparse's top-level parser says it
+    command = args[0]  # the command's parser says it, unrecognized flags included
     assert_error(edgelm(*args), command, mentions)
     assert not (tmp_path / "out").exists()
 

@@ -26,10 +26,12 @@ from . import adapter, cache, chat, export, generate, info, quantize
 from .options import HELP_WIDTH, Parser
 from .quantize import QUANTIZE_MODES
 from .text import printable
+from .words import in_flags
 
 __all__ = ["QUANTIZE_MODES", "build_parser", "main"]
 
 EXAMPLES = """examples:
+  edgelm chat SmolLM2-135M-Instruct.Q4_K_M.gguf      (exported into the cache once: edgelm list, edgelm rm)
   edgelm export models/shakespeare out/fp32
   edgelm quantize out/fp32 out/int8 --mode dynamic --eval-text data/shakespeare-heldout.txt
   edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1
@@ -70,12 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser in ADD_PARSERS:
         add_parser(sub)
+    parser.commands = sub.choices  # each command's parser, for the hints of Parser.parse_args
     return parser
 
 
 def _say(command: str, kind: str, message: str) -> None:
     """One line on stderr: `edgelm CMD: error: ...` or `edgelm CMD: warning: ...`."""
-    message = printable(" ".join(str(message).split()))
+    message = printable(" ".join(in_flags(str(message)).split()))
     try:
         print(f"edgelm {command}: {kind}: {message}", file=sys.stderr)
     except (OSError, ValueError, AttributeError):  # stderr closed too: the exit status says it

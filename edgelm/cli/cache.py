@@ -37,8 +37,16 @@ def resolve_model(args: argparse.Namespace, source: str | None = None):
 def resolve_draft(args: argparse.Namespace) -> None:
     """A --speculative draft that is a GGUF file or model folder is resolved like the model (and kept on args, so a
     temporary one lives as long as the command)."""
+    from edgelm.runtime import PackageNotFoundError
+
     if getattr(args, "speculative", None) not in (None, "lookup"):
-        args.draft = resolve_model(args, args.speculative)
+        try:
+            args.draft = resolve_model(args, args.speculative)
+        except PackageNotFoundError:
+            raise PackageNotFoundError(
+                f"--speculative {args.speculative}: neither 'lookup' nor an existing package folder, GGUF file or "
+                "model folder"
+            ) from None
         args.speculative = str(args.draft.path)
 
 

@@ -10,6 +10,7 @@ import threading
 from .adapter import add_adapter_option, load_adapter
 from .cache import add_model_argument, open_model
 from .options import add_command, add_runtime, add_sampling, add_speculative, describe_sampling, sampling_options
+from .words import in_flags
 
 CHAT_COMMANDS = "/reset, /undo, /stats, /exit; Ctrl-C stops a reply"
 
@@ -18,8 +19,10 @@ def add_parser(sub) -> None:
     p = add_command(
         sub,
         "chat",
-        help="chat in the terminal with a package that has a chat template",
-        description="An interactive chat, streamed. Commands: /reset (new conversation), /undo (remove the last "
+        help="chat in the terminal with an instruct model (a package, GGUF file or model folder)",
+        description="An interactive chat, streamed, with a model that has a chat template; a GGUF file or Hugging "
+        "Face model folder is exported into the cache on first use (edgelm list). Commands: /reset (new "
+        "conversation), /undo (remove the last "
         "exchange), /stats (tokens/s after each reply, on or off), /exit. Ctrl-C stops a reply; at the prompt "
         "it exits, as does Ctrl-D. When the context fills, the oldest exchanges are dropped.",
         example='edgelm chat out/smol-int4 --system "You are brief." --temperature 0.7 --stats',
@@ -42,7 +45,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgelm.runtime import ContextLengthError
+    from edgelm.runtime import ChatTemplateError, ContextLengthError
     from edgelm.runtime.chat_defaults import model_chat_sampling
 
     try:
@@ -50,7 +53,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     model = open_model(args)
-    conv = model.conversation(system=args.system, adapter=load_adapter(model, args.adapter))
+    if model.tokenizer is not None and model.spec.chat_template_path is None:
+        raise ChatTemplateError(
+            f"the package {model.spec.folder.name} has no chat template, so it cannot chat (a base model?); "
+            f'`edgelm generate {args.package} "PROMPT"` continues a text instead'
+        )
+    conv = model.conversation(system=args.system, adapter=load_adapter(model, args.adapter, verify=not args.no_verify))
     conv.prompt_ids("Hello")  # a template that fails on an ordinary message fails here, not on every turn
     defaults, origin = model_chat_sampling(model)
     options = sampling_options(args, defaults)
@@ -119,7 +127,7 @@ def _reply(conv, text: str, max_new_tokens: int, options: dict):
             sys.stdout.write(piece)
             sys.stdout.flush()
     except EdgelmError as e:  # a message too long, say: the conversation goes on
-        print(f"edgelm chat: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"edgelm chat: error: {' '.join(in_flags(str(e)).split())}", file=sys.stderr)
         return None
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -15,8 +15,10 @@ def add_parser(sub) -> None:
     p = add_command(
         sub,
         "generate",
-        help="generate text from a package, streaming to stdout",
-        description="Generate from a prompt, streaming the text to stdout and a timing line to stderr.",
+        help="generate text from a package, GGUF file or model folder, streaming to stdout",
+        description="Generate from a prompt, streaming the text to stdout and a timing line to stderr. Greedy "
+        "(exact, reproducible) unless a sampling flag is given. A GGUF file or Hugging Face model folder is "
+        "exported into the cache on first use (edgelm list).",
         example='edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1',
     )
     add_model_argument(p)
@@ -31,7 +33,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model = open_model(args)
-    options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter)}
+    options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter, verify=not args.no_verify)}
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(to_json(result.to_dict(), ensure_ascii=False))

@@ -7,15 +7,26 @@ import argparse
 import math
 import textwrap
 
+from .words import invalid_choice, unrecognized
+
 MAX_THREADS = 1024
 HELP_WIDTH = 78  # argparse wraps option help to the terminal; descriptions are wrapped to this
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line on stderr and exit status 1, like every other error."""
+    """argparse, but a bad command line is one line on stderr and exit status 1, like every other error, and a
+    mistyped flag or command gets a close match ("--max-tokens": did you mean --max-new-tokens?)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # the command's parser knows its flags; argparse would report them without
+            command = getattr(self, "commands", {}).get(getattr(parsed, "command", None), self)
+            options = [flag for action in command._actions for flag in action.option_strings]
+            command.error(unrecognized(extras, options))
+        return parsed
 
     def error(self, message: str):
-        self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(1, f"{self.prog}: error: {invalid_choice(message)} (see {self.prog} --help)\n")
 
 
 def add_command(sub, name: str, *, help: str, description: str, example: str) -> argparse.ArgumentParser:
@@ -98,6 +109,12 @@ def positive(text: str) -> float:
     return value
 
 
+def nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p")  # what --greedy replaces
 
 
@@ -135,6 +152,7 @@ def add_sampling(
     g.add_argument("--seed", type=int_in(0), default=None, help="random seed for reproducible sampling")
     g.add_argument(
         "--stop",
+        type=nonempty,
         action="append",
         default=None,
         metavar="STR",
