@@ -174,8 +174,7 @@ def resolve(
     if not cache:
         temporary = tempfile.TemporaryDirectory(prefix="edgelm-")
         out = Path(temporary.name) / entry_name(path, "nocache")
-        say(f"{path} is a {_KIND_WORDS[kind]}: exporting it to a temporary package (--no-cache)")
-        _export(path, out, options, say)
+        _export(path, out, options, say, f"{path} is a {_KIND_WORDS[kind]}: exporting it to a temporary package")
         return Resolved(out, "temporary", path, temporary)
     root = cache_dir()
     key = cache_key(source_sha256(path, cache=root), options)
@@ -188,8 +187,8 @@ def resolve(
         if found is not None:
             return Resolved(found, "cached", path)
         out = root / entry_name(path, key)
-        say(f"{path} is a {_KIND_WORDS[kind]}: exporting it once into the cache ({out}); later runs load it at once")
-        _export(path, out, options, say)
+        said = f"{path} is a {_KIND_WORDS[kind]}: exporting it once into the cache ({out}); later runs load it at once"
+        _export(path, out, options, say, said)
     return Resolved(out, "exported", path)
 
 
@@ -200,7 +199,8 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _export(source: Path, out: Path, options: dict, progress: Progress) -> None:
+def _export(source: Path, out: Path, options: dict, progress: Progress, announce: str) -> None:
+    """Export source to out, saying `announce` first; a one-line PackageError where export is not installed."""
     try:
         from .export.onnx_export import export_package
     except ModuleNotFoundError as e:
@@ -208,6 +208,7 @@ def _export(source: Path, out: Path, options: dict, progress: Progress) -> None:
             f"{source} is a {_KIND_WORDS[source_kind(source)]}, and making a package of it needs the Python package "
             f"{e.name!r}: pip install 'edgelm[export]' (or export it on another machine with `edgelm export`)"
         ) from None
+    progress(announce)
     export_package(source, out, progress=progress, **options)
 
 

@@ -141,7 +141,7 @@ def test_no_cache_exports_to_a_temporary_folder_removed_at_exit(tiny_gguf, expec
     done = run("generate", tiny_gguf, *GENERATE, "--no-cache", cache=cache, TMPDIR=str(temporary))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["token_ids"] == expected_ids
-    assert "temporary package (--no-cache)" in done.stderr
+    assert "exporting it to a temporary package" in done.stderr
     assert not cache.exists() and [p for p in temporary.iterdir() if p.name.startswith("edgelm-")] == []
 
 
