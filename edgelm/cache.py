@@ -188,7 +188,13 @@ def resolve(
             return Resolved(found, "cached", path)
         out = root / entry_name(path, key)
         said = f"{path} is a {_KIND_WORDS[kind]}: exporting it once into the cache ({out}); later runs load it at once"
-        _export(path, out, options, say, said)
+        try:
+            _export(path, out, options, say, said)
+        except FileExistsError:  # no fcntl: another process committed the same key first
+            found = _find(root, key)
+            if found is None:
+                raise
+            return Resolved(found, "cached", path)
     return Resolved(out, "exported", path)
 
 
