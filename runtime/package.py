@@ -250,8 +250,8 @@ def read_package(path: str | Path, *, verify: bool = True, background_hashes: bo
 
 # what to do with a GGUF file or a model folder, which edgelm.load (edgelm/cache.py, outside the runtime) runs
 _EXPORT_FIRST = (
-    "edgelm.load({path!r}) exports it once into a cache of packages and loads that (on the command line, `edgelm "
-    "chat` and `edgelm generate` take it as it is), or `edgelm export {path} OUT` writes a package"
+    "load it with edgelm.load, which exports it once into a cache of packages, or write a package with `edgelm "
+    "export {path} OUT`"
 )
 
 
@@ -263,7 +263,7 @@ def _not_a_folder(path: Path) -> str:
         gguf = False
     if gguf:
         return f"{path} is a GGUF file, not a package: {_EXPORT_FIRST.format(path=str(path))}"
-    return f"{path} is a file, not a package (a package is a folder holding model.onnx and its JSON)"
+    return f"{path} is a file, not a folder: a package is a folder holding model.onnx and its JSON"
 
 
 def _is_checkpoint_folder(folder: Path) -> bool:

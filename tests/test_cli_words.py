@@ -64,6 +64,17 @@ def test_bench_and_export_and_speculative_name_their_flags(package, tmp_path, ca
     assert "--speculative" in line and "'lookup'" in line
 
 
+def test_quantize_of_a_gguf_file_points_at_the_commands_that_run_it(tmp_path, capsys):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    line = error_line(capsys, ["quantize", str(gguf), str(tmp_path / "out"), "--mode", "int4"])
+    assert line.endswith(
+        f"is a GGUF file, not a package: `edgelm chat`, `generate`, `info` and `bench` run it directly (exported "
+        f"once into a cache), or write a package with `edgelm export {gguf} OUT`"
+    )
+    assert "edgelm.load" not in line
+
+
 def test_chat_errors_during_a_chat_name_the_flags(chat_package):
     command = [sys.executable, "-m", "edgelm", "chat", str(chat_package), "--max-new-tokens", "100", "--greedy"]
     done = subprocess.run(command, input="ROMEO: " * 300 + "\n", capture_output=True, text=True, timeout=120)

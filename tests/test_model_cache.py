@@ -168,6 +168,6 @@ def test_python_api(first_runs, tiny_gguf, hf_checkpoint, expected_ids, monkeypa
     assert loaded.generate("ROMEO:", 8).token_ids == expected_ids
     assert edgelm.load(loaded.spec.folder, provider="cpu").origin.how == "package"
     for source, kind in ((tiny_gguf, "a GGUF file"), (hf_checkpoint, "a Hugging Face model folder")):
-        with pytest.raises(PackageError, match=f"is {kind}, not a package: edgelm.load") as caught:
+        with pytest.raises(PackageError, match=f"is {kind}, not a package: load it with edgelm.load") as caught:
             runtime_load(source, provider="cpu")
         assert "\n" not in str(caught.value) and f"`edgelm export {source} OUT`" in str(caught.value)

@@ -28,6 +28,8 @@ FLAG_WORDS = (
     (r"\bthis package has no tokenizer.json: pass token ids instead of text\b",
      "this package has no tokenizer.json, so it takes no text prompt (the Python API takes token ids)"),
     (r"\bstop strings need a tokenizer\b", "--stop needs a tokenizer"),
+    (r"\bload it with edgelm\.load, which exports it once into a cache of packages\b",  # runtime/package.py
+     "`edgelm chat`, `generate`, `info` and `bench` run it directly (exported once into a cache)"),
     (r"\b(temperature|seed|stop) must be\b", r"--\1 must be"),
     (r"\buse at most (\d+) new tokens\b", r"give --new-tokens \1 or less"),  # bench
     (r"\buse fewer prompt tokens\b", "lower --prompt-tokens"),
