@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import InvalidParameterError, non_finite_logits
+from .errors import InvalidParameterError
 from .kvcache import check_generation_memory, make_cache
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, TokenMask, TokenPicker
 from .speculative import check_speculative, prepare_speculative, speculative_decode, supports_multi_token_steps
 from .text import TextAssembler
 
@@ -48,6 +48,7 @@ class GenerationOptions:
     truncate_prompt: bool = False  # drop the oldest prompt tokens when the prompt does not fit the context
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     speculative: Any = None  # "lookup", a draft Model or package folder, or None (runtime/speculative.py)
+    token_mask: TokenMask | None = None  # (row, ids so far, logits) -> masked logits, before every choice (sampling.py)
 
     def __post_init__(self) -> None:
         self.sampling  # noqa: B018  (SamplingParams checks its own ranges)
@@ -65,6 +66,8 @@ class GenerationOptions:
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise InvalidParameterError(f"cancel must be a threading.Event or None, got {self.cancel!r}")
         check_speculative(self.speculative)
+        if self.token_mask is not None and not callable(self.token_mask):
+            raise InvalidParameterError(f"token_mask must be a callable or None, got {self.token_mask!r}")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -134,41 +137,6 @@ def decode_step(cache, next_ids: np.ndarray) -> np.ndarray:
     return cache.next(next_ids)
 
 
-class TokenPicker:
-    """Chooses each live row's next token from its logits: one seeded generator per row, the tokens seen so far
-    for a repetition penalty, and a single argmax pass when decoding is greedy without a penalty."""
-
-    def __init__(self, prompts: list[list[int]], params: SamplingParams, seed: int | None):
-        self.params = params
-        self.rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(len(prompts))]
-        self.penalize = params.repetition_penalty != 1.0
-        self.seen = [np.array(p, dtype=np.int64) for p in prompts] if self.penalize else []
-        self.argmax_only = params.greedy and not self.penalize  # then one pass over the logits is all a step needs
-
-    def pick(self, logits: np.ndarray, live: list[int]) -> list[int]:
-        """logits (B, V); the tokens of the rows in `live`, in order. PackageError for non-finite logits."""
-        rows = logits[live] if len(logits) > 1 else logits
-        if self.argmax_only:
-            # argmax returns a NaN's index if there is one, and +inf's before any finite value, so the chosen
-            # logits are finite exactly when the pick is sound (a -inf beside finite logits cannot change it);
-            # this replaces a second pass over the vocabulary for the check
-            picks = rows.argmax(axis=-1)
-            checked = rows[np.arange(len(rows)), picks]
-        else:
-            checked = rows
-        if not np.isfinite(checked).all():
-            raise non_finite_logits()
-        if self.argmax_only:
-            return [int(token) for token in picks]
-        return [
-            sample(logits[row], self.params, self.rngs[row], self.seen[row] if self.penalize else None) for row in live
-        ]
-
-    def append(self, row: int, token: int) -> None:
-        if self.penalize:
-            self.seen[row] = np.append(self.seen[row], token)
-
-
 def decode(
     runner: Runner,
     prompts: list[list[int]],
@@ -190,7 +158,7 @@ def decode(
         cache = make_cache(runner, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
     else:
         assert batch == 1 and feed, "a kept cache continues one row with at least one new token"
-    picker = TokenPicker(prompts, options.sampling, options.seed)
+    picker = TokenPicker(prompts, options.sampling, options.seed, mask=options.token_mask)
     eos = set() if options.ignore_eos else set(runner.spec.tokens.eos_token_ids)
     finish, next_ids = state.finish, np.empty((batch, 1), dtype=np.int64)
     for step in range(max_new_tokens):

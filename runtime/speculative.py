@@ -29,18 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import InvalidParameterError, non_finite_logits
+from .errors import InvalidParameterError
 from .kvcache import make_cache
-from .sampling import (
-    SamplingParams,
-    apply_repetition_penalty,
-    finite_logits,
-    min_p_filter,
-    sample,
-    softmax,
-    top_k_filter,
-    top_p_filter,
-)
+from .sampling import TokenPicker
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -164,78 +155,31 @@ def _steps_agree(runner: Runner) -> bool:
     return together.shape == singles.shape and float(np.abs(together - singles).max()) <= STEP_TOLERANCE * (1 + scale)
 
 
-# ---- choosing and checking tokens ------------------------------------------------------------------------
+# ---- checking guesses ------------------------------------------------------------------------------------
 
 
-def probabilities(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None) -> np.ndarray:
-    """The distribution plain sampling draws from (runtime/sampling.py's order of transforms), (V,) float64."""
-    logits = finite_logits(logits.astype(np.float64))
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    with np.errstate(over="ignore"):
-        logits = (logits - np.max(logits)) / params.temperature
-    logits = min_p_filter(top_p_filter(top_k_filter(logits, params.top_k), params.top_p), params.min_p)
-    return softmax(logits)
-
-
-def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from a distribution (probs need not sum to 1): an inverse-CDF draw with one uniform number."""
-    cumulative = np.cumsum(probs)
-    return min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(probs) - 1)
-
-
-class Chooser:
-    """The target's choices: plain sampling for a step without guesses, and the acceptance rule for a round."""
-
-    def __init__(self, params: SamplingParams, seed: int | None):
-        self.params = params
-        self.rng = np.random.default_rng(seed)  # row 0 of a batch: seed + 0
-        self.penalize = params.repetition_penalty != 1.0
-
-    def seen(self, history: list[int]) -> np.ndarray | None:
-        return np.array(history, dtype=np.int64) if self.penalize else None
-
-    def choose(self, logits: np.ndarray, history: list[int]) -> int:
-        """One token from one position's logits (V,), as plain decoding (decode.py's TokenPicker) picks it."""
-        if self.params.greedy and not self.penalize:
-            token = int(np.argmax(logits))
-            checked = logits[token : token + 1]  # finite exactly when the pick is sound (see TokenPicker.pick)
+def check_guesses(picker: TokenPicker, logits: np.ndarray, guesses: list[int], q) -> tuple[int, int]:
+    """logits (len(guesses) + 1, V) of a round; q: the draft's distributions, one per guess, or None (a point mass).
+    Returns how many guesses are accepted and the token after them. Every position is chosen by plain decoding's
+    picker (runtime/sampling.py), the guesses before it `ahead`: greedy keeps a guess that is the picker's choice;
+    sampling keeps it with probability min(1, p/q) and otherwise draws from max(0, p - q)."""
+    for i, guess in enumerate(guesses):
+        if picker.params.greedy:
+            token = picker.choose(logits[i], 0, guesses[:i])
+            if token != guess:
+                return i, token
+            continue
+        p = picker.probabilities(logits[i], 0, guesses[:i])
+        q_guess = 1.0 if q is None else q[i][guess]
+        if picker.coin() * q_guess < p[guess]:  # accepted with probability min(1, p/q)
+            continue
+        residual = p.copy()
+        if q is None:
+            residual[guess] = 0.0
         else:
-            token, checked = -1, logits
-        if not np.isfinite(checked).all():
-            raise non_finite_logits()
-        return token if token >= 0 else sample(logits, self.params, self.rng, self.seen(history))
-
-    def check(self, logits: np.ndarray, history: list[int], guesses: list[int], q) -> tuple[int, int]:
-        """logits (len(guesses) + 1, V) of a round; q: the draft's distributions, one per guess, or None (a
-        point mass). Returns how many guesses are accepted and the token after them."""
-        if self.params.greedy and not self.penalize:  # one argmax pass over every position
-            picks = logits.argmax(axis=-1)
-            agree = picks[: len(guesses)] == np.array(guesses, dtype=picks.dtype)
-            accepted = len(guesses) if agree.all() else int(np.argmin(agree))
-            if not np.isfinite(logits[np.arange(accepted + 1), picks[: accepted + 1]]).all():
-                raise non_finite_logits()
-            return accepted, int(picks[accepted])
-        for i, guess in enumerate(guesses):
-            seen = history + guesses[:i]
-            if self.params.greedy:
-                token = self.choose(logits[i], seen)
-                if token != guess:
-                    return i, token
-                continue
-            if not np.isfinite(logits[i]).all():
-                raise non_finite_logits()
-            p = probabilities(logits[i], self.params, self.seen(seen))
-            q_guess = 1.0 if q is None else q[i][guess]
-            if self.rng.random() * q_guess < p[guess]:  # accepted with probability min(1, p/q)
-                continue
-            residual = p.copy()
-            if q is None:
-                residual[guess] = 0.0
-            else:
-                residual = np.maximum(residual - q[i], 0.0)
-            return i, draw(residual, self.rng) if residual.sum() > 0 else draw(p, self.rng)
-        return len(guesses), self.choose(logits[len(guesses)], history + guesses)
+            residual = np.maximum(residual - q[i], 0.0)
+        return i, picker.draw(residual) if residual.sum() > 0 else picker.draw(p)
+    return len(guesses), picker.choose(logits[len(guesses)], 0, guesses)
 
 
 # ---- proposing guesses -------------------------------------------------------------------------------------
@@ -272,8 +216,8 @@ class Lookup:
 class Draft:
     """A draft model's guesses, from its own KV cache, kept between rounds and rewound past rejected guesses."""
 
-    def __init__(self, draft: Runner, chooser: Chooser, *, capacity: int):
-        self.draft, self.chooser = draft, chooser
+    def __init__(self, draft: Runner, picker: TokenPicker, *, capacity: int):
+        self.draft, self.picker = draft, picker
         self.cache = make_cache(draft, [[0]], capacity=min(capacity, draft.spec.arch.context_length))
         self.cache.rewind(0)
         self.held: list[int] = []  # the ids whose keys/values the draft's cache holds
@@ -286,17 +230,17 @@ class Draft:
         self.held = list(history)
         guesses: list[int] = []
         q: list[np.ndarray] = []
-        params = self.chooser.params
+        picker = self.picker  # the target's: the draft guesses as the target would choose (mask, penalty, seed)
         for i in range(k):
             if i:
                 logits = self.cache.next(np.array([[guesses[-1]]], dtype=np.int64))[0]
                 self.held.append(guesses[-1])
-            if params.greedy:
-                guesses.append(sample(logits, params, self.chooser.rng, self.chooser.seen(history + guesses)))
+            if picker.params.greedy:
+                guesses.append(picker.choose(logits, 0, guesses))
                 continue
-            probs = probabilities(logits, params, self.chooser.seen(history + guesses))
+            probs = picker.probabilities(logits, 0, guesses)
             q.append(probs)
-            guesses.append(draw(probs, self.chooser.rng))
+            guesses.append(picker.draw(probs))
         return guesses, (q if q else None)
 
     def rewind(self, kept: int) -> None:
@@ -341,11 +285,11 @@ def speculative_decode(
     if cache is None:
         capacity = min(len(prompt) + budget + MAX_DRAFT, runner.spec.arch.context_length)
         cache = make_cache(runner, [prompt], capacity=capacity)
-    chooser = Chooser(options.sampling, options.seed)
+    picker = TokenPicker([prompt], options.sampling, options.seed, mask=options.token_mask)
     if speculative == LOOKUP:
         proposer = Lookup(prompt)
     else:
-        proposer = Draft(speculative, chooser, capacity=len(prompt) + budget + MAX_DRAFT)
+        proposer = Draft(speculative, picker, capacity=len(prompt) + budget + MAX_DRAFT)
     eos = set() if options.ignore_eos else set(runner.spec.tokens.eos_token_ids)
     history, length = list(prompt), DraftLength()
     try:
@@ -353,7 +297,7 @@ def speculative_decode(
             state.finish[0] = "cancelled" if budget else "length"
             return
         first = cache.prompt()[0] if feed is None else cache.extend(feed)
-        queue = [chooser.choose(first, history)]
+        queue = [picker.choose(first)]
         state.first_token_time = state.first_token_time or time.perf_counter()
         while True:
             token = queue.pop(0)
@@ -361,6 +305,7 @@ def speculative_decode(
                 state.finish[0] = "eos"
                 return
             history.append(token)
+            picker.append(0, token)
             yield 0, token
             if state.finish[0]:
                 return
@@ -371,7 +316,7 @@ def speculative_decode(
                 state.finish[0] = "cancelled"
                 return
             if not queue:
-                queue = _round(runner, cache, chooser, proposer, length, history, budget - len(history) + len(prompt))
+                queue = _round(runner, cache, picker, proposer, length, history, budget - len(history) + len(prompt))
                 state.proposed_tokens += length.last_proposed
                 state.accepted_tokens += len(queue) - 1
     finally:
@@ -379,16 +324,18 @@ def speculative_decode(
             cache.rewind(len(history))
 
 
-def _round(runner, cache, chooser: Chooser, proposer, length: DraftLength, history: list[int], left: int) -> list[int]:
+def _round(
+    runner, cache, picker: TokenPicker, proposer, length: DraftLength, history: list[int], left: int
+) -> list[int]:
     """Feed the newest token and the guesses; the accepted guesses and the model's own next token."""
     room = runner.spec.arch.context_length - len(history)
     guesses, q = proposer.propose(history, min(length.k, left - 1, room))
     if not guesses:
         length.last_proposed = 0
         logits = cache.next(np.array([[history[-1]]], dtype=np.int64))
-        return [chooser.choose(logits[0], history)]
+        return [picker.choose(logits[0])]
     logits = cache.extend([history[-1], *guesses], all_logits=True)  # (len(guesses) + 1, V)
-    accepted, token = chooser.check(logits, history, guesses, _q_for(q, logits.shape[-1]))
+    accepted, token = check_guesses(picker, logits, guesses, _q_for(q, logits.shape[-1]))
     if accepted < len(guesses):
         cache.rewind(len(history) + accepted)
     proposer.rewind(len(history) + accepted)

@@ -16,8 +16,8 @@ from chat_package import IM_END, make_chat_package
 from helpers import quiet
 
 from edgelm.runtime import InvalidParameterError, load
-from edgelm.runtime.sampling import SamplingParams
-from edgelm.runtime.speculative import Chooser, Lookup, probabilities
+from edgelm.runtime.sampling import SamplingParams, TokenPicker, dense, distribution
+from edgelm.runtime.speculative import Lookup, check_guesses
 
 RNG = np.random.default_rng(7)
 # prompts with repeats (lookup's guesses get accepted) and random ones (they get rejected or there are none)
@@ -193,6 +193,13 @@ def test_a_seed_reproduces_a_sampled_run(model, draft_package):
         assert runs[0] == runs[1]
 
 
+def probabilities(logits: np.ndarray, params: SamplingParams, seen: list[int]) -> np.ndarray:
+    """The distribution plain sampling draws from, over the whole vocabulary (float64, summing to 1)."""
+    ids, probs = distribution(logits, params, np.array(seen))
+    full = dense(ids, probs.astype(np.float64), len(logits))
+    return full / full.sum()
+
+
 @pytest.mark.parametrize("q_kind", ["point", "draft"])
 def test_the_acceptance_rule_keeps_p(q_kind):
     # one position: target logits p, a guess drawn from q (or fixed: lookup's point mass); the emitted token
@@ -203,15 +210,15 @@ def test_the_acceptance_rule_keeps_p(q_kind):
     target, draft = rng.normal(size=(2, 12)) * 1.5
     params = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.2)
     seen = [1, 4]
-    p = probabilities(target, params, np.array(seen))
-    q = probabilities(draft, params, np.array(seen))
-    chooser = Chooser(params, 11)
+    p = probabilities(target, params, seen)
+    q = probabilities(draft, params, seen)
+    picker = TokenPicker([seen], params, 11)  # the one picker plain decoding uses
     counts = np.zeros(12)
     trials = 20_000
     for _ in range(trials):
-        guess = 3 if q_kind == "point" else int(chooser.rng.choice(12, p=q))
+        guess = 3 if q_kind == "point" else int(picker.rngs[0].choice(12, p=q / q.sum()))
         logits = np.stack([target, draft])  # the second row is the position after the guess
-        accepted, token = chooser.check(logits, seen, [guess], None if q_kind == "point" else [q])
+        accepted, token = check_guesses(picker, logits, [guess], None if q_kind == "point" else [q])
         counts[guess if accepted else token] += 1
     keep = p > 0
     assert counts[~keep].sum() == 0, "a token the filters drop is never emitted"
@@ -225,10 +232,10 @@ def test_sampled_tokens_follow_the_models_distribution(model, draft_package):
 
     prompt, params = PROMPTS[3], dict(temperature=1.0, top_k=4, repetition_penalty=1.1)
     sampling = SamplingParams(**params)
-    first = probabilities(model.forward(np.array([prompt]))[0][0, -1], sampling, np.array(prompt))
+    first = probabilities(model.forward(np.array([prompt]))[0][0, -1], sampling, prompt)
     expected = {}
     for t1 in np.flatnonzero(first):
-        second = probabilities(model.forward(np.array([prompt + [t1]]))[0][0, -1], sampling, np.array(prompt + [t1]))
+        second = probabilities(model.forward(np.array([prompt + [t1]]))[0][0, -1], sampling, prompt + [t1])
         for t2 in np.flatnonzero(second):
             expected[(int(t1), int(t2))] = first[t1] * second[t2]
     trials, counts = 3000, dict.fromkeys(expected, 0)
@@ -247,6 +254,38 @@ def test_lookup_index_proposes_what_followed_the_latest_match():
     lookup = Lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 6])
     assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 3) == ([5, 6, 1], None)
     assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3, 7], 3) == ([], None)
+
+
+# ---- a token mask (a grammar's) applies in the one picker -------------------------------------------------------
+
+
+def test_a_token_mask_applies_to_plain_speculative_and_batched_decoding(model, draft_package):
+    prompt = PROMPTS[2]
+    allowed = np.zeros(model.vocab_size, dtype=bool)
+    allowed[prompt[::2]] = True  # some of the prompt's tokens: lookup still finds guesses, some of them masked out
+    calls = []
+
+    def mask(row, ids, logits):
+        calls.append((row, list(ids)))
+        return np.where(allowed, logits, -np.inf)
+
+    plain = model.generate(prompt, 30, ignore_eos=True, token_mask=mask)
+    assert calls == [(0, plain.token_ids[:i]) for i in range(30)], "each position gets its row's ids so far"
+    assert all(allowed[plain.token_ids]) and plain.token_ids != model.generate(prompt, 30, ignore_eos=True).token_ids
+    draft = load(draft_package, provider="cpu", threads=1)
+    for speculative in ("lookup", draft):
+        fast = same_greedy(model, prompt, 30, speculative, ignore_eos=True, token_mask=mask)
+        assert fast.timings.accepted_tokens > 0
+    for speculative in (None, "lookup", draft):
+        sampled = model.generate(
+            prompt, 30, ignore_eos=True, temperature=1.0, seed=3, token_mask=mask, speculative=speculative
+        )
+        assert all(allowed[sampled.token_ids])
+    calls.clear()
+    rows = model.generate_batch([prompt, PROMPTS[0]], 8, ignore_eos=True, token_mask=mask)
+    assert {row for row, _ in calls} == {0, 1} and all(allowed[r.token_ids].all() for r in rows)
+    with pytest.raises(InvalidParameterError, match="token_mask must be"):
+        model.generate(prompt, 4, token_mask="json")
 
 
 # ---- packages whose multi-token steps compute other logits -------------------------------------------------
