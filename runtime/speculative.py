@@ -19,7 +19,6 @@ A batch of several prompts decodes plainly (runtime/decode.py).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 import weakref
@@ -30,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import InvalidParameterError
-from .kvcache import make_cache
+from .generation import LOOKUP, DecodeState, Ending, GenerationOptions, check_speculative, is_model
+from .kvcache import Cache, make_cache
 from .sampling import TokenPicker
 
 if TYPE_CHECKING:
     from .runner import Runner
 
-LOOKUP = "lookup"
 NGRAM_SIZES = (3, 2)  # prompt lookup matches the last 3 tokens, else the last 2 (one token matches too often)
 MAX_DRAFT = 10  # guesses per round at most
 FIRST_DRAFT = 4  # guesses in the first round
@@ -47,29 +46,13 @@ _same_vocabulary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tok
 _consistent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> supports_multi_token_steps
 
 
-def check_speculative(value: Any) -> None:
-    """InvalidParameterError unless value is None, "lookup", a loaded model or an existing package folder."""
-    if value is None or value == LOOKUP or _is_model(value):
-        return
-    if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
-        return
-    raise InvalidParameterError(
-        f"speculative must be 'lookup', a draft Model, a package folder or None, got {value!r}"
-        + (" (no such folder)" if isinstance(value, (str, os.PathLike)) else "")
-    )
-
-
-def _is_model(value: Any) -> bool:
-    return all(hasattr(value, name) for name in ("spec", "session", "tokenizer", "run"))
-
-
 def prepare_speculative(value: Any, runner: Runner) -> Any:
     """The speculative option ready to decode with: a folder is loaded (runner.load_draft, once per folder) and a
     draft's vocabulary is checked against the target's (InvalidParameterError on a mismatch)."""
     check_speculative(value)
     if value is None or value == LOOKUP:
         return value
-    if not _is_model(value):
+    if not is_model(value):
         load_draft = getattr(runner, "load_draft", None)
         if load_draft is None:
             raise InvalidParameterError("this runner cannot load a draft package: pass a loaded Model")
@@ -275,12 +258,18 @@ def _q_for(probs, vocab: int):
 
 
 def speculative_decode(
-    runner: Runner, prompt: list[int], state, options, *, cache=None, feed=None
+    runner: Runner,
+    prompt: list[int],
+    state: DecodeState,
+    options: GenerationOptions,
+    *,
+    cache: Cache | None = None,
+    feed: list[int] | None = None,
 ) -> Iterator[tuple[int, int]]:
     """Batch-1 speculative decoding with decode()'s contract: yields (0, token id) for each new token;
-    state.finish[0] says why it ended, and the consumer may end it by setting state.finish[0]. On return the
-    cache holds at most the prompt and the tokens yielded."""
-    budget, cancel = options.max_new_tokens, options.cancel
+    state.finish[0] says why it ended (generation.Ending's rule, as plain decoding), and the consumer may end it by
+    setting state.finish[0]. On return the cache holds at most the prompt and the tokens yielded."""
+    budget = options.max_new_tokens
     speculative = prepare_speculative(options.speculative, runner)
     if cache is None:
         capacity = min(len(prompt) + budget + MAX_DRAFT, runner.spec.arch.context_length)
@@ -290,33 +279,26 @@ def speculative_decode(
         proposer = Lookup(prompt)
     else:
         proposer = Draft(speculative, picker, capacity=len(prompt) + budget + MAX_DRAFT)
-    eos = set() if options.ignore_eos else set(runner.spec.tokens.eos_token_ids)
+    ending = Ending(state, options, runner.spec.tokens.eos_token_ids)
     history, length = list(prompt), DraftLength()
     try:
-        if budget == 0 or (cancel is not None and cancel.is_set()):
-            state.finish[0] = "cancelled" if budget else "length"
+        if ending.done() or ending.cancelled():
             return
         first = cache.prompt()[0] if feed is None else cache.extend(feed)
         queue = [picker.choose(first)]
         state.first_token_time = state.first_token_time or time.perf_counter()
         while True:
             token = queue.pop(0)
-            if token in eos:
-                state.finish[0] = "eos"
+            if ending.is_end(0, token):
                 return
             history.append(token)
             picker.append(0, token)
             yield 0, token
-            if state.finish[0]:
-                return
-            if len(history) - len(prompt) == budget:
-                state.finish[0] = "length"
-                return
-            if cancel is not None and cancel.is_set():
-                state.finish[0] = "cancelled"
+            ending.count(0)
+            if ending.done() or ending.cancelled():
                 return
             if not queue:
-                queue = _round(runner, cache, picker, proposer, length, history, budget - len(history) + len(prompt))
+                queue = _round(runner, cache, picker, proposer, length, history, ending.left(0))
                 state.proposed_tokens += length.last_proposed
                 state.accepted_tokens += len(queue) - 1
     finally:
@@ -325,7 +307,7 @@ def speculative_decode(
 
 
 def _round(
-    runner, cache, picker: TokenPicker, proposer, length: DraftLength, history: list[int], left: int
+    runner: Runner, cache: Cache, picker: TokenPicker, proposer, length: DraftLength, history: list[int], left: int
 ) -> list[int]:
     """Feed the newest token and the guesses; the accepted guesses and the model's own next token."""
     room = runner.spec.arch.context_length - len(history)

@@ -125,6 +125,17 @@ def test_cancel_mid_run(model):
     assert outputs[0] == outputs[1] and outputs[1][1] == "cancelled"
 
 
+@pytest.mark.parametrize("budget", [0, 3])
+def test_both_loops_end_alike_before_the_first_token(model, budget):
+    # generation.Ending decides for both loops: a zero budget is "length", a cancellation before the prompt runs
+    # is "cancelled", with no token either way
+    cancel = threading.Event()
+    cancel.set()
+    results = [model.generate(PROMPTS[0], budget, cancel=cancel, speculative=s) for s in (None, "lookup")]
+    expected = ([], "length" if budget == 0 else "cancelled")
+    assert [(r.token_ids, r.finish_reason) for r in results] == [expected, expected]
+
+
 def test_repetition_penalty_applies_as_in_plain_decoding(graph_model):
     for prompt in PROMPTS[:6]:
         same_greedy(graph_model, prompt, 32, "lookup", ignore_eos=True, repetition_penalty=1.3)
