@@ -54,6 +54,9 @@ class GenerationOptions:
             raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if any(not isinstance(s, str) or not s for s in self.stops):
             raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        for flag in ("truncate_prompt", "ignore_eos"):  # "no" or 0 would read as a bool, and "no" as True
+            if not isinstance(getattr(self, flag), (bool, np.bool_)):
+                raise InvalidParameterError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
             raise InvalidParameterError(f"cancel must be a threading.Event or None, got {self.cancel!r}")
         check_speculative(self.speculative)

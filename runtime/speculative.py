@@ -234,8 +234,8 @@ class Draft:
 
 @dataclass
 class DraftLength:
-    """How many guesses the next round makes: one more after a round whose guesses were all accepted, one more
-    than were accepted after a rejection."""
+    """How many guesses the next round makes: two more (at most MAX_DRAFT) after a round whose guesses were all
+    accepted, one more than were accepted after a rejection; a round without guesses changes nothing."""
 
     k: int = FIRST_DRAFT
     last_proposed: int = 0  # guesses the last round made

@@ -261,6 +261,24 @@ def test_sampled_tokens_follow_the_models_distribution(model, draft_package):
     assert chisquare([counts[k] for k in keys], [expected[k] * trials for k in keys]).pvalue > 1e-3
 
 
+def test_the_draft_length_grows_by_two_and_shrinks_to_one_past_the_accepted():
+    from edgelm.runtime.speculative import FIRST_DRAFT, MAX_DRAFT, DraftLength
+
+    length = DraftLength()
+    assert length.k == FIRST_DRAFT == 4
+    length.update(4, 4)
+    assert length.k == 6
+    length.update(6, 6)
+    length.update(8, 8)
+    assert length.k == MAX_DRAFT == 10
+    length.update(10, 2)
+    assert length.k == 3
+    length.update(0, 0)  # no guesses: unchanged
+    assert length.k == 3
+    length.update(3, 0)
+    assert length.k == 1
+
+
 def test_lookup_index_proposes_what_followed_the_latest_match():
     lookup = Lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 6])
     assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 3) == ([5, 6, 1], None)
