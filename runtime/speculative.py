@@ -62,7 +62,7 @@ def prepare_speculative(value: Any, runner: Runner) -> Any:
 
 
 def check_same_vocabulary(target: Any, draft: Any) -> None:
-    """A draft must tokenize as the target does: the same token for every id."""
+    """A draft must tokenize as the target does (the same token for every id) and have as many vocabulary rows."""
     ours, theirs = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
     name = draft.spec.folder.name
     if ours is None or theirs is None:
@@ -75,8 +75,12 @@ def check_same_vocabulary(target: Any, draft: Any) -> None:
         _compare_tokens(ours, theirs, name)
         with contextlib.suppress(TypeError):
             checked.add(theirs)
-    if draft.spec.arch.vocab_size > target.spec.arch.vocab_size:
-        raise InvalidParameterError(f"the draft package {name} has a larger vocabulary than the model")
+    rows, theirs_rows = target.spec.arch.vocab_size, draft.spec.arch.vocab_size
+    if rows != theirs_rows:  # fewer: the draft cannot take the model's tokens; more: it guesses ids the model lacks
+        raise InvalidParameterError(
+            f"the draft package {name} has {theirs_rows} vocabulary rows, the model {rows}: a draft must have as "
+            "many (the same tokenizer and the same embedding size)"
+        )
 
 
 def _compare_tokens(ours: Any, theirs: Any, name: str) -> None:
@@ -250,13 +254,6 @@ class DraftLength:
 # ---- the loop ----------------------------------------------------------------------------------------------
 
 
-def _q_for(probs, vocab: int):
-    """A draft's distributions padded to the target's vocabulary (a draft may have a smaller one)."""
-    if probs is None:
-        return None
-    return [np.pad(p, (0, vocab - len(p))) if len(p) < vocab else p for p in probs]
-
-
 def speculative_decode(
     runner: Runner,
     prompt: list[int],
@@ -317,7 +314,7 @@ def _round(
         logits = cache.next(np.array([[history[-1]]], dtype=np.int64))
         return [picker.choose(logits[0])]
     logits = cache.extend([history[-1], *guesses], all_logits=True)  # (len(guesses) + 1, V)
-    accepted, token = check_guesses(picker, logits, guesses, _q_for(q, logits.shape[-1]))
+    accepted, token = check_guesses(picker, logits, guesses, q)
     if accepted < len(guesses):
         cache.rewind(len(history) + accepted)
     proposer.rewind(len(history) + accepted)

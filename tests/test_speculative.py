@@ -182,6 +182,19 @@ def test_a_draft_with_another_tokenizer_is_refused(model, package):
         model.generate(PROMPTS[0], 5, speculative=other)
 
 
+def test_a_draft_with_other_vocabulary_rows_is_refused_both_ways(model, fused_package, tmp_path):
+    # the same tokenizer, 8 more embedding rows: as the draft it could guess ids the model lacks; as the model it
+    # could choose ids the draft's embedding lacks (an ONNX Runtime index error mid-generation): both up front
+    from chat_package import VOCAB
+
+    padded = load(make_chat_package(tmp_path / "padded", layers=1, vocab=VOCAB + 8), provider="cpu", threads=1)
+    for target, draft in ((model, padded), (padded, model)):
+        with pytest.raises(InvalidParameterError, match="vocabulary rows"):
+            target.generate(PROMPTS[0], 5, speculative=draft)
+    with pytest.raises(InvalidParameterError, match="vocabulary rows"):
+        padded.conversation().send("hi", 5, speculative=str(fused_package))
+
+
 @pytest.mark.parametrize("value", [3, "lookup ", "/no/such/package", 1.5, ["lookup"]])
 def test_invalid_values(model, value):
     with pytest.raises(InvalidParameterError, match="speculative must be"):
