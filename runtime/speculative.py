@@ -24,6 +24,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,7 @@ import numpy as np
 from .errors import InvalidParameterError
 from .generation import LOOKUP, DecodeState, Ending, GenerationOptions, check_speculative, is_model
 from .kvcache import Cache, make_cache
+from .onnx_external import operators
 from .sampling import TokenPicker
 
 if TYPE_CHECKING:
@@ -98,25 +100,54 @@ def _compare_tokens(ours: Any, theirs: Any, name: str) -> None:
 
 
 def supports_multi_token_steps(runner: Runner) -> bool:
-    """Whether a step of several tokens gives each position the logits that steps of one token give (checked once
-    per model). A graph exported with last-token logits only cannot check guesses; and int4/int8 MatMulNBits with
-    accuracy_level 4 quantize activations differently for one row than for several (logits apart by ~0.5 on
-    SmolLM2), which would change greedy output: those packages decode plainly (README, "Speculative decoding")."""
+    """Whether a step of several tokens gives each position the logits that steps of one token give, so checking
+    guesses in one step keeps the plain output (decided once per model; a warning says why not)."""
     try:
         known = _consistent.get(runner.session)
     except TypeError:  # not weakly referable: check every time
         known = None
     if known is None:
-        known = not _last_token_only(runner) and _steps_agree(runner)
-        if not known:
+        reason = _why_not_exact(runner)
+        known = reason is None
+        if reason is not None:
             warnings.warn(
-                f"{runner.spec.folder.name}: speculative decoding is off (plain decoding): a step of several tokens "
-                "does not give the logits of single steps in this package (README, 'Speculative decoding')",
+                f"{runner.spec.folder.name}: speculative decoding is off (plain decoding): {reason} "
+                "(docs/speculative.md)",
                 stacklevel=4,
             )
         with contextlib.suppress(TypeError):  # a session that cannot be weakly referred to is checked every time
             _consistent[runner.session] = known
     return known
+
+
+def _why_not_exact(runner: Runner) -> str | None:
+    """Why a step of several tokens would not give single steps' logits, or None. Decided from the graph: its
+    logits output, and operators whose result for one row depends on how many rows a step feeds
+    (row_dependent_operator). A short step check then stands guard for kernels that rule does not know."""
+    if _last_token_only(runner):
+        return "the graph gives the last position's logits only (exported with --last-token-logits)"
+    operator = row_dependent_operator(runner.spec.model_path)
+    if operator is not None:
+        return f"{operator}, so a step of several tokens does not give the logits of single steps"
+    if not _steps_agree(runner):
+        return "a step of several tokens does not give the logits of single steps in this package"
+    return None
+
+
+def row_dependent_operator(model_path: Path) -> str | None:
+    """An operator of the graph whose result for one row depends on the rows fed with it, described, or None.
+    - MatMulNBits with accuracy_level >= 2 rounds activations below fp32 (4: to int8, per block) in the kernel: on
+      ONNX Runtime 1.32's CPU kernels a step of one row and a step of several round some rows differently (logits
+      0.01-0.8 apart, then the caches differ); at accuracy_level 0 (fp32 activations) they agree as fp32 MatMul
+      does (tests/test_speculative.py, on the bundled model quantized). Levels 2 and 3 are kept plain untested.
+    - DynamicQuantizeLinear / DynamicQuantizeMatMul take one activation scale over every row of a step."""
+    for operator in operators(model_path):
+        level = operator.ints.get("accuracy_level", 0)
+        if operator.op_type == "MatMulNBits" and level >= 2:
+            return f"its MatMulNBits kernels run at accuracy_level {level} (activations rounded per step's rows)"
+        if operator.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul"):
+            return f"its {operator.op_type} quantizes activations with one scale for every row of a step"
+    return None
 
 
 def _last_token_only(runner: Runner) -> bool:
