@@ -82,10 +82,6 @@ OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions)) - {"max_new_
 TURN_OPTIONS = OPTION_NAMES - {"truncate_prompt", "ignore_eos"}  # a chat turn fits its history itself
 
 
-OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions)) - {"max_new_tokens"}
-TURN_OPTIONS = OPTION_NAMES - {"truncate_prompt", "ignore_eos"}  # a chat turn fits its history itself
-
-
 def check_speculative(value: Any) -> None:
     """InvalidParameterError unless value is None, "lookup", a loaded model or an existing package folder."""
     if value is None or value == LOOKUP or is_model(value):
