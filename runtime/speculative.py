@@ -10,10 +10,12 @@ cache past the rest. Two ways to guess (speculative= in generate/stream/chat/con
 
 Greedy output is the plain greedy output, token for token. With sampling, a guess x is accepted with
 probability min(1, p(x)/q(x)) and a rejection draws from max(0, p - q), normalised (Leviathan et al. 2023,
-Chen et al. 2023), so every token is distributed as plain sampling's p; lookup's q is a point mass. p is the
-target's distribution after the same repetition penalty, temperature and top-k/top-p/min-p as plain sampling.
+Chen et al. 2023), so every token is distributed as plain sampling's p; lookup's q is a point mass. Every
+position is chosen by plain decoding's own picker (sampling.TokenPicker: its token mask, repetition penalty and
+transforms; p is its `probabilities`), and the loop ends as plain decoding's does (generation.Ending).
 k adapts: it grows while guesses are accepted and shrinks on a rejection; no guess makes a plain step.
-A batch of several prompts decodes plainly (runtime/decode.py).
+A batch of several prompts decodes plainly (runtime/decode.py), and so does a package whose graph computes a step
+of several tokens differently from steps of one (row_dependent_operator), with a warning.
 """
 
 from __future__ import annotations
