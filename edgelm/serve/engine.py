@@ -1,0 +1,198 @@
+"""The server's side of the Python API: one loaded Model, its names, worker slots, and the prompt cache.
+
+Policy (docs/serve.md, "Server"):
+
+- Worker slots: `parallel` requests generate at once, each on a thread of its own (ONNX Runtime sessions run
+  concurrently; every generation keeps its own cache). Up to `queue` more wait for a slot in arrival order;
+  a request beyond those is answered 503 at once (OpenAI's error object, `Retry-After: 1`).
+- Cancellation: every request carries a threading.Event the runtime checks at each decode step (`cancel=`);
+  the HTTP side sets it when the client goes away, so a slot is freed within one step, and a request that
+  was still waiting never starts.
+- Prompt cache: chat requests run in Conversations (runtime/chat.py) that keep their KV cache. Up to
+  `prompt_cache` idle ones are kept, least recently used dropped first; a request takes the one whose cached
+  ids share the longest prefix with its rendered prompt (same adapter), and the Conversation feeds only the
+  rest (rewinding the cache to the common prefix). No match: a fresh Conversation. One request at a time
+  uses a Conversation; the ids it reused are reported as usage.prompt_tokens_details.cached_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from edgelm.runtime import Conversation, GenerationResult, Model
+from edgelm.runtime.chat import common_prefix
+
+from .errors import APIError
+
+Emit = Callable[[tuple[str, Any]], None]  # ("start", None), ("piece", text), ("end", (result, cached)), ("error", e)
+
+
+class PromptCache:
+    """Idle Conversations kept for the prefix their KV caches hold; see the module docstring."""
+
+    def __init__(self, model: Model, size: int):
+        self.model, self.size = model, size
+        self._idle: list[Conversation] = []  # least recently used first
+        self._lock = threading.Lock()
+
+    def take(self, adapter: str | None, ids: list[int]) -> tuple[Conversation, int]:
+        """The idle Conversation sharing the longest prefix with ids (taken out of the cache), and that length;
+        a new Conversation and 0 when none shares any."""
+        with self._lock:
+            best, best_length = None, 0
+            for conversation in self._idle:
+                if conversation.adapter == adapter:
+                    length = common_prefix(conversation.cached_ids, ids)
+                    if length > best_length:
+                        best, best_length = conversation, length
+            if best is not None:
+                self._idle.remove(best)
+                return best, best_length
+        return self.model.conversation(adapter=adapter), 0
+
+    def give_back(self, conversation: Conversation) -> None:
+        with self._lock:
+            self._idle.append(conversation)
+            del self._idle[: max(0, len(self._idle) - self.size)]
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+
+@dataclass
+class Settings:
+    parallel: int = 2  # requests generating at once
+    queue: int = 16  # requests waiting for a slot at most; beyond: 503
+    prompt_cache: int = 4  # idle conversations kept for their KV caches (0: none)
+    max_tokens: int | None = None  # a chat reply's length when the request sets none (None: the rest of the context)
+
+
+class Engine:
+    """The model and its names, the slots requests run in, and the jobs they run (on a worker thread each)."""
+
+    def __init__(self, model: Model, *, name: str, settings: Settings | None = None):
+        self.model, self.name = model, name
+        self.settings = settings or Settings()
+        self.executor = ThreadPoolExecutor(max_workers=self.settings.parallel, thread_name_prefix="edgelm-serve")
+        self.cache = PromptCache(model, self.settings.prompt_cache)
+        self.accepted = 0  # running or waiting; read and written on the event loop's thread only
+        self.finished: collections.Counter[str] = collections.Counter()  # finish reasons, "error" included
+        self._finished_lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        self._renderer: Conversation | None = None  # renders requests' messages to ids (its template)
+
+    # ---- names ------------------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return [self.name, *self.model.adapters]
+
+    def adapter_for(self, name: str) -> str | None:
+        """The adapter a request's `model` selects (None: the base); APIError 404 for a name not served."""
+        if name == self.name:
+            return None
+        if name in self.model.adapters:
+            return name
+        served = ", ".join(self.model_names())
+        raise APIError(
+            404, f"the model {name!r} does not exist (served: {served})", param="model", code="model_not_found"
+        )
+
+    # ---- slots ------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return min(self.accepted, self.settings.parallel)
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self.accepted - self.settings.parallel)
+
+    def submit(self, job: Callable[[], None]) -> asyncio.Future:
+        """Run job on a worker slot (called on the event loop); APIError 503 when every slot and place is taken."""
+        if self.accepted >= self.settings.parallel + self.settings.queue:
+            raise APIError(
+                503,
+                f"the server is busy ({self.settings.parallel} requests running, {self.settings.queue} waiting); "
+                "retry shortly",
+                code="server_overloaded",
+            )
+        self.accepted += 1
+        future = asyncio.wrap_future(self.executor.submit(job))
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: asyncio.Future) -> None:
+        self.accepted -= 1
+        if not future.cancelled():
+            future.exception()  # jobs report through emit; this only marks it retrieved
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- jobs (on a worker thread) ------------------------------------------------------------------
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        with self._render_lock:
+            if self._renderer is None:
+                self._renderer = self.model.conversation()  # ChatTemplateError without a chat template
+            return self._renderer.ids_of(messages)
+
+    def chat_job(
+        self, messages: list[dict], *, adapter, max_tokens: int | None, options: dict, cancel, emit: Emit
+    ) -> None:
+        """Reply to messages in a cached Conversation; reports through emit (see Emit)."""
+        if cancel.is_set():  # the client left while the request waited
+            return self._end(emit, None)
+        try:
+            ids = self.chat_ids(messages)
+            room = self.model.context_length - len(ids)
+            default = room if self.settings.max_tokens is None else min(room, self.settings.max_tokens)
+            max_new = max(1, default) if max_tokens is None else max_tokens  # 1: the runtime says it does not fit
+            conversation, _ = self.cache.take(adapter, ids)
+        except Exception as error:
+            return self._fail(emit, error)
+        try:
+            conversation.system = None  # the request's messages are the whole history, its system message included
+            stream = conversation.stream_reply(messages, max_new, cancel=cancel, **options)
+            self._stream(stream, emit, lambda: conversation.last_turn.reused_tokens)
+        except Exception as error:
+            self._fail(emit, error)
+        finally:
+            self.cache.give_back(conversation)
+
+    def completion_job(
+        self, prompt: str | list[int], *, adapter, max_tokens: int, options: dict, cancel, emit: Emit
+    ) -> None:
+        """Continue a prompt (Model.stream); reports through emit."""
+        if cancel.is_set():
+            return self._end(emit, None)
+        try:
+            stream = self.model.stream(prompt, max_tokens, adapter=adapter, cancel=cancel, **options)
+            self._stream(stream, emit, lambda: None)
+        except Exception as error:
+            self._fail(emit, error)
+
+    def _stream(self, stream, emit: Emit, cached: Callable[[], int | None]) -> None:
+        emit(("start", None))
+        for piece in stream:
+            emit(("piece", piece))
+        result: GenerationResult = stream.result
+        self._end(emit, (result, cached()))
+
+    def _count(self, reason: str) -> None:
+        with self._finished_lock:
+            self.finished[reason] += 1
+
+    def _end(self, emit: Emit, outcome) -> None:
+        self._count("cancelled" if outcome is None else outcome[0].finish_reason)
+        emit(("end", outcome))
+
+    def _fail(self, emit: Emit, error: Exception) -> None:
+        self._count("error")
+        emit(("error", error))
