@@ -162,11 +162,8 @@ class Conversation:
             pass
         return stream.result
 
-    def stream_reply(
-        self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any
-    ) -> Stream:
-        """Like reply_to, but returns a Stream of text pieces whose .result is set at the end (a server answering
-        whole message lists with one kept cache). A leading system message replaces `system`."""
+    def stream_reply(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
+        """reply_to as a Stream (Model.chat_stream)."""
         self._close_pending()
         messages = validate_messages(messages)
         if messages and messages[0]["role"] == "system":
@@ -178,10 +175,10 @@ class Conversation:
         """A copy of the ids whose keys/values the cache holds (what a next turn can reuse)."""
         return list(self._ids)
 
-    def ids_of(self, messages: list[dict]) -> list[int]:
-        """The ids this conversation's template renders for a whole message list, with the generation prompt (what
-        stream_reply feeds when `system` is None); nothing changes."""
-        return chat_prompt_ids(self.template, self.model.tokenizer, validate_messages(messages))
+    def ids_of(self, messages: list[dict], **variables: Any) -> list[int]:
+        """The ids this conversation's template renders for a whole message list and template variables, with the
+        generation prompt (what stream_reply feeds when `system` is None); nothing changes."""
+        return chat_prompt_ids(self.template, self.model.tokenizer, validate_messages(messages), **variables)
 
     def prompt_ids(self, text: str) -> list[int]:
         """The ids the template renders for the history plus a user message `text`, with the generation prompt;

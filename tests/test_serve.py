@@ -22,10 +22,10 @@ from helpers import lora_targets, quiet, save_peft_adapter
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from edgelm.runtime import load  # noqa: E402
-from edgelm.serve import Engine, Settings, create_app  # noqa: E402
+from edgelm.serve import Engine, Settings, create_app, serve_in_thread  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NAME = "tiny-chat"
@@ -56,20 +56,10 @@ def model(tmp_path_factory):
 def serving(model, *, api_key: str | None = None, **settings):
     """A server on a free loopback port in a thread; yields (base URL, engine)."""
     engine = Engine(model, name=NAME, settings=Settings(**settings))
-    config = uvicorn.Config(create_app(engine, api_key=api_key), host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        with serve_in_thread(create_app(engine, api_key=api_key), timeout_s=WAIT_S) as url:
+            yield url, engine
     finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
         engine.close()
 
 
@@ -247,7 +237,9 @@ def test_a_client_leaving_mid_stream_stops_its_generation(model):
             time.sleep(0.01)
         assert engine.finished == {"cancelled": 1}
         engine.chat_job = job
-        after = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=WAIT_S)
+        after = httpx.post(
+            f"{url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=WAIT_S
+        )
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
 
 
@@ -280,7 +272,9 @@ def test_a_malformed_request_gets_one_error_object(server, body, status, names):
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert names in (error["param"], error["code"]), error
     assert "\n" not in error["message"]
-    assert httpx.post(url, json={"model": NAME, "messages": MESSAGES, "max_tokens": 2}, timeout=WAIT_S).status_code == 200
+    assert (
+        httpx.post(url, json={"model": NAME, "messages": MESSAGES, "max_tokens": 2}, timeout=WAIT_S).status_code == 200
+    )
 
 
 def test_completions_refuse_what_they_cannot_do(server):

@@ -31,21 +31,40 @@ from .errors import APIError, from_runtime
 log = logging.getLogger("edgelm.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; only ever logged
-UNSUPPORTED_BUILD = "is not supported by this server build (the runtime has no tools or structured output yet)"
+UNSUPPORTED_BUILD = "is not supported by this server build (its edgelm runtime has no {})"
 
 
-def api_extras(request: protocol.ChatCompletionRequest) -> dict[str, Any]:
-    """Tools and structured output as the runtime's keyword arguments: the one place they are wired. This build's
-    runtime takes none of them, so a request that needs one is refused (400) rather than answered without it."""
+def api_extras(request: protocol.ChatCompletionRequest, features: set[str]) -> dict[str, Any]:
+    """Tools, template variables and structured output as the runtime's keyword arguments (docs/apps.md): the one
+    place they are wired. A field the runtime cannot take (engine.runtime_features) is refused with a 400 rather
+    than answered without it."""
+
+    def need(feature: str, param: str) -> None:
+        if feature not in features:
+            what = "tools or template variables" if feature == "tools" else "structured output"
+            raise APIError(400, f"{param} {UNSUPPORTED_BUILD.format(what)}", param=param, code="unsupported_parameter")
+
+    extras: dict[str, Any] = {}
     if request.tools:
-        raise APIError(400, f"tools {UNSUPPORTED_BUILD}", param="tools", code="unsupported_parameter")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, f"tool_choice {UNSUPPORTED_BUILD}", param="tool_choice", code="unsupported_parameter")
+        need("tools", "tools")
+        extras["tools"] = request.tools
+    choice = request.tool_choice
+    if choice is not None and (request.tools or choice not in ("auto", "none")):  # auto/none without tools: a no-op
+        need("tools", "tool_choice")
+        extras["tool_choice"] = choice
     if request.response_format and request.response_format.get("type") != "text":
-        raise APIError(
-            400, f"response_format {UNSUPPORTED_BUILD}", param="response_format", code="unsupported_parameter"
-        )
-    return {}
+        need("structured", "response_format")
+        extras["response_format"] = request.response_format
+    variables = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", request.reasoning_effort)  # gpt-oss's template reads it
+    if variables:
+        need("tools", "chat_template_kwargs")
+        if "enable_thinking" in variables:
+            extras["enable_thinking"] = variables.pop("enable_thinking")
+        if variables:
+            extras["template_vars"] = variables
+    return extras
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -144,14 +163,16 @@ async def generate(request: Request, engine: Engine, job, *, stream: bool, promp
 
 
 async def stream_events(run: Run, request: Request, *, first, piece, last, usage_chunk):
-    """SSE events of a streamed generation: first(), piece(text) per piece, last(result) at the end, then the
-    usage chunk when asked for, then [DONE]; a failure mid-stream is an error object, then the stream ends."""
+    """SSE events of a streamed generation: first(), piece(text) per piece (None: no event), last(result) at the
+    end, then the usage chunk when asked for, then [DONE]; a failure mid-stream is an error object, then the end."""
     if first is not None:
         yield sse(first())
     while True:
         kind, value = await run.queue.get()
         if kind == "piece":
-            yield sse(piece(value))
+            chunk = piece(value)
+            if chunk is not None:  # a piece that only held text back adds nothing
+                yield sse(chunk)
         elif kind == "error":
             yield sse(from_runtime(value, prompt_param="").body())
             return
@@ -207,17 +228,25 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     async def chat_completions(request: Request):
         body = await parse(request, protocol.ChatCompletionRequest)
         adapter = engine.adapter_for(body.model)
-        options = body.sampling() | api_extras(body)
+        options = body.sampling() | api_extras(body, engine.features)
         messages = [message.plain(index) for index, message in enumerate(body.messages)]
         job = partial(engine.chat_job, messages, adapter=adapter, max_tokens=body.reply_tokens, options=options)
         request_id, name = protocol.new_id("chatcmpl"), body.model
 
         def chunks(run: Run):
+            calls = 0  # tool calls streamed so far: each has its index
+
+            def piece(text: str) -> dict | None:
+                nonlocal calls
+                delta = protocol.chat_delta(text, calls)
+                calls += len(delta.get("tool_calls", ()))
+                return protocol.chat_chunk(request_id, name, delta) if delta else None
+
             return stream_events(
                 run,
                 request,
                 first=lambda: protocol.chat_chunk(request_id, name, {"role": "assistant", "content": ""}),
-                piece=lambda text: protocol.chat_chunk(request_id, name, {"content": text}),
+                piece=piece,
                 last=lambda result: protocol.chat_chunk(request_id, name, {}, protocol.finish_reason(result)),
                 usage_chunk=(lambda usage: protocol.chat_chunk(request_id, name, None, usage_=usage))
                 if body.include_usage
@@ -246,7 +275,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 run,
                 request,
                 first=None,
-                piece=lambda text: protocol.text_completion(request_id, name, text, None),
+                piece=lambda text: protocol.text_completion(request_id, name, str(text), None),
                 last=lambda result: protocol.text_completion(request_id, name, "", protocol.finish_reason(result)),
                 usage_chunk=(
                     lambda usage: {

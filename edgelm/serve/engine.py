@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from edgelm.runtime import Conversation, GenerationResult, Model
+from edgelm.runtime import Conversation, EdgelmError, GenerationResult, Model
 from edgelm.runtime.chat import common_prefix
 
 from .errors import APIError
@@ -65,6 +66,22 @@ class PromptCache:
         return len(self._idle)
 
 
+def runtime_features(model: Model) -> set[str]:
+    """What the runtime takes beyond plain generation, probed once from its public API: "tools" (tools,
+    tool_choice and template variables on chat: docs/apps.md) and "structured" (response_format)."""
+    features = set()
+    if "tools" in inspect.signature(model.conversation).parameters:
+        features.add("tools")
+    try:
+        model.options(1, response_format={"type": "text"})
+        features.add("structured")
+    except TypeError:  # an unknown option: this runtime has no structured output
+        pass
+    except EdgelmError:  # it knows the option (and says what it is missing when a request uses it)
+        features.add("structured")
+    return features
+
+
 @dataclass
 class Settings:
     parallel: int = 2  # requests generating at once
@@ -86,6 +103,7 @@ class Engine:
         self._finished_lock = threading.Lock()
         self._render_lock = threading.Lock()
         self._renderer: Conversation | None = None  # renders requests' messages to ids (its template)
+        self.features = runtime_features(model)
 
     # ---- names ------------------------------------------------------------------------------------
 
@@ -137,11 +155,15 @@ class Engine:
 
     # ---- jobs (on a worker thread) ------------------------------------------------------------------
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict], options: dict) -> list[int]:
+        """The request's prompt ids, to pick the kept conversation sharing most of them (the template variables
+        as the template sees them: docs/apps.md)."""
+        variables = dict(options.get("template_vars") or {})
+        variables |= {name: options[name] for name in ("tools", "documents", "enable_thinking") if name in options}
         with self._render_lock:
             if self._renderer is None:
                 self._renderer = self.model.conversation()  # ChatTemplateError without a chat template
-            return self._renderer.ids_of(messages)
+            return self._renderer.ids_of(messages, **variables)
 
     def chat_job(
         self, messages: list[dict], *, adapter, max_tokens: int | None, options: dict, cancel, emit: Emit
@@ -150,7 +172,7 @@ class Engine:
         if cancel.is_set():  # the client left while the request waited
             return self._end(emit, None)
         try:
-            ids = self.chat_ids(messages)
+            ids = self.chat_ids(messages, options)
             room = self.model.context_length - len(ids)
             default = room if self.settings.max_tokens is None else min(room, self.settings.max_tokens)
             max_new = max(1, default) if max_tokens is None else max_tokens  # 1: the runtime says it does not fit

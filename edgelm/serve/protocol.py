@@ -10,6 +10,7 @@ Responses are plain dicts built by the functions below (ids `chatcmpl-...` / `cm
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -103,6 +104,8 @@ class ChatCompletionRequest(Request):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama.cpp's extra: template variables
 
     @property
     def reply_tokens(self) -> int | None:
@@ -158,34 +161,45 @@ def finish_reason(result) -> str:
 
 
 def assistant_message(result) -> dict:
-    """The reply as OpenAI's message: content, and the runtime's tool calls and reasoning where it has them."""
-    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    """The reply as OpenAI's message: its content, and the tool calls and reasoning the runtime parsed out of it
+    where it does (docs/apps.md: result.content, .reasoning, .tool_calls; before that, the text is the content)."""
+    message: dict[str, Any] = {"role": "assistant", "content": getattr(result, "content", result.text)}
     tool_calls = getattr(result, "tool_calls", None)
     if tool_calls:
-        message["tool_calls"] = [openai_tool_call(call, index) for index, call in enumerate(tool_calls)]
-        message["content"] = result.text or None
+        message["tool_calls"] = [openai_tool_call(call) for call in tool_calls]
+        message["content"] = message["content"] or None
     reasoning = getattr(result, "reasoning", None)
     if reasoning:
         message["reasoning_content"] = reasoning  # the field llama.cpp's and vLLM's servers use
     return message
 
 
-def openai_tool_call(call: Any, index: int) -> dict:
-    """A runtime tool call (a dict or an object with name, arguments, id) as OpenAI's tool_calls entry."""
-    import json
-
-    get = call.get if isinstance(call, dict) else lambda key, default=None: getattr(call, key, default)
-    if isinstance(call, dict) and "function" in call:  # already OpenAI's shape
-        return {"index": index, **call}
-    arguments = get("arguments", {})
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments)
+def openai_tool_call(call: Any) -> dict:
+    """A runtime ToolCall as OpenAI's tool_calls entry: {"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}."""
+    if hasattr(call, "to_openai"):
+        return call.to_openai()
     return {
-        "index": index,
-        "id": get("id") or f"call_{uuid.uuid4().hex[:24]}",
+        "id": call.id,
         "type": "function",
-        "function": {"name": get("name"), "arguments": arguments},
+        "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
     }
+
+
+def chat_delta(piece: str, calls_before: int) -> dict:
+    """A streamed piece as a chunk's delta: its content, reasoning and the tool calls it completed (each whole,
+    numbered from calls_before); plain text pieces (a runtime that parses nothing) are content."""
+    delta: dict[str, Any] = {}
+    content = getattr(piece, "content", piece)
+    if content:
+        delta["content"] = content
+    reasoning = getattr(piece, "reasoning", None)
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    calls = getattr(piece, "tool_calls", None)
+    if calls:
+        delta["tool_calls"] = [{"index": calls_before + i, **openai_tool_call(call)} for i, call in enumerate(calls)]
+    return delta
 
 
 def chat_completion(request_id: str, model: str, result, cached_tokens: int | None) -> dict:
