@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +31,10 @@ from edgelm.serve import Engine, Settings, create_app, serve_in_thread  # noqa: 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NAME = "tiny-chat"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the moon?"}]
+QWEN = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"  # a tool-use template
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "London"]}}, "required": ["city"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": CITY}}
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
 WAIT_S = 30  # the longest any test waits for the server
 
 
@@ -42,7 +47,7 @@ def model(tmp_path_factory):
     from edgelm.export.onnx_export import export_package
 
     root = tmp_path_factory.mktemp("serve")
-    folder = make_chat_folder(root / "checkpoint")
+    folder = make_chat_folder(root / "checkpoint", context=1024)  # room for tool specs
     package = root / NAME
     export_package(folder, package, lora_slots=SlotSpec(lora_targets("llama", mlp=False), 4), progress=quiet)
     hf = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
@@ -254,9 +259,12 @@ MALFORMED = [  # (body, status, param or code expected in the error)
     ({"model": NAME, "messages": MESSAGES, "top_p": 5}, 400, "invalid_value"),
     ({"model": NAME, "messages": MESSAGES, "max_tokens": "many"}, 400, "max_tokens"),
     ({"model": NAME, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "moon " * 400}]}, 400, "context_length_exceeded"),
-    ({"model": NAME, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"model": NAME, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "moon " * 1500}]}, 400, "context_length_exceeded"),
+    (
+        {"model": NAME, "messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]},
+        400,
+        "messages[0].tool_calls[0].function.arguments",
+    ),
     ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0]"),
     ({"model": "nobody", "messages": MESSAGES}, 404, "model_not_found"),
 ]
@@ -327,3 +335,84 @@ def test_serve_help_explains(capsys):
     for words in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "--api-key", "127.0.0.1",
                   "--parallel", "--queue", "503", "disconnects", "--prompt-cache", "--adapter"):  # fmt: skip
         assert words in text, words
+
+
+# ---- tools and structured output: wired to the runtime's keywords (docs/apps.md) where it has them -----------
+
+
+def test_a_runtime_without_tools_refuses_them(server):
+    url, engine = server
+    if engine.features:
+        pytest.skip(f"this runtime has {', '.join(sorted(engine.features))}")
+    for extra, param in [
+        ({"tools": [TOOL]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ]:
+        response = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": MESSAGES, **extra})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == param, error
+        assert "not supported by this server build" in error["message"]
+    plain = {"tool_choice": "auto", "response_format": {"type": "text"}, "max_tokens": 2}  # no-ops: answered
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": MESSAGES, **plain})
+    assert response.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def tool_server(model, server):
+    if "tools" not in server[1].features or "structured" not in server[1].features:
+        pytest.skip("this runtime has no tools or structured output (docs/apps.md)")
+    pytest.importorskip("llguidance")
+    with serving(model, chat_template=QWEN.read_text()) as (url, engine):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+
+
+def test_a_forced_tool_call_streamed_and_its_round_trip(model, tool_server):
+    client, template, messages = tool_server, QWEN.read_text(), [{"role": "user", "content": "Weather in Paris?"}]
+    expected = model.chat(messages, 60, template=template, tools=[TOOL], tool_choice=FORCED, temperature=0)
+    assert expected.tool_calls, expected.text
+    reply = client.chat.completions.create(
+        model=NAME, messages=messages, tools=[TOOL], tool_choice=FORCED, max_tokens=60, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == len(expected.tool_calls)
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    assert (call.function.name, arguments) == (expected.tool_calls[0].name, expected.tool_calls[0].arguments)
+    assert call.type == "function" and call.id and arguments["city"] in ("Paris", "London")
+
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, tools=[TOOL], tool_choice=FORCED, max_tokens=60, temperature=0, stream=True
+        )
+    )
+    streamed = [delta for chunk in chunks if chunk.choices for delta in chunk.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in streamed][:1] == [
+        (0, "get_weather", arguments)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"weather": "sunny"}'}
+    follow_up = [*messages, choice.message.model_dump(exclude_none=True), result]
+    again = client.chat.completions.create(model=NAME, messages=follow_up, tools=[TOOL], max_tokens=8, temperature=0)
+    as_runtime = [*messages, {**follow_up[1], "tool_calls": [expected.tool_calls[0].to_message()]}, result]
+    as_runtime[1]["tool_calls"][0]["id"] = call.id
+    direct = model.chat(as_runtime, 8, template=template, tools=[TOOL], temperature=0)
+    assert again.choices[0].message.content == direct.content
+    assert again.usage.prompt_tokens == len(direct.prompt_token_ids)
+
+
+def test_a_json_schema_answer_validates(model, tool_server):
+    answer = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    answer["additionalProperties"] = False
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    reply = tool_server.chat.completions.create(
+        model=NAME, messages=MESSAGES, response_format=response_format, max_tokens=60, temperature=0
+    )
+    content = reply.choices[0].message.content
+    assert json.loads(content)["answer"] in ("yes", "no")
+    template = QWEN.read_text()
+    assert (
+        content == model.chat(MESSAGES, 60, template=template, response_format=response_format, temperature=0).content
+    )

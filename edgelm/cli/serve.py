@@ -7,8 +7,9 @@ import ipaddress
 import logging
 import os
 import sys
+from pathlib import Path
 
-from .options import add_command, add_runtime, int_in
+from .options import add_command, add_runtime, int_in, text_file
 
 API_KEY_VARIABLE = "EDGELM_API_KEY"
 
@@ -69,6 +70,13 @@ def add_parser(sub) -> None:
         default=None,
         help="a chat reply's length when a request sets none (default: the rest of the context)",
     )
+    g.add_argument(
+        "--chat-template",
+        type=text_file,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template used instead of the package's (e.g. one that knows tools)",
+    )
     add_runtime(p)
     p.set_defaults(run=run)
 
@@ -90,8 +98,13 @@ def run(args: argparse.Namespace) -> int:
         name, path = adapter_spec(spec)
         model.load_adapter(path, name=name)
     name = args.model_name or model.spec.folder.name
+    template = None if args.chat_template is None else Path(args.chat_template).read_text(encoding="utf-8")
     settings = Settings(
-        parallel=args.parallel, queue=args.queue, prompt_cache=args.prompt_cache, max_tokens=args.max_tokens
+        parallel=args.parallel,
+        queue=args.queue,
+        prompt_cache=args.prompt_cache,
+        max_tokens=args.max_tokens,
+        chat_template=template,
     )
     engine = Engine(model, name=name, settings=settings)
     app = create_app(engine, api_key=args.api_key or None)

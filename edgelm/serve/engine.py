@@ -37,8 +37,8 @@ Emit = Callable[[tuple[str, Any]], None]  # ("start", None), ("piece", text), ("
 class PromptCache:
     """Idle Conversations kept for the prefix their KV caches hold; see the module docstring."""
 
-    def __init__(self, model: Model, size: int):
-        self.model, self.size = model, size
+    def __init__(self, model: Model, size: int, template: str | None = None):
+        self.model, self.size, self.template = model, size, template
         self._idle: list[Conversation] = []  # least recently used first
         self._lock = threading.Lock()
 
@@ -55,7 +55,7 @@ class PromptCache:
             if best is not None:
                 self._idle.remove(best)
                 return best, best_length
-        return self.model.conversation(adapter=adapter), 0
+        return self.model.conversation(template=self.template, adapter=adapter), 0
 
     def give_back(self, conversation: Conversation) -> None:
         with self._lock:
@@ -88,6 +88,7 @@ class Settings:
     queue: int = 16  # requests waiting for a slot at most; beyond: 503
     prompt_cache: int = 4  # idle conversations kept for their KV caches (0: none)
     max_tokens: int | None = None  # a chat reply's length when the request sets none (None: the rest of the context)
+    chat_template: str | None = None  # Jinja source used instead of the package's chat template
 
 
 class Engine:
@@ -97,7 +98,7 @@ class Engine:
         self.model, self.name = model, name
         self.settings = settings or Settings()
         self.executor = ThreadPoolExecutor(max_workers=self.settings.parallel, thread_name_prefix="edgelm-serve")
-        self.cache = PromptCache(model, self.settings.prompt_cache)
+        self.cache = PromptCache(model, self.settings.prompt_cache, self.settings.chat_template)
         self.accepted = 0  # running or waiting; read and written on the event loop's thread only
         self.finished: collections.Counter[str] = collections.Counter()  # finish reasons, "error" included
         self._finished_lock = threading.Lock()
@@ -162,7 +163,8 @@ class Engine:
         variables |= {name: options[name] for name in ("tools", "documents", "enable_thinking") if name in options}
         with self._render_lock:
             if self._renderer is None:
-                self._renderer = self.model.conversation()  # ChatTemplateError without a chat template
+                # ChatTemplateError without a chat template
+                self._renderer = self.model.conversation(template=self.settings.chat_template)
             return self._renderer.ids_of(messages, **variables)
 
     def chat_job(

@@ -93,6 +93,14 @@ class ChatMessage(BaseModel):
                     )
                 texts.append(part["text"])
             message["content"] = "".join(texts)
+        for number, call in enumerate(message.get("tool_calls") or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:  # OpenAI sends arguments as JSON text; templates read them as an object (transformers' way)
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    where = f"messages[{index}].tool_calls[{number}].function.arguments"
+                    raise APIError(400, f"{where} is not valid JSON", param=where) from None
         return message
 
 
