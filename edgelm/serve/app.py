@@ -163,8 +163,9 @@ async def generate(request: Request, engine: Engine, job, *, stream: bool, promp
 
 
 async def stream_events(run: Run, request: Request, *, first, piece, last, usage_chunk):
-    """SSE events of a streamed generation: first(), piece(text) per piece (None: no event), last(result) at the
-    end, then the usage chunk when asked for, then [DONE]; a failure mid-stream is an error object, then the end."""
+    """SSE events of a streamed generation: first(), piece(text) per piece (None: no event), last(result)'s
+    chunks at the end, then the usage chunk when asked for, then [DONE]; a failure mid-stream is an error
+    object, then the end."""
     if first is not None:
         yield sse(first())
     while True:
@@ -181,7 +182,8 @@ async def stream_events(run: Run, request: Request, *, first, piece, last, usage
                 return
             result, cached = value
             usage = record(request, result, cached)
-            yield sse(last(result))
+            for chunk in last(result):
+                yield sse(chunk)
             if usage_chunk is not None:
                 yield sse(usage_chunk(usage))
             yield sse("[DONE]")
@@ -242,12 +244,26 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 calls += len(delta.get("tool_calls", ()))
                 return protocol.chat_chunk(request_id, name, delta) if delta else None
 
+            def last(result) -> list[dict]:
+                """The tool calls the pieces did not carry (the runtime may parse them only at the end), then
+                the finish reason."""
+                chunks = []
+                missing = (getattr(result, "tool_calls", None) or [])[calls:]
+                if missing:
+                    delta = {
+                        "tool_calls": [
+                            {"index": calls + i, **protocol.openai_tool_call(c)} for i, c in enumerate(missing)
+                        ]
+                    }
+                    chunks.append(protocol.chat_chunk(request_id, name, delta))
+                return [*chunks, protocol.chat_chunk(request_id, name, {}, protocol.finish_reason(result))]
+
             return stream_events(
                 run,
                 request,
                 first=lambda: protocol.chat_chunk(request_id, name, {"role": "assistant", "content": ""}),
                 piece=piece,
-                last=lambda result: protocol.chat_chunk(request_id, name, {}, protocol.finish_reason(result)),
+                last=last,
                 usage_chunk=(lambda usage: protocol.chat_chunk(request_id, name, None, usage_=usage))
                 if body.include_usage
                 else None,
@@ -276,7 +292,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 request,
                 first=None,
                 piece=lambda text: protocol.text_completion(request_id, name, str(text), None),
-                last=lambda result: protocol.text_completion(request_id, name, "", protocol.finish_reason(result)),
+                last=lambda result: [protocol.text_completion(request_id, name, "", protocol.finish_reason(result))],
                 usage_chunk=(
                     lambda usage: {
                         **protocol.text_completion(request_id, name, "", None),
