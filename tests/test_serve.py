@@ -219,7 +219,14 @@ def test_a_full_queue_answers_503_and_the_rest_are_served(model):
     assert statuses == [200, 200]
 
 
-def test_a_client_leaving_mid_stream_stops_its_generation(model):
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_client_leaving_stops_its_generation(model):
     body = {"model": NAME, "messages": MESSAGES, "max_tokens": 150, "temperature": 0, "stream": True}
     with serving(model, parallel=1) as (url, engine):
         job = engine.chat_job
@@ -236,11 +243,11 @@ def test_a_client_leaving_mid_stream_stops_its_generation(model):
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=WAIT_S) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
-        deadline = time.monotonic() + WAIT_S
-        while engine.finished["cancelled"] == 0:
-            assert time.monotonic() < deadline, f"the generation was not cancelled: {engine.finished}"
-            time.sleep(0.01)
-        assert engine.finished == {"cancelled": 1}
+        wait_for(lambda: engine.finished["cancelled"] == 1, f"the stream was not cancelled: {engine.finished}")
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a non-streamed answer
+            httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
+        wait_for(lambda: engine.finished["cancelled"] == 2, f"the request was not cancelled: {engine.finished}")
+        assert engine.finished == {"cancelled": 2}  # not "length": both ended before their 150 tokens
         engine.chat_job = job
         after = httpx.post(
             f"{url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=WAIT_S
@@ -294,6 +301,8 @@ def test_completions_refuse_what_they_cannot_do(server):
     ]:
         response = httpx.post(url, json=body, timeout=WAIT_S)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    huge = httpx.post(url, content=b" " * (33 * 2**20), timeout=WAIT_S)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
     for path, method in [("/v1/nothing", "GET"), ("/v1/models", "DELETE")]:
         response = httpx.request(method, f"{server[0]}{path}", timeout=WAIT_S)
         assert response.status_code in (404, 405) and "error" in response.json()

@@ -12,6 +12,7 @@ from pathlib import Path
 from .options import add_command, add_runtime, int_in, text_file
 
 API_KEY_VARIABLE = "EDGELM_API_KEY"
+GRACE_S = 5
 
 
 def add_parser(sub) -> None:
@@ -117,7 +118,15 @@ def run(args: argparse.Namespace) -> int:
         f"serving {served} on http://{args.host}:{args.port}/v1 ({args.parallel} parallel, {args.queue} queued)"
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        # Ctrl-C: open requests get GRACE_S to end, then their streams close and their generations are cancelled
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=GRACE_S,
+        )
     finally:
         engine.close()
     return 0

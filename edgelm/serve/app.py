@@ -30,6 +30,7 @@ from .errors import APIError, from_runtime
 
 log = logging.getLogger("edgelm.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_BODY_BYTES = 32 * 2**20  # a request is read into memory: far more than any context's worth of text
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; only ever logged
 UNSUPPORTED_BUILD = "is not supported by this server build (its edgelm runtime has no {})"
 
@@ -157,6 +158,8 @@ async def generate(request: Request, engine: Engine, job, *, stream: bool, promp
             async for event in chunks(run):
                 yield event
         finally:
+            if getattr(request.state, "finish", None) is None:
+                request.state.finish = "cancelled"  # the client went away (or the server stops) mid-stream
             run.cancel.set()  # a no-op after the end; after a disconnect it stops the generation
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -317,8 +320,13 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
 async def parse(request: Request, shape: type[protocol.Request]) -> protocol.Request:
     """The request body as `shape`, whatever its Content-Type says (curl -d sends a form type), checked for
     fields this server cannot honour; APIError 400 naming the first problem (OpenAI answers 400, never 422)."""
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
     try:
-        data = json.loads(await request.body())
+        data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -376,5 +384,7 @@ def log_line(scope, status: int, state: dict, seconds: float) -> str:
     if usage:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         line += f" prompt={usage['prompt_tokens']}" + (f" cached={cached}" if cached is not None else "")
-        line += f" completion={usage['completion_tokens']} finish={state.get('finish')}"
+        line += f" completion={usage['completion_tokens']}"
+    if state.get("finish"):
+        line += f" finish={state['finish']}"
     return f"{line} {seconds:.3f}s"
