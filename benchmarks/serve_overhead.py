@@ -7,7 +7,8 @@ Per request kind, --requests short requests, the direct call and the HTTP one in
 alike); each pair must produce the same token count. Chat (when the package has a chat template): Model.chat
 against POST /v1/chat/completions with the prompt cache off (both prefill the whole prompt), streamed and not,
 then with the prompt cache on (the server feeds only the ids it does not hold). Completions: Model.generate
-against POST /v1/completions. Prints a markdown table of medians and the difference.
+against POST /v1/completions, with the openai client and with plain httpx; and GET /health, the HTTP round trip
+alone. Prints a markdown table of medians and the median of the per-pair differences.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import statistics
 import sys
 import time
 
+import httpx
 import openai
 
 from edgelm.runtime import load
@@ -90,7 +92,7 @@ def chat_rows(model, args) -> dict:
     return rows
 
 
-def completion_row(model, args) -> dict:
+def completion_rows(model, args) -> dict:
     engine = Engine(model, name="bench", settings=Settings(parallel=1))
     with serve_in_thread(create_app(engine)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -102,9 +104,23 @@ def completion_row(model, args) -> dict:
             reply = client.completions.create(model="bench", prompt=PROMPT, max_tokens=args.max_tokens, temperature=0)
             return reply.usage.completion_tokens
 
-        row = measure(direct, served, args.requests)
+        http = httpx.Client()
+        body = {"model": "bench", "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0}
+
+        def served_raw():  # the same request without the openai client's own work
+            return http.post(f"{url}/v1/completions", json=body).json()["usage"]["completion_tokens"]
+
+        rows = {"completions": measure(direct, served, args.requests)}
+        rows["completions, httpx instead of openai"] = measure(direct, served_raw, args.requests)
+        health = [timed(lambda: http.get(f"{url}/health") and 0)[0] for _ in range(args.requests)]
+        rows["GET /health (the HTTP round trip alone)"] = {
+            "direct_ms": 0.0,
+            "served_ms": statistics.median(health) * 1000,
+            "added_ms": statistics.median(health) * 1000,
+            "tokens": "0",
+        }
     engine.close()
-    return row
+    return rows
 
 
 def main() -> int:
@@ -117,7 +133,7 @@ def main() -> int:
     args = parser.parse_args()
     model = load(args.package, provider="cpu", threads=args.threads)
     rows = chat_rows(model, args) if model.spec.chat_template_path else {}
-    rows["completions"] = completion_row(model, args)
+    rows |= completion_rows(model, args)
     print(f"{model.spec.folder.name}, {os.cpu_count()} CPUs, median of {args.requests}, up to {args.max_tokens} tokens")
     print()
     print("| request | tokens | direct API (ms) | through the server (ms) | added (ms) |")
