@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -425,3 +426,12 @@ def test_a_json_schema_answer_validates(model, tool_server):
     assert (
         content == model.chat(MESSAGES, 60, template=template, response_format=response_format, temperature=0).content
     )
+
+
+def test_serve_without_the_extra_names_it(model, monkeypatch, capsys):
+    from edgelm.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if edgelm[serve] were not installed
+    assert main(["serve", str(model.spec.folder)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "missing Python package 'uvicorn'" in lines[0] and "edgelm[serve]" in lines[0], lines
