@@ -220,6 +220,14 @@ def test_a_full_queue_answers_503_and_the_rest_are_served(model):
     assert statuses == [200, 200]
 
 
+def test_one_slot_and_no_queue_serve_a_client_request_after_request(model):
+    """A finished request's slot is free before its answer goes out: back-to-back requests never see a 503."""
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 1, "temperature": 0}
+    with serving(model, parallel=1, queue=0) as (url, _), httpx.Client(timeout=WAIT_S) as http:
+        statuses = [http.post(f"{url}/v1/chat/completions", json=body).status_code for _ in range(20)]
+    assert statuses == [200] * 20
+
+
 def wait_for(condition, what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not condition():

@@ -91,9 +91,14 @@ class Run:
         if item[0] == "piece" and not self.stream:
             return
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the event loop is closed: the server is stopping
             self.cancel.set()
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        if item[0] in ("end", "error"):
+            self.release()  # before the answer goes out: the client's next request finds the slot free
+        self.queue.put_nowait(item)
 
     async def watch(self) -> None:
         """Set cancel when the client disconnects (the request body is read, so receive() waits for that)."""
@@ -105,7 +110,7 @@ class Run:
 
     async def start(self, engine: Engine, job) -> tuple[str, Any]:
         """Queue the job and wait for its first report (start, error or a cancelled end), watching the client."""
-        engine.submit(partial(job, cancel=self.cancel, emit=self.emit))
+        self.release = engine.submit(partial(job, cancel=self.cancel, emit=self.emit))
         self.watcher = asyncio.create_task(self.watch())
         try:
             return await self.queue.get()
@@ -178,7 +183,8 @@ async def stream_events(run: Run, request: Request, *, first, piece, last, usage
             if chunk is not None:  # a piece that only held text back adds nothing
                 yield sse(chunk)
         elif kind == "error":
-            yield sse(from_runtime(value, prompt_param="").body())
+            request.state.finish = "error"
+            yield sse(from_runtime(value, prompt_param=None).body())
             return
         elif kind == "end":
             if value is None:
@@ -211,7 +217,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):
-        return error_response(from_runtime(error, prompt_param=""))
+        return error_response(from_runtime(error, prompt_param=None))
 
     @app.get("/health")
     async def health():

@@ -1,6 +1,6 @@
 """The server's side of the Python API: one loaded Model, its names, worker slots, and the prompt cache.
 
-Policy (docs/serve.md, "Server"):
+Policy (docs/serve.md, "Policies"):
 
 - Worker slots: `parallel` requests generate at once, each on a thread of its own (ONNX Runtime sessions run
   concurrently; every generation keeps its own cache). Up to `queue` more wait for a slot in arrival order;
@@ -132,8 +132,11 @@ class Engine:
     def waiting(self) -> int:
         return max(0, self.accepted - self.settings.parallel)
 
-    def submit(self, job: Callable[[], None]) -> asyncio.Future:
-        """Run job on a worker slot (called on the event loop); APIError 503 when every slot and place is taken."""
+    def submit(self, job: Callable[[], None]) -> Callable[[], None]:
+        """Run job on a worker slot (called on the event loop); APIError 503 when every slot and place is taken.
+        Returns the slot's release, for the caller to call (on the loop) as soon as the job has reported its end,
+        so that a client's next request never finds its own finished one still counted; the job's thread
+        ending releases it too."""
         if self.accepted >= self.settings.parallel + self.settings.queue:
             raise APIError(
                 503,
@@ -142,14 +145,21 @@ class Engine:
                 code="server_overloaded",
             )
         self.accepted += 1
-        future = asyncio.wrap_future(self.executor.submit(job))
-        future.add_done_callback(self._done)
-        return future
+        released = False
 
-    def _done(self, future: asyncio.Future) -> None:
-        self.accepted -= 1
-        if not future.cancelled():
-            future.exception()  # jobs report through emit; this only marks it retrieved
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.accepted -= 1
+
+        def done(future: asyncio.Future) -> None:
+            release()
+            if not future.cancelled():
+                future.exception()  # jobs report through emit; this only marks it retrieved
+
+        asyncio.wrap_future(self.executor.submit(job)).add_done_callback(done)
+        return release
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -25,9 +25,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def from_runtime(error: Exception, *, prompt_param: str) -> APIError:
+def from_runtime(error: Exception, *, prompt_param: str | None) -> APIError:
     """The APIError for an exception the runtime raised while taking or running a request; prompt_param: the
-    request field holding the prompt ("messages" or "prompt")."""
+    request field holding the prompt ("messages" or "prompt"), None where it is not known."""
     message = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, ContextLengthError):
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")
