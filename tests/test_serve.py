@@ -443,3 +443,17 @@ def test_serve_without_the_extra_names_it(model, monkeypatch, capsys):
     assert main(["serve", str(model.spec.folder)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "missing Python package 'uvicorn'" in lines[0] and "edgelm[serve]" in lines[0], lines
+
+
+def test_a_taken_port_is_a_one_line_error(model, capsys):
+    import socket
+
+    from edgelm.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(model.spec.folder), "--port", str(port), "--threads", "1"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], lines

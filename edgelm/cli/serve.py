@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -94,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
     from edgelm.serve import Engine, Settings, create_app
 
     logging.basicConfig(level=logging.INFO, format="edgelm serve: %(message)s", stream=sys.stderr)
+    log = logging.getLogger("edgelm.serve")
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
     for spec in args.adapter:
         name, path = adapter_spec(spec)
         model.load_adapter(path, name=name)
-    name = args.model_name or model.spec.folder.name
     template = None if args.chat_template is None else Path(args.chat_template).read_text(encoding="utf-8")
     settings = Settings(
         parallel=args.parallel,
@@ -107,29 +108,37 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         chat_template=template,
     )
-    engine = Engine(model, name=name, settings=settings)
+    engine = Engine(model, name=args.model_name or model.spec.folder.name, settings=settings)
     app = create_app(engine, api_key=args.api_key or None)
+    listening = _listen(args.host, args.port)  # a taken port is a one-line error before anything is printed
     if args.api_key is None and not _loopback(args.host):
-        logging.getLogger("edgelm.serve").warning(
-            f"warning: listening on {args.host} without --api-key: anyone who can reach it can use the model"
+        log.warning(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use the model")
+    if not engine.has_chat_template:
+        log.warning(
+            "warning: the package has no chat template: /v1/chat/completions answers 400 (--chat-template FILE)"
         )
     served = ", ".join(engine.model_names())
-    logging.getLogger("edgelm.serve").info(
-        f"serving {served} on http://{args.host}:{args.port}/v1 ({args.parallel} parallel, {args.queue} queued)"
-    )
+    log.info(f"serving {served} on http://{args.host}:{args.port}/v1 ({args.parallel} parallel, {args.queue} queued)")
+    # Ctrl-C: open requests get GRACE_S to end, then their streams close and their generations are cancelled
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
     try:
-        # Ctrl-C: open requests get GRACE_S to end, then their streams close and their generations are cancelled
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=GRACE_S,
-        )
+        uvicorn.Server(config).run(sockets=[listening])
     finally:
         engine.close()
+        listening.close()
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port; OSError naming the address when it cannot be (taken, not this machine's)."""
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listening = socket.socket(family, kind, protocol)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return listening
 
 
 def _loopback(host: str) -> bool:

@@ -238,6 +238,9 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, protocol.ChatCompletionRequest)
+        if not engine.has_chat_template:
+            message = f"{engine.name} has no chat template: use /v1/completions, or serve it with --chat-template FILE"
+            raise APIError(400, message, param="messages", code="no_chat_template")
         adapter = engine.adapter_for(body.model)
         options = body.sampling() | api_extras(body, engine.features)
         messages = [message.plain(index) for index, message in enumerate(body.messages)]

@@ -105,6 +105,7 @@ class Engine:
         self._render_lock = threading.Lock()
         self._renderer: Conversation | None = None  # renders requests' messages to ids (its template)
         self.features = runtime_features(model)
+        self.has_chat_template = self.settings.chat_template is not None or model.spec.chat_template_path is not None
 
     # ---- names ------------------------------------------------------------------------------------
 
