@@ -1,7 +1,7 @@
 """OpenAI's request and response shapes for chat completions and completions, as the server speaks them.
 
 Requests are pydantic models validated at the edge (field names as OpenAI's API reference writes them); a
-field OpenAI defines that this server cannot honour (n > 1, logprobs, penalties, audio) is refused with a
+field OpenAI defines that this server cannot honour (n > 1, logprobs, logit_bias, penalties) is refused with a
 400 naming it rather than ignored, and a field no one defines is ignored, as OpenAI-compatible servers do
 (clients send vendor extras). llama.cpp's extras `top_k`, `min_p` and `repetition_penalty` are accepted.
 Responses are plain dicts built by the functions below (ids `chatcmpl-...` / `cmpl-...`, `object`, `created`,
@@ -107,7 +107,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    # tools and structured output: passed to the runtime by Engine's api_extras (edgelm/serve/engine.py)
+    # tools, template variables and structured output: passed to the runtime by api_extras (edgelm/serve/app.py)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
