@@ -10,7 +10,7 @@ import pytest
 from edgelm.cli import export as export_command
 from edgelm.cli import main
 
-COMMANDS = ("export", "quantize", "eval", "generate", "chat", "info", "bench")
+COMMANDS = ("export", "quantize", "eval", "generate", "chat", "info", "bench", "serve")
 
 
 def help_text(capsys, *argv: str) -> str:

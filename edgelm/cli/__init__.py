@@ -1,4 +1,4 @@
-"""The `edgelm` command: export, quantize, eval, generate, chat, info, bench, adapter, list, rm.
+"""The `edgelm` command: export, quantize, eval, generate, chat, info, bench, adapter, serve, list, rm.
 
 Each command's options and handler live together in a module of this package (export.py, quantize.py for
 quantize and eval, generate.py, chat.py, info.py for info and bench); the option groups several commands share
@@ -22,7 +22,7 @@ import warnings
 
 from edgelm import __version__
 
-from . import adapter, cache, chat, export, generate, info, quantize
+from . import adapter, cache, chat, export, generate, info, quantize, serve
 from .options import HELP_WIDTH, Parser
 from .quantize import QUANTIZE_MODES
 from .text import printable
@@ -51,9 +51,10 @@ ADD_PARSERS = (
     info.add_parser,
     info.add_bench_parser,
     adapter.add_parser,
+    serve.add_parser,
     cache.add_parser,
 )
-EXTRA_FOR = {"export": "export", "quantize": "export", "eval": "export", "adapter": "export"}
+EXTRA_FOR = {"export": "export", "quantize": "export", "eval": "export", "adapter": "export", "serve": "serve"}
 WRITES_STDOUT = {"generate", "info", "bench", "eval", "list"}  # commands whose product is their standard output
 
 
