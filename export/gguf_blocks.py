@@ -164,6 +164,7 @@ LAYOUT = {
     Q.Q6_K: (8, 16),
 }
 LAYOUT_NAMES = tuple(kind.name for kind in LAYOUT)  # "Q4_0", ...: the types kept as blocks
+KEPT_TYPE_NAMES = LAYOUT_NAMES
 # type -> the bits of its values (c above), which export/compact_blocks.py stores
 VALUE_BITS = {
     Q.Q4_0: 4,

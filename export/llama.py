@@ -15,21 +15,23 @@ What differs from GPT-2, in one place:
 - no biases in the projections, except Q/K/V biases in Qwen2;
 - Qwen3 and Gemma 3: an RMSNorm over each query and key head (width head_dim, its own weight) before the rotary.
 
-Gemma 3 (fields off by default, so the others never see them): token embeddings times sqrt(n_embd); RMSNorm
-scaling by (1 + weight); a norm after attention and after the MLP as well as before each (its
+Gemma 3 (Gemma3Config's fields; off in LlamaConfig, so the others never see them): token embeddings times
+sqrt(n_embd); RMSNorm scaling by (1 + weight); a norm after attention and after the MLP as well as before each (its
 post_attention_layernorm is that post-attention norm, and pre_feedforward_layernorm the MLP's input norm);
 a GELU-tanh gate; attention scaled by query_pre_attn_scalar ** -0.5; and sliding-window layers
 (`layer_types`), whose queries see only the last `sliding_window` positions (their own included), with
 their own rotary base and no rope scaling.
 
 Parameter names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, ...), all `nn.Linear` in
-(out, in) layout, so a Hugging Face state dict loads with no renaming or transposing (hf_checkpoint.py).
+(out, in) layout, so a Hugging Face state dict loads with no renaming or transposing
+(export/families/llama.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -40,23 +42,6 @@ from .limits import check_table_memory
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass(frozen=True)
-class Variant:
-    """What a model_type fixes that its config.json does not say (hf_checkpoint.py maps the rest)."""
-
-    qkv_bias: bool = False  # Q/K/V biases, always (Qwen2); the others refuse config.json's attention_bias
-    qk_norm: bool = False  # per-head query/key RMSNorm (Qwen3)
-    window_always: bool = False  # config.json's sliding_window applies without use_sliding_window (Mistral)
-
-
-VARIANTS = {
-    "llama": Variant(),
-    "mistral": Variant(window_always=True),
-    "qwen2": Variant(qkv_bias=True),
-    "qwen3": Variant(qk_norm=True),
-}
-MODEL_TYPES = tuple(VARIANTS)
-GEMMA_TYPES = ("gemma3_text",)  # hf_checkpoint.py gemma3_config_from_hf
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
@@ -82,21 +67,21 @@ class LlamaConfig:
     tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)  # generation stops at any of these
-    model_type: str = "llama"  # one of MODEL_TYPES or GEMMA_TYPES: the manifest's architecture.type
-    hidden_act: str = "silu"  # the gate's activation: "silu" or "gelu_pytorch_tanh" (Gemma 3)
-    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 in Gemma 3
-    embedding_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to fp32 (Gemma 3)
-    sandwich_norms: bool = False  # a norm after attention and after the MLP too (Gemma 3)
-    query_pre_attn_scalar: float | None = None  # attention scores times this ** -0.5; None: head_dim
-    layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: all full attention
-    sliding_window: int | None = None  # a sliding layer's query sees the last this many positions
-    rope_local_theta: float = 10000.0  # the sliding layers' rotary base (no scaling)
+    model_type: str = "llama"  # the manifest's architecture.type (export/families/ sets it)
+    # Parts that Gemma3Config (below) turns on: here class constants, off, so the other families' configs hold
+    # only the fields above; there fields. The model reads them the same way from either.
+    hidden_act: ClassVar[str] = "silu"  # the gate's activation: "silu" or "gelu_pytorch_tanh"
+    norm_offset: ClassVar[float] = 0.0  # RMSNorm scales by (norm_offset + weight)
+    embedding_scale: ClassVar[bool] = False  # token embeddings times sqrt(n_embd), rounded to fp32
+    sandwich_norms: ClassVar[bool] = False  # a norm after attention and after the MLP too
+    query_pre_attn_scalar: ClassVar[float | None] = None  # attention scores times this ** -0.5; None: head_dim
+    layer_types: ClassVar[list[str] | None] = None  # per layer, one of LAYER_TYPES; None: all full attention
+    sliding_window: ClassVar[int | None] = None  # a sliding layer's query sees the last this many positions
+    rope_local_theta: ClassVar[float] = 10000.0  # the sliding layers' rotary base (no scaling)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.n_embd // self.n_head  # the documented default, not an override
-        if self.model_type not in MODEL_TYPES + GEMMA_TYPES:
-            raise ValueError(f"model_type must be one of {MODEL_TYPES + GEMMA_TYPES}, got {self.model_type!r}")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {self.hidden_act!r}")
         if self.layer_types is not None:
@@ -120,6 +105,23 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Gemma3Config(LlamaConfig):
+    """Gemma 3's text model: a Llama with per-head norms and the parts below (LlamaConfig's comments say what
+    each does)."""
+
+    qk_norm: bool = True
+    model_type: str = "gemma3_text"
+    hidden_act: str = "gelu_pytorch_tanh"
+    norm_offset: float = 1.0
+    embedding_scale: bool = True
+    sandwich_norms: bool = True
+    query_pre_attn_scalar: float | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float = 10000.0
 
 
 # Named presets (the Hugging Face configs); parameter counts are for the model as built here.

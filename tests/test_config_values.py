@@ -11,8 +11,8 @@ import pytest
 from conftest import make_hf_checkpoint, make_tokenizer
 from edgelm.cli import main
 from edgelm.export.checkpoint import CheckpointError
-from edgelm.export.gpt2_checkpoint import config_from_hf
-from edgelm.export.hf_checkpoint import llama_config_from_hf
+from edgelm.export.families.gpt2 import config_from_hf
+from edgelm.export.families.llama import config_from_hf as llama_config_from_hf
 from edgelm.export.llama import LlamaConfig, rope_cos_sin
 
 NAN = float("nan")
@@ -138,7 +138,7 @@ def test_cli_tokenizer_that_does_not_load_exits_1(tmp_path, capsys):
 def test_gpt2_config_sizes_are_checked_against_the_tensors_before_allocating(tmp_path, overrides, expected):
     """The config's sizes are claims: the model was built (2 GiB of position table, 256 GiB of embedding, randomly
     initialised) before the tensors' shapes were compared with them."""
-    from edgelm.export.gpt2_checkpoint import load_checkpoint
+    from edgelm.export.families.gpt2 import load_checkpoint
 
     folder = make_hf_checkpoint(tmp_path / "ckpt", tokenizer=False)
     config = json.loads((folder / "config.json").read_text())

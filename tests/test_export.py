@@ -18,8 +18,8 @@ from helpers import edgelm, genai_greedy, quiet
 
 from conftest import TINY, make_hf_checkpoint
 from edgelm.export.checkpoint import CheckpointError, checkpoint_hash
+from edgelm.export.families.gpt2 import load_checkpoint, save_checkpoint
 from edgelm.export.gpt2 import GPT, GPTConfig
-from edgelm.export.gpt2_checkpoint import load_checkpoint, save_checkpoint
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime.package import file_sha256, read_package
 

@@ -200,7 +200,7 @@ def test_source_tokenizer_config_is_not_carried(tmp_path):
 
 
 def test_smollm2_gguf_package(smollm2_gguf, tmp_path):
-    export_package(smollm2_gguf, tmp_path / "pkg", keep_gguf_quantization=True, progress=quiet)
+    export_package(smollm2_gguf, tmp_path / "pkg", progress=quiet)
     config = json.loads((tmp_path / "pkg" / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
     turn = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -269,7 +269,6 @@ def test_dequantize_gives_fp32_and_kept_refuses_requantizing(tmp_path, capsys):
         with pytest.raises(PackageError, match="keeps its GGUF file's own quantized blocks.*--dequantize"):
             quantize_package(tmp_path / "kept", tmp_path / f"q-{mode}", mode=mode, progress=quiet)
         assert not (tmp_path / f"q-{mode}").exists()
-    assert main(["export", str(path), str(tmp_path / "fp32"), "--dequantize", "--keep-gguf-quantization"]) == 1
     assert main(["export", str(path), str(tmp_path / "fp32"), "--dequantize"]) == 0
     assert json.loads((tmp_path / "fp32" / "edgelm.json").read_text())["precision"] == "fp32"
     quantize_package(tmp_path / "fp32", tmp_path / "int8", mode="dynamic", evaluate=False, progress=quiet)
