@@ -33,10 +33,10 @@ import numpy as np
 from onnx import TensorProto
 
 from .decoder import NBits
-from .gguf_blocks import Runs, pack
+from .gguf_blocks import BLOCK_TYPES, Runs, pack
 
 # a value's bits -> its planes' widths, low bits first (a width divides 8, so a plane packs whole bytes)
-PLANES = {2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1), 6: (4, 2), 8: (8,)}
+PLANES = {row.value_bits: row.planes for row in BLOCK_TYPES.values()}
 
 
 class WeightNodes(Protocol):

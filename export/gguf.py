@@ -21,18 +21,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .families import Family, gguf_family
-from .gguf_blocks import Runs, by_rows, to_runs
+from .gguf_blocks import SUPPORTED_TYPES, Runs, by_rows, to_runs
 from .gguf_header import HeaderError, read_header
 from .gguf_metadata import Entry, GGUFError
 from .gguf_tokenizer import build_tokenizer_json
 
 __all__ = ["GGUFError", "GGUFModel", "read_gguf"]
 
-Q = GGMLQuantizationType
-SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 TOKEN_IDS = ("bos", "eos", "eot", "padding", "unknown")  # the tokenizer.ggml.{name}_token_id keys export reads
-# codebook types: read (dequantized by gguf-py), but no exact MatMulNBits form (export/gguf_blocks.py)
-SUPPORTED_TYPES |= {kind for kind in Q if kind.name.startswith(("IQ", "TQ"))}
 
 
 class _Stored(NamedTuple):

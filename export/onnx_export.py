@@ -47,7 +47,7 @@ from .defaults import (
     PARITY_TOLERANCE,
 )
 from .families import Blocks
-from .gguf_blocks import LAYOUT_NAMES as LAYOUT
+from .gguf_blocks import FLOAT_TYPES, KEPT_TYPE_NAMES
 from .graph import build_fused_graph
 from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
 from .parity import check_parity, check_parity_shared
@@ -64,7 +64,7 @@ def _untie(model: torch.nn.Module) -> None:
     model.config.tie_word_embeddings = False
 
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPE_NAMES = tuple(kind.name for kind in FLOAT_TYPES)
 
 
 def _group(name: str) -> str:
@@ -117,7 +117,11 @@ def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tup
 
 def dequantized_tensors(source: Source) -> list[str]:
     """Quantized tensors with no exact MatMulNBits form (the IQ and TQ families: codebook values): float."""
-    return [f"{name} ({kind})" for name, kind in source.quant_types.items() if kind not in (*FLOAT_TYPES, *LAYOUT)]
+    return [
+        f"{name} ({kind})"
+        for name, kind in source.quant_types.items()
+        if kind not in (*FLOAT_TYPE_NAMES, *KEPT_TYPE_NAMES)
+    ]
 
 
 def build_manifest(
@@ -355,7 +359,7 @@ def _keep_blocks(
                 f"{recipe['float_linears']} float, LM head {recipe['lm_head']}"
                 + (f", embedding {recipe['embedding']}" if "embedding" in recipe else "")
             )
-    elif source.blocks is not None and any(kind not in FLOAT_TYPES for kind in source.quant_types.values()):
+    elif source.blocks is not None and any(kind not in FLOAT_TYPE_NAMES for kind in source.quant_types.values()):
         progress(
             "      GGUF blocks dequantized to fp32 ("
             + ("--dequantize" if decoder is not None else "standard graph")
