@@ -22,6 +22,7 @@ import torch
 
 from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from ..runtime.files import check_file, kind_of, read_text
+from ..runtime.package import file_sha256
 from .limits import checked_number, context_length_problem
 
 CONFIG_FILE = "config.json"
@@ -341,8 +342,6 @@ def source_files(folder: str | Path) -> list[str]:
 
 def source_hashes(folder: str | Path) -> dict[str, str]:
     """sha256 of every file export reads from a checkpoint folder (source_files), by name."""
-    from ..runtime.package import file_sha256
-
     folder = Path(folder)
     return {name: file_sha256(folder / name) for name in source_files(folder)}
 
@@ -351,8 +350,3 @@ def combined_hash(hashes: dict[str, str]) -> str:
     """One sha256 for a set of files: over their "name sha256" lines, sorted by name."""
     lines = "".join(f"{name} {digest}\n" for name, digest in sorted(hashes.items()))
     return hashlib.sha256(lines.encode("utf-8")).hexdigest()
-
-
-def checkpoint_hash(folder: str | Path) -> str:
-    """sha256 identifying the source of an export: combined_hash over every file export reads (source_hashes)."""
-    return combined_hash(source_hashes(folder))

@@ -38,9 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .limits import check_table_memory
-
-Past = list[tuple[torch.Tensor, torch.Tensor]]
-
+from .reference import Past, ReferenceModel, attention_bias, forward_inputs
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALING_KEYS = {
@@ -204,29 +202,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated_half * sin
 
 
-def attention_bias(
-    attention_mask: torch.Tensor,
-    past_length: int,
-    T: int,
-    window: int | None = None,
-    position_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Additive bias (B, 1, T, past + T): 0 where query i (absolute position past + i) may see key j, that is
-    j <= past + i and key j is not padding; a large finite negative number elsewhere (so a fully padded row
-    gives a uniform softmax, not NaN). A sliding layer (window, position_ids (B, T)) also hides keys whose
-    position is `window` or more before the query's: positions, not slots, as a right-padded row's cache has
-    padding slots between its prompt and the tokens generated after it."""
-    device = attention_mask.device
-    query_pos = torch.arange(T, device=device).unsqueeze(1) + past_length  # (T, 1)
-    key_pos = torch.arange(past_length + T, device=device).unsqueeze(0)  # (1, past + T)
-    allowed = (key_pos <= query_pos).unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, T, past + T)
-    if window is not None:
-        key_positions = attention_mask.long().cumsum(-1) - 1  # (B, past + T): each real key's position
-        allowed = allowed & (key_positions.unsqueeze(1) > position_ids.unsqueeze(-1) - window)
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
-    return bias.masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
-
-
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * (offset + weight) (Zhang & Sennrich 2019; Gemma's offset 1)."""
 
@@ -320,7 +295,7 @@ class Block(nn.Module):
         return x, present
 
 
-class Llama(nn.Module):
+class Llama(ReferenceModel):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
@@ -346,9 +321,6 @@ class Llama(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -361,13 +333,10 @@ class Llama(nn.Module):
         """input_ids (B, T); attention_mask (B, past + T), 1 = real token, 0 = padding;
         position_ids (B, T); past_key_values: n_layer pairs of (B, n_kv_head, past, head_dim).
         Returns logits (B, T, vocab) (or (B, 1, vocab) with last_token_logits) and the present pairs."""
-        B, T = input_ids.shape
-        past_length = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        total = past_length + T
-        if attention_mask is None:
-            attention_mask = torch.ones(B, total, dtype=torch.long, device=input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(past_length, total, device=input_ids.device).unsqueeze(0).expand(B, T)
+        past_length, attention_mask, position_ids = forward_inputs(
+            input_ids, attention_mask, position_ids, past_key_values
+        )
+        T = input_ids.shape[1]
         bias = attention_bias(attention_mask, past_length, T)
         sliding = "sliding_attention" in self.layer_types
         window = self.config.sliding_window
@@ -393,17 +362,3 @@ class Llama(nn.Module):
         if last_token_logits:
             x = x[:, -1:, :]
         return self.lm_head(x), present
-
-    @torch.no_grad()
-    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding with the KV cache; the reference the runtime's tokens are checked against."""
-        logits, past = self(input_ids)
-        tokens = []
-        next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
-        for step in range(max_new_tokens):
-            tokens.append(next_token)
-            if step == max_new_tokens - 1:
-                break
-            logits, past = self(next_token, past_key_values=past)
-            next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
-        return torch.cat(tokens, dim=1) if tokens else input_ids[:, :0]

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgelm.export.defaults import (
-    ATTENTION_KINDS,
-    DEFAULT_OPSET,
-    INT8_ACTIVATION_TOLERANCE,
-    KEPT_FLOAT_TOLERANCE,
-    PARITY_TOLERANCE,
-)
+from edgelm.export import defaults  # export's defaults, importable without torch
 
 from .options import add_command, add_overwrite, finite_at_least, int_in
 
@@ -57,12 +51,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--opset",
         type=int_in(*OPSETS),
-        default=DEFAULT_OPSET,
-        help=f"ONNX opset, {OPSETS[0]} to {OPSETS[1]} (default {DEFAULT_OPSET})",
+        default=defaults.DEFAULT_OPSET,
+        help=f"ONNX opset, {OPSETS[0]} to {OPSETS[1]} (default {defaults.DEFAULT_OPSET})",
     )
     p.add_argument(
         "--attention",
-        choices=ATTENTION_KINDS,
+        choices=defaults.ATTENTION_KINDS,
         default="fused",
         help="fused (default): ONNX Runtime's GroupQueryAttention with a KV buffer updated in place, the fast "
         "graph; standard: standard ONNX ops only, for other ONNX runtimes",
@@ -80,9 +74,9 @@ def add_parser(sub) -> None:
         "--tolerance",
         type=finite_at_least(0.0),
         default=None,
-        help=f"max |logit difference| allowed (default {PARITY_TOLERANCE:g}; {KEPT_FLOAT_TOLERANCE:g} for kept "
-        f"GGUF blocks at accuracy level 0, {INT8_ACTIVATION_TOLERANCE:g} at accuracy level 4, whose activations "
-        "are int8)",
+        help=f"max |logit difference| allowed (default {defaults.PARITY_TOLERANCE:g}; "
+        f"{defaults.KEPT_FLOAT_TOLERANCE:g} for kept GGUF blocks at accuracy level 0, "
+        f"{defaults.INT8_ACTIVATION_TOLERANCE:g} at accuracy level 4, whose activations are int8)",
     )
     add_overwrite(p)
     p.set_defaults(run=run)

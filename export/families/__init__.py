@@ -40,10 +40,11 @@ def gguf_family(architecture: object) -> Family:
 def supported_sources() -> str:
     """What export reads, in words, from the table (the CLI's help)."""
     labels = list(dict.fromkeys(row.label for row in FAMILIES.values()))
-    folders = f"{', '.join(labels[:-1])} or {labels[-1]}"
-    model_types = f"{', '.join(list(FAMILIES)[:-1])} or {list(FAMILIES)[-1]}"
-    architectures = f"{', '.join(GGUF_FAMILIES)}"
     return (
-        f"a Hugging Face folder of {folders} (config.json's model_type {model_types}), or a GGUF file of "
-        f"architecture {architectures}"
+        f"a Hugging Face folder of {_either(labels)} (config.json's model_type {_either(list(FAMILIES))}), or a "
+        f"GGUF file of architecture {_either(list(GGUF_FAMILIES))}"
     )
+
+
+def _either(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
