@@ -37,15 +37,18 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded: wrong architecture, corrupt weights, shape mismatch."""
 
 
-def config_number(hf: dict, key: str, default: object = None, *, kind: type = int, **bounds) -> int | float:
+def config_number(
+    hf: dict, key: str, default: object = None, *, kind: type = int, what: str | None = None, **bounds
+) -> int | float:
     """config.json's `key` (`default` when absent or null) as one number of `kind` in range: `int(1.5)` would read
-    a broken config as a working one (export/limits.py checked_number; bounds: positive, below)."""
+    a broken config as a working one (export/limits.py checked_number; bounds: positive, below). what: the key's
+    name in messages, where `hf` is a part of config.json ("rope_parameters.full_attention.rope_theta")."""
     value = hf.get(key)
     value = default if value is None else value
     if value is None:
-        raise CheckpointError(f"config.json lacks the key {key!r}")
+        raise CheckpointError(f"config.json lacks the key {what or key!r}")
     try:
-        return checked_number(value, f"config.json's {key}", kind=kind, **bounds)
+        return checked_number(value, f"config.json's {what or key}", kind=kind, **bounds)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 

@@ -62,12 +62,62 @@ def _text_config(hf: dict) -> dict:
             raise CheckpointError("config.json of model_type 'gemma3' has no text_config")
         hf = {**hf["text_config"], "model_type": "gemma3_text"}
     hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in DEFAULTS}}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # transformers: null is off (0 divides by 0)
+        if hf.get(key) is not None:
+            raise CheckpointError(
+                f"config.json sets {key}={hf[key]!r:.60}, which edgelm does not implement (null: off)"
+            )
+    for key in ("use_bidirectional_attention", "attention_bias"):
         if hf.get(key):
-            raise CheckpointError(f"config.json sets {key}={hf[key]!r}, which edgelm does not implement")
+            raise CheckpointError(f"config.json sets {key}={hf[key]!r:.60}, which edgelm does not implement")
     if hf["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise CheckpointError(f"unsupported hidden_activation {hf['hidden_activation']!r} for Gemma 3")
     return hf
+
+
+def _rope_entry(params: dict, layer_type: str) -> dict:
+    entry = params.get(layer_type)
+    if entry is not None and not isinstance(entry, dict):
+        raise CheckpointError(f"config.json's rope_parameters.{layer_type} must be an object, not {entry!r:.60}")
+    return dict(entry or {})
+
+
+def _rope(hf: dict, n_positions: int) -> tuple[float, dict | None, float]:
+    """(the full layers' rotary base, their scaling, the sliding layers' base) as transformers' Gemma3TextConfig
+    reads them: rope_parameters per layer type (transformers 5), a rope_scaling beside it (4.x's key) merged into
+    its full_attention entry, and rope_theta / rope_local_base_freq where an entry names no rope_theta."""
+    params = {} if hf.get("rope_parameters") is None else hf["rope_parameters"]
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json's rope_parameters must be an object, not {params!r:.60}")
+    other = sorted(set(params) - {"full_attention", "sliding_attention"})
+    if other:  # transformers would ignore them: a flat rope_parameters is not Gemma 3's
+        raise CheckpointError(
+            f"config.json's rope_parameters holds {other[0]!r:.60}: Gemma 3's has a full_attention and a "
+            "sliding_attention entry"
+        )
+    full, local = _rope_entry(params, "full_attention"), _rope_entry(params, "sliding_attention")
+    legacy = hf.get("rope_scaling")
+    if legacy is not None and not isinstance(legacy, dict):
+        raise CheckpointError(f"config.json's rope_scaling must be an object, not {legacy!r:.60}")
+    if legacy and "rope_type" not in legacy:  # transformers keeps full_attention's own (default) type: no scaling
+        raise CheckpointError(
+            "config.json's rope_scaling names no rope_type, so transformers reads it as no scaling for Gemma 3 "
+            "(4.x's key 'type' is not read there); name it rope_type"
+        )
+    full |= legacy or {}
+    key = "rope_parameters.full_attention.rope_theta" if "rope_theta" in full else "rope_theta"
+    full["rope_theta"] = config_number(full if "rope_theta" in full else hf, "rope_theta", kind=float, what=key)
+    theta, scaling = llama.rope_from_hf({"rope_parameters": full}, n_positions)
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type != "default":
+        raise CheckpointError(f"sliding-layer rope_type {local_type!r:.60} is not supported")
+    where = "rope_parameters.sliding_attention.rope_theta"
+    local_theta = (
+        config_number(local, "rope_theta", kind=float, what=where)
+        if "rope_theta" in local
+        else config_number(hf, "rope_local_base_freq", kind=float)
+    )
+    return theta, scaling, local_theta
 
 
 def config_from_hf(hf: dict) -> Gemma3Config:
@@ -77,12 +127,7 @@ def config_from_hf(hf: dict) -> Gemma3Config:
     with config_errors():
         n_positions = config_context_length(config_number(hf, "max_position_embeddings"), "max_position_embeddings")
         n_layer = config_number(hf, "num_hidden_layers")
-        # transformers 5: per layer type {"full_attention": {...}, "sliding_attention": {...}}; 4.x: flat keys
-        params = hf.get("rope_parameters") or {}
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        theta, scaling = llama.rope_from_hf({"rope_parameters": full} if full else hf, n_positions)
-        if local.get("rope_type", "default") != "default":
-            raise CheckpointError(f"sliding-layer rope_type {local['rope_type']!r} is not supported")
+        theta, scaling, local_theta = _rope(hf, n_positions)
         pattern = config_number(hf, "sliding_window_pattern", FULL_EVERY)  # the older key
         types = hf.get("layer_types") or layer_types(n_layer, pattern)
         n_head = config_number(hf, "num_attention_heads")
@@ -104,7 +149,7 @@ def config_from_hf(hf: dict) -> Gemma3Config:
             query_pre_attn_scalar=config_number(hf, "query_pre_attn_scalar", kind=float),
             layer_types=list(types),
             sliding_window=config_number(hf, "sliding_window") if "sliding_attention" in types else None,
-            rope_local_theta=float(local.get("rope_theta", hf["rope_local_base_freq"])),
+            rope_local_theta=local_theta,
         )
 
 
