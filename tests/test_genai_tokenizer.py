@@ -79,7 +79,7 @@ def add_spm_tokenizer(writer, *, add_bos: bool = True) -> None:
 def llama_folder(folder: Path) -> Path:
     """A tiny random Llama saved by transformers, with a SentencePiece-style tokenizer.json (BOS added by its
     post-processor) and a tokenizer_config.json of its own whose settings would change genai's decoding."""
-    from test_llama_export import SMALL
+    from family_cases import SMALL
 
     save_random_model(folder, ("LlamaConfig", "LlamaForCausalLM"), {**SMALL, "bos_token_id": 1, "eos_token_id": 2})
     spm = build_tokenizer_json(spm_metadata() | {"tokenizer.ggml.add_bos_token": True})
