@@ -21,8 +21,8 @@ import torch
 
 from edgelm import __version__
 from edgelm.onnxfile import save_model
+from edgelm.package_writer import StagedOutput, list_files, write_json
 
-from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime.contract import (
     CHAT_TEMPLATE_FILE,
     GENAI_CONFIG_FILE,
