@@ -107,7 +107,7 @@ class Layer:
 
 @dataclass
 class Decoder:
-    family: str  # the manifest's architecture.type (export/families.py FAMILIES)
+    family: str  # the manifest's architecture.type (a row of export/families/ FAMILIES)
     vocab_size: int
     context_length: int
     n_embd: int

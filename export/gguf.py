@@ -142,7 +142,7 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     if config.get("num_hidden_layers", config.get("n_layer")) > len(stored):
         raise GGUFError(f"{len(stored)} tensors cannot hold the {meta[f'{arch}.block_count']} blocks it claims")
     entries = family.gguf.tensors(config)
-    _check_tensors(stored, entries, arch)
+    _check_tensors(stored, entries, arch, also=family.gguf.also_read)
     ids, tokenizer_json = _tokenizer(meta, vocab)
     bos, pad = ids["bos"], ids["padding"]
     eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"]) if i is not None))
@@ -164,15 +164,15 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     )
 
 
-def _check_tensors(stored: dict[str, _Stored], entries: dict, arch: str) -> None:
-    """Every tensor the family expects is there with its shape, and no other (but llama.cpp's rope_freqs)."""
+def _check_tensors(stored: dict[str, _Stored], entries: dict, arch: str, *, also: tuple[str, ...]) -> None:
+    """Every tensor the family expects is there with its shape, and no other (but those `also` read)."""
     for hf_name, entry in entries.items():
         if entry.gguf_name not in stored:
             raise GGUFError(f"tensor {entry.gguf_name} ({hf_name}) is missing")
         shape = tuple(reversed(stored[entry.gguf_name].shape))
         if shape != entry.shape:
             raise GGUFError(f"tensor {entry.gguf_name} has shape {shape}, expected {entry.shape}")
-    extra = set(stored) - {e.gguf_name for e in entries.values()} - {"rope_freqs.weight"}
+    extra = set(stored) - {e.gguf_name for e in entries.values()} - set(also)
     if extra:
         raise GGUFError(f"unexpected tensor {sorted(extra)[0]} for architecture {arch}")
 

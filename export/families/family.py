@@ -29,6 +29,7 @@ class GGUFLayout:
     architecture: str  # general.architecture
     config: Callable[[dict, dict, int], dict]  # (metadata, stored tensors, vocabulary rows) -> config.json
     tensors: Callable[[dict], dict[str, Entry]]  # config.json -> HF name -> where and how the file stores it
+    also_read: tuple[str, ...] = ()  # tensors `config` reads that are not weights (Llama 3's rope_freqs.weight)
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,9 @@ def _row(model_type: str, gguf: GGUFLayout | None) -> Family:
 
 # llama.cpp writes Gemma 3's text model as architecture gemma3, whose config.json is gemma3_text's
 ROWS = (
-    _row("gemma3_text", GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors)),
+    _row(
+        "gemma3_text",
+        GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors, also_read=llama.ROPE_FREQS),
+    ),
     _row("gemma3", None),
 )

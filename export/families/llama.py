@@ -197,6 +197,9 @@ def _gguf_head_dim(meta: dict, arch: str) -> int:
     return head_dim
 
 
+ROPE_FREQS = ("rope_freqs.weight",)  # llama.cpp's per-frequency divisors: Llama 3's rope scaling
+
+
 def _gguf_rope_scaling(meta: dict, stored: dict, arch: str, *, theta: float, head_dim: int) -> dict | None:
     # llama.cpp reads a factor without a type (or under its older key) as linear scaling: so does this
     factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in meta), None)
@@ -207,8 +210,8 @@ def _gguf_rope_scaling(meta: dict, stored: dict, arch: str, *, theta: float, hea
         rope_scaling = {"rope_type": "linear", "factor": factor}
     elif scaling_type != "none":
         raise GGUFError(f"rope scaling {scaling_type!r:.60} is not supported ('linear' and Llama 3's are)")
-    if "rope_freqs.weight" in stored:
-        factors = np.asarray(dequantize(stored["rope_freqs.weight"].data, stored["rope_freqs.weight"].tensor_type))
+    if ROPE_FREQS[0] in stored:
+        factors = np.asarray(dequantize(stored[ROPE_FREQS[0]].data, stored[ROPE_FREQS[0]].tensor_type))
         rope_scaling = _llama3_scaling(factors.reshape(-1), theta=theta, head_dim=head_dim)
     return rope_scaling
 
@@ -395,7 +398,7 @@ def _gguf(model_type: str, variant: Variant) -> GGUFLayout | None:
     def tensors(config: dict) -> dict[str, Entry]:
         return gguf_tensors(config, permuted=variant.permuted, qk_norm=variant.qk_norm)
 
-    return GGUFLayout(architecture=model_type, config=config, tensors=tensors)
+    return GGUFLayout(architecture=model_type, config=config, tensors=tensors, also_read=ROPE_FREQS)
 
 
 ROWS = tuple(
