@@ -19,7 +19,7 @@ def describe() -> str:
         from edgelm.export.gguf_blocks import KEPT_TYPE_NAMES
     except ModuleNotFoundError:
         sources = "a Hugging Face folder or a GGUF file of a supported family (install edgelm[export] to list them)"
-        kept = "its quantized types with an exact MatMulNBits form"
+        kept = "the types with an exact MatMulNBits form"
     else:
         sources, kept = supported_sources(), ", ".join(KEPT_TYPE_NAMES)
     return (
@@ -28,7 +28,7 @@ def describe() -> str:
         f"file and of every source file read). Sources: {sources}. A folder holds model.safetensors, sharded "
         "safetensors with their index, or pytorch_model.bin, and tokenizer.json, generation_config.json and a chat "
         "template where it has them; a GGUF file's tokenizer.json is built from its metadata. A quantized GGUF file "
-        f"keeps its own blocks ({kept}: as MatMulNBits) by default; --dequantize gives an fp32 package. Export then "
+        f"keeps its own blocks as MatMulNBits ({kept}) by default; --dequantize gives an fp32 package. Export then "
         "runs ONNX Runtime against PyTorch (prompt + decode steps) and fails above the tolerance or on any NaN/inf. "
         "The package is written beside out_dir and moved into place at the end; out_dir must not exist, or be an "
         "edgelm package (or empty folder) and --overwrite given."

@@ -82,20 +82,10 @@ def _rope_entry(params: dict, layer_type: str) -> dict:
     return dict(entry or {})
 
 
-def _rope(hf: dict, n_positions: int) -> tuple[float, dict | None, float]:
-    """(the full layers' rotary base, their scaling, the sliding layers' base) as transformers' Gemma3TextConfig
-    reads them: rope_parameters per layer type (transformers 5), a rope_scaling beside it (4.x's key) merged into
-    its full_attention entry, and rope_theta / rope_local_base_freq where an entry names no rope_theta."""
-    params = {} if hf.get("rope_parameters") is None else hf["rope_parameters"]
-    if not isinstance(params, dict):
-        raise CheckpointError(f"config.json's rope_parameters must be an object, not {params!r:.60}")
-    other = sorted(set(params) - {"full_attention", "sliding_attention"})
-    if other:  # transformers would ignore them: a flat rope_parameters is not Gemma 3's
-        raise CheckpointError(
-            f"config.json's rope_parameters holds {other[0]!r:.60}: Gemma 3's has a full_attention and a "
-            "sliding_attention entry"
-        )
-    full, local = _rope_entry(params, "full_attention"), _rope_entry(params, "sliding_attention")
+def _full_attention(hf: dict, params: dict) -> dict:
+    """The full layers' rotary entry: rope_parameters' own, a rope_scaling beside it (4.x's key) merged in as
+    transformers merges it, its base rope_theta where the entry names none."""
+    full = _rope_entry(params, "full_attention")
     legacy = hf.get("rope_scaling")
     if legacy is not None and not isinstance(legacy, dict):
         raise CheckpointError(f"config.json's rope_scaling must be an object, not {legacy!r:.60}")
@@ -107,17 +97,35 @@ def _rope(hf: dict, n_positions: int) -> tuple[float, dict | None, float]:
     full |= legacy or {}
     key = "rope_parameters.full_attention.rope_theta" if "rope_theta" in full else "rope_theta"
     full["rope_theta"] = config_number(full if "rope_theta" in full else hf, "rope_theta", kind=float, what=key)
-    theta, scaling = llama.rope_from_hf({"rope_parameters": full}, n_positions)
+    return full
+
+
+def _local_theta(hf: dict, params: dict) -> float:
+    """The sliding layers' rotary base (they take no scaling): rope_parameters' own, else rope_local_base_freq."""
+    local = _rope_entry(params, "sliding_attention")
     local_type = local.get("rope_type", local.get("type", "default"))
     if local_type != "default":
         raise CheckpointError(f"sliding-layer rope_type {local_type!r:.60} is not supported")
-    where = "rope_parameters.sliding_attention.rope_theta"
-    local_theta = (
-        config_number(local, "rope_theta", kind=float, what=where)
-        if "rope_theta" in local
-        else config_number(hf, "rope_local_base_freq", kind=float)
-    )
-    return theta, scaling, local_theta
+    if "rope_theta" in local:
+        return config_number(local, "rope_theta", kind=float, what="rope_parameters.sliding_attention.rope_theta")
+    return config_number(hf, "rope_local_base_freq", kind=float)
+
+
+def _rope(hf: dict, n_positions: int) -> tuple[float, dict | None, float]:
+    """(the full layers' rotary base, their scaling, the sliding layers' base) as transformers' Gemma3TextConfig
+    reads them: rope_parameters per layer type (transformers 5), or 4.x's rope_theta, rope_scaling and
+    rope_local_base_freq."""
+    params = {} if hf.get("rope_parameters") is None else hf["rope_parameters"]
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json's rope_parameters must be an object, not {params!r:.60}")
+    other = sorted(set(params) - {"full_attention", "sliding_attention"})
+    if other:  # transformers would ignore them: a flat rope_parameters is not Gemma 3's
+        raise CheckpointError(
+            f"config.json's rope_parameters holds {other[0]!r:.60}: Gemma 3's has a full_attention and a "
+            "sliding_attention entry"
+        )
+    theta, scaling = llama.rope_from_hf({"rope_parameters": _full_attention(hf, params)}, n_positions)
+    return theta, scaling, _local_theta(hf, params)
 
 
 def config_from_hf(hf: dict) -> Gemma3Config:
