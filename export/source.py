@@ -12,9 +12,17 @@ import torch
 from ..runtime.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Sampling
 from ..runtime.files import check_file, kind_of
 from ..runtime.package import file_sha256
-from .checkpoint import CheckpointError, combined_hash, read_config, read_sampling, source_hashes, tokenizer_files
+from .checkpoint import (
+    CheckpointError,
+    combined_hash,
+    read_config,
+    read_extras,
+    read_sampling,
+    source_hashes,
+    tokenizer_files,
+)
 from .families import Blocks, Family, checked_tokens, family_for
-from .hf_checkpoint import read_extras
+from .gguf import read_gguf
 
 
 @dataclass
@@ -75,10 +83,8 @@ def open_folder(folder: Path) -> Source:
 def open_gguf(path: Path) -> Source:
     """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
     tokenizer metadata, its chat template kept (export/gguf.py)."""
-    from .gguf import read_gguf
-
     gguf = read_gguf(path)
-    family = family_for(gguf.hf_config.get("model_type"))
+    family = gguf.family
     state = {name: torch.from_numpy(gguf.tensor(name)) for name in gguf.tensor_names}
     model = family.build(gguf.hf_config, state)
     del state

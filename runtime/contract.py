@@ -275,7 +275,7 @@ GRAPH_OPTIMIZATION_LEVEL = "ORT_ENABLE_ALL"
 
 def genai_config(manifest: Manifest) -> dict:
     """genai_config.json for a package, as onnxruntime-genai reads it. The model type is the one the package
-    records (its family's genai type, export/families.py): the contract holds no family's mapping."""
+    records (its family's genai type, export/families/): the contract holds no family's mapping."""
     arch, tok = manifest.architecture, manifest.tokenizer
     if arch.genai_type is None:
         raise ValueError(

@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="edgelm",
         description=textwrap.fill(
-            "Language models (GPT-2, Llama, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3) from a Hugging Face folder "
-            "or a GGUF file to a small, fast ONNX package, and a runtime for it.",
+            "Language models from a Hugging Face folder or a GGUF file to a small, fast ONNX package, and a runtime "
+            "for it (`edgelm export --help` lists the model families).",
             HELP_WIDTH,
         ),
         epilog=EXAMPLES,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import textwrap
+from collections.abc import Callable
 
 from .words import invalid_choice, unrecognized
 
@@ -13,8 +14,10 @@ HELP_WIDTH = 78  # argparse wraps option help to the terminal; descriptions are 
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line on stderr and exit status 1, like every other error, and a
-    mistyped flag or command gets a close match ("--max-tokens": did you mean --max-new-tokens?)."""
+    """argparse, but a bad command line is one line on stderr and exit status 1, like every other error; a
+    mistyped flag or command gets a close match ("--max-tokens": did you mean --max-new-tokens?); a description
+    may be a function, called when the help is printed (export's reads the family table, which needs torch:
+    building the parser for every command must not import it)."""
 
     def parse_args(self, args=None, namespace=None):
         parsed, extras = self.parse_known_args(args, namespace)
@@ -27,14 +30,21 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(1, f"{self.prog}: error: {invalid_choice(message)} (see {self.prog} --help)\n")
 
+    def format_help(self) -> str:
+        if callable(self.description):
+            self.description = textwrap.fill(self.description(), HELP_WIDTH)
+        return super().format_help()
 
-def add_command(sub, name: str, *, help: str, description: str, example: str) -> argparse.ArgumentParser:
-    """A command's parser: its description (wrapped here, as the raw formatter keeps the example's lines), then an
-    example of its use under the options."""
+
+def add_command(
+    sub, name: str, *, help: str, description: str | Callable[[], str], example: str
+) -> argparse.ArgumentParser:
+    """A command's parser: its description (wrapped, as the raw formatter keeps the example's lines; a function's
+    when the help is printed), then an example of its use under the options."""
     return sub.add_parser(
         name,
         help=help,
-        description=textwrap.fill(description, HELP_WIDTH),
+        description=description if callable(description) else textwrap.fill(description, HELP_WIDTH),
         epilog=f"example:\n  {example}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
