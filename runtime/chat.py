@@ -289,8 +289,11 @@ class Conversation:
         switched = adapter != self.adapter
         if switched:  # the cache holds another adapter's keys and values: start it afresh
             self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
-        # at least one id is fed: its logits start the reply
-        reused = min(common_prefix(self._ids, ids), len(ids) - 1)
+        # at least two ids are fed (one for a one-id prompt): their last logits start the reply. A step of one row
+        # runs other kernels than a prompt's step of several in some packages (MatMulNBits at accuracy level 4),
+        # so a question asked again after reset() or undo() gets a fresh conversation's answer only when its last
+        # id is fed beside another, as a fresh prefill feeds it; steps of two or more rows agree with each other
+        reused = max(0, min(common_prefix(self._ids, ids), len(ids) - 2))
         if self._cache is not None:  # a state that keeps only some lengths (runtime/kvcache.py's Cache)
             reused = self._cache.rewind_point(reused)
         path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"
