@@ -1,4 +1,5 @@
-"""edgelm's runtime: load a model package and generate, with onnxruntime, numpy and tokenizers only.
+"""edgelm's runtime: load a model package and generate, with onnxruntime, numpy and tokenizers, and jinja2
+for chat templates (runtime/template/).
 
 Imports nothing from export/ or quantize/ and never torch, so an application can ship this folder
 alone (its imports are all relative).

@@ -1,4 +1,4 @@
-"""Load a model package and generate from it: onnxruntime + numpy + tokenizers, nothing else.
+"""Load a model package and generate from it: onnxruntime + numpy + tokenizers (+ jinja2 for chat templates).
 
     model = load("models/shakespeare-onnx")
     result = model.generate("ROMEO:", max_new_tokens=64, temperature=0.8, top_k=40, seed=0)

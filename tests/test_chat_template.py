@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgelm.runtime import ChatTemplateError, EdgelmError
-from edgelm.runtime.chat_template import ROLES, ChatTemplate, generation_suffix, is_prefix_stable
+from edgelm.runtime.template import ROLES, ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -40,6 +40,21 @@ CHAT = [
 
 def load(name: str, **tokens: str | None) -> ChatTemplate:
     return ChatTemplate((TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8"), **tokens)
+
+
+def generation_suffix(template: ChatTemplate, messages: list[dict], **variables) -> str:
+    """The text add_generation_prompt appends after messages (e.g. '<|im_start|>assistant\\n')."""
+    with_prompt = template.render(messages, add_generation_prompt=True, **variables)
+    without = template.render(messages, add_generation_prompt=False, **variables)
+    assert with_prompt.startswith(without), "the generation prompt is not a suffix of the rendered messages"
+    return with_prompt[len(without) :]
+
+
+def is_prefix_stable(template: ChatTemplate, history: list[dict], new_history: list[dict], **variables) -> bool:
+    """Whether new_history (with the generation prompt) renders as history's rendering plus more text."""
+    before = template.render(history, add_generation_prompt=False, **variables)
+    after = template.render(new_history, add_generation_prompt=True, **variables)
+    return after.startswith(before)
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,13 @@
 Renders the Jinja chat template a checkpoint carries (Hugging Face's format: `chat_template` in
 tokenizer_config.json, chat_template.jinja, or GGUF's `tokenizer.chat_template`) as transformers'
 `apply_chat_template` does, with the special tokens (`bos_token`, `eos_token`, ...) and `tools` /
-`documents` (None unless given) as variables, in the bounded sandbox of template_sandbox.py.
+`documents` (None unless given) as variables, in the bounded sandbox of sandbox.py.
 
-Rendering is all this module does with a conversation: on every turn a Conversation (chat.py) renders the
-whole history with the generation prompt, chat_ids.py tokenizes that text so that special-token text inside
-a message's content stays plain text (only the template's own text becomes control tokens), and the
-conversation compares the ids with those its KV cache holds, feeding only the new ones or rewinding the
-cache to the common prefix. `generation_suffix` (what the generation prompt appends) and `is_prefix_stable`
-(whether new turns leave earlier ones as they were rendered; some templates drop <think> reasoning) are
-text-level helpers for inspecting a template; the conversation does not need them.
+Rendering is all this module does with a conversation: on every turn a Conversation (runtime/chat.py)
+renders the whole history with the generation prompt, prompt_ids.py tokenizes that text so that
+special-token text inside a message's content stays plain text (only the template's own text becomes
+control tokens), and the conversation compares the ids with those its KV cache holds, feeding only the
+new ones or rewinding the cache to the common prefix.
 """
 
 from __future__ import annotations
@@ -20,8 +18,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .errors import ChatTemplateError
-from .template_sandbox import MAX_DATA_DEPTH, MAX_SOURCE_CHARS, compile_template, render_bounded
+from ..errors import ChatTemplateError
+from .limits import MAX_DATA_DEPTH, MAX_SOURCE_CHARS
+from .sandbox import compile_template, render_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -124,24 +123,3 @@ class ChatTemplate:
             "add_generation_prompt": bool(add_generation_prompt),
         }
         return render_bounded(self._template, context)
-
-
-def generation_suffix(template: ChatTemplate, messages: list[dict], **variables: Any) -> str:
-    """The text add_generation_prompt appends after messages (e.g. '<|im_start|>assistant\\n')."""
-    with_prompt = template.render(messages, add_generation_prompt=True, **variables)
-    without = template.render(messages, add_generation_prompt=False, **variables)
-    if not with_prompt.startswith(without):
-        raise ChatTemplateError("the template's generation prompt is not a suffix of the rendered messages")
-    return with_prompt[len(without) :]
-
-
-def is_prefix_stable(template: ChatTemplate, history: list[dict], new_history: list[dict], **variables: Any) -> bool:
-    """Whether new_history renders as history's rendering plus more text, i.e. earlier turns are not rewritten.
-
-    history renders without, new_history with the generation prompt. Text level only: a conversation must
-    still compare token ids with what its KV cache holds, since a template may render a turn differently
-    from how the model generated it.
-    """
-    before = template.render(history, add_generation_prompt=False, **variables)
-    after = template.render(new_history, add_generation_prompt=True, **variables)
-    return after.startswith(before)

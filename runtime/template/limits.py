@@ -1,18 +1,15 @@
-"""What one chat template render may spend, and what it has spent: the limits, the per-render budget
-(steps, call depth, bytes built, wall time) kept in a ContextVar, and the cost of turning values into
-text. template_sandbox.py and template_filters.py check every operation against it.
+"""What one chat template render may spend, and what it has spent: the limits, and the per-render budget
+(steps, call depth, bytes built, wall time) kept in a ContextVar. sandbox.py and filters.py admit every
+operation's cost (costs.py) to it before the operation runs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import Any
 
-from markupsafe import Markup
-
-from .template_sizes import ESCAPE_GROWTH, Cost, text_size, width
+from .sizes import Cost
 
 MAX_SOURCE_CHARS = 100_000  # a template's source; real ones are 0.5-17 kB
 MAX_NODES = 20_000  # parsed template nodes; real templates have up to about 1,000
@@ -38,7 +35,7 @@ class Budget:
     def __init__(self) -> None:
         self.steps = 0
         self.depth = 0
-        self.built = 0  # bytes, as template_sizes.Cost counts them
+        self.built = 0  # bytes, as sizes.Cost counts them
         self.deadline = time.monotonic() + MAX_SECONDS
 
     def step(self) -> None:
@@ -80,31 +77,6 @@ def check_arguments(args: tuple, kwargs: dict) -> None:
         # Widths and counts of callables no bound knows (and a second guard for those it does).
         if type(value) is int and abs(value) > MAX_OUTPUT_CHARS:
             raise LimitError(f"an argument of {value:,} (the limit is {MAX_OUTPUT_CHARS:,})")
-
-
-def result_cost(value: Any) -> Cost:
-    """What an operation no bound knows did build, counted after the fact."""
-    if isinstance(value, str):
-        return Cost(len(value), 0, width(value))
-    if isinstance(value, bytes):
-        return Cost(len(value), 0, 1)
-    return Cost(0, len(value)) if isinstance(value, (list, tuple, dict)) else Cost()
-
-
-def text_cost(*values: Any) -> Cost:
-    """Turning values into one text, as `~`, print and str() do; refuses what is not data."""
-    return texts_cost(values)
-
-
-def texts_cost(values: Iterable) -> Cost:
-    size, markup, narrow = 0, False, True
-    for value in values:
-        size += text_size(value, MAX_OUTPUT_CHARS)
-        if size > MAX_OUTPUT_CHARS:
-            break  # refused: no need to read the rest
-        markup = markup or isinstance(value, Markup)
-        narrow = narrow and isinstance(value, str) and value.isascii()
-    return Cost(size * (ESCAPE_GROWTH if markup else 1), 0, 1 if narrow else 4)  # Markup escapes what it joins
 
 
 def materialized(value: Any) -> Any:

@@ -35,9 +35,9 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ChatTemplateError, InvalidInputError
+from ..text import Tokenizer
 from .chat_template import ROLES, ChatTemplate
-from .errors import ChatTemplateError, InvalidInputError
-from .text import Tokenizer
 
 INERT = "\ufdd0"  # Unicode noncharacters: in no vocabulary, never text a template produces on its own
 OPEN, CLOSE = "\ufdd1", "\ufdd2"

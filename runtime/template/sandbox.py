@@ -4,7 +4,7 @@ jinja2's ImmutableSandboxedEnvironment refuses Python internals (`__class__`, `_
 mutating the data it is given. On top of it every render is bounded: loop iterations plus calls, call
 depth, the size of each value and of everything the render builds, the text produced, and wall time.
 Sizes are checked BEFORE an operation allocates: each filter, string method, operator (`+`, `*`, `%`,
-`**`), str.format field, concatenation (`~`) and slice is first measured with template_sizes.py's
+`**`), str.format field, concatenation (`~`) and slice is first measured with costs.py's
 upper bounds from its inputs, so `'%999999999s' % 1` or `x|indent(10**8)` fails without building a
 gigabyte. Nothing is evaluated while compiling: jinja's constant folding (which would run `'%s' % ...`
 even inside `{% if false %}`) is off, and the source and the Python it compiles to are bounded. Text
@@ -13,8 +13,9 @@ address). The bounds stop runaway templates with a ChatTemplateError; they are a
 The globals and filters are the ones Hugging Face's `apply_chat_template` gives a template
 (raise_exception, tojson, strftime_now, loop controls) less pprint, urlize and wordwrap, whose cost the
 input size does not bound and which no chat template uses.
-The limits and the render's budget are in template_budget.py, the bounded filters, globals and
-operators in template_filters.py; this module holds the environment, compiling and rendering.
+The limits and the render's budget are in limits.py, what each operation builds in costs.py (from
+sizes.py's bounds of values), the bounded filters and globals in filters.py; this module holds the
+environment, compiling and rendering.
 """
 
 from __future__ import annotations
@@ -31,32 +32,12 @@ from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from markupsafe import Markup
 
-from .errors import ChatTemplateError
-from .template_budget import (
-    BUDGET,
-    MAX_CODE_CHARS,
-    MAX_DATA_DEPTH,
-    MAX_DEPTH,
-    MAX_NODES,
-    MAX_OUTPUT_CHARS,
-    MAX_SOURCE_CHARS,
-    Budget,
-    Cost,
-    LimitError,
-    check_arguments,
-    checked,
-    current_budget,
-    materialized,
-    result_cost,
-    text_cost,
-    texts_cost,
-)
-from .template_costs import method_cost
-from .template_filters import (
+from ..errors import ChatTemplateError
+from .costs import join_cost, method_cost, operator_cost, result_cost, text_cost
+from .filters import (
     BoundedEscapeFormatter,
     BoundedFormatter,
     BoundedNamespace,
-    binop_cost,
     bounded_dict,
     bounded_filter,
     bounded_join,
@@ -69,9 +50,23 @@ from .template_filters import (
     strftime_now,
     tojson,
 )
-from .template_sizes import width
+from .limits import (
+    BUDGET,
+    MAX_CODE_CHARS,
+    MAX_DEPTH,
+    MAX_NODES,
+    MAX_OUTPUT_CHARS,
+    MAX_SOURCE_CHARS,
+    Budget,
+    LimitError,
+    check_arguments,
+    checked,
+    current_budget,
+    materialized,
+)
+from .sizes import Cost, width
 
-__all__ = ["MAX_DATA_DEPTH", "MAX_SOURCE_CHARS", "compile_template", "render_bounded", "tojson"]
+__all__ = ["compile_template", "render_bounded"]
 
 _LOOP_FILTER = "edgelm_counted_loop"  # wrapped around every for loop's iterable at compile time
 _SPREAD_FILTER = "edgelm_counted_spread"  # wrapped around every *args and **kwargs of a call at compile time
@@ -131,9 +126,7 @@ class _Environment(ImmutableSandboxedEnvironment):
         receiver, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", None)
         if name == "join" and isinstance(receiver, (str, bytes)) and len(args) == 1 and not kwargs:
             args = (materialized(args[0]),)  # measured once its items are in a list
-            items = args[0] if hasattr(args[0], "__len__") else ()
-            joined = texts_cost(items)
-            cost = Cost(joined.chars + len(receiver) * max(len(items) - 1, 0), len(items), joined.width)
+            cost = join_cost(receiver, args[0])
         else:
             cost = method_cost(receiver, name, args, kwargs, MAX_OUTPUT_CHARS) if isinstance(name, str) else None
         if cost is not None:
@@ -152,7 +145,7 @@ class _Environment(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         budget = current_budget()
         budget.step()
-        budget.build(binop_cost(operator, left, right))
+        budget.build(operator_cost(operator, left, right))
         return checked(super().call_binop(context, operator, left, right))
 
     def getitem(self, obj: Any, argument: Any) -> Any:

@@ -1,10 +1,9 @@
 """How much text a chat template's operation would build, bounded before the operation runs.
 
-The chat template sandbox asks these functions (directly, and through template_costs.py for filters and
-methods) before every filter, string method, operator, format and concatenation a template runs, and
-refuses the operation when the bound passes a limit, so a template that asks for gigabytes
-(`'%999999999s' % 1`, `x|indent(10**8)`, `tojson(indent=...)` of a deep list)
-fails before a byte of it is allocated. A bound is never smaller than the real result and may be larger;
+The chat template sandbox asks these functions (through costs.py) before every filter, string method,
+operator, format and concatenation a template runs, and refuses the operation when the bound passes a
+limit, so a template that asks for gigabytes (`'%999999999s' % 1`, `x|indent(10**8)`, `tojson(indent=...)`
+of a deep list) fails before a byte of it is allocated. A bound is never smaller than the real result and may be larger;
 each is a Cost: the characters of the new strings and the entries of the new lists, tuples and dicts.
 Every function walks at most about `cap` characters' worth of its input, so asking is cheap too.
 
