@@ -19,14 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ChatTemplateError
-from .limits import MAX_DATA_DEPTH, MAX_SOURCE_CHARS
+from .limits import MAX_DATA_DEPTH, MAX_ENTRIES, MAX_SOURCE_CHARS
 from .sandbox import compile_template, render_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def _plain(value: Any, where: str, depth: int = 0) -> Any:
-    """A copy of value made of JSON types only, so a template sees no object with methods of its own."""
+def _plain(value: Any, where: str, count: list[int] | None = None, depth: int = 0) -> Any:
+    """A copy of value made of JSON types only, so a template sees no object with methods of its own.
+
+    count holds how many values were copied so far: a list that holds one list twice is copied twice, so
+    data built with shared references could take forever to copy; it is refused past MAX_ENTRIES.
+    """
+    count = [0] if count is None else count
+    count[0] += 1
+    if count[0] > MAX_ENTRIES:
+        raise ChatTemplateError(f"{where}: more than {MAX_ENTRIES:,} values in the messages and variables")
     if depth > MAX_DATA_DEPTH:
         raise ChatTemplateError(f"{where}: nested more than {MAX_DATA_DEPTH} levels deep")
     if value is None or type(value) in (str, int, float, bool):
@@ -35,12 +43,12 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
         if isinstance(value, kind):
             return kind(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item, where, depth + 1) for item in value)
+        return type(value)(_plain(item, where, count, depth + 1) for item in value)
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str):
                 raise ChatTemplateError(f"{where}: a key {key!r} that is not a string")
-        return {str(key): _plain(item, f"{where}, key {key!r}", depth + 1) for key, item in value.items()}
+        return {str(key): _plain(item, f"{where}, key {key!r}", count, depth + 1) for key, item in value.items()}
     raise ChatTemplateError(
         f"{where}: a {type(value).__name__} value; only str, int, float, bool, None, lists and dicts are allowed"
     )
@@ -67,7 +75,8 @@ def validate_messages(messages: Any) -> list[dict]:
             raise ChatTemplateError(f"{where} ({role}) has content None; only an assistant message with tool_calls may")
         if content is not None and not isinstance(content, str):
             raise ChatTemplateError(f"{where} ({role}) has content of type {type(content).__name__}, not a string")
-    return [_plain(message, f"message {index}") for index, message in enumerate(messages)]
+    count = [0]
+    return [_plain(message, f"message {index}", count) for index, message in enumerate(messages)]
 
 
 def read_template_file(path: Path) -> str:

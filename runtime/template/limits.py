@@ -9,7 +9,7 @@ import time
 from contextvars import ContextVar
 from typing import Any
 
-from .sizes import Cost
+from .sizes import Cost, Shape, shape
 
 MAX_SOURCE_CHARS = 100_000  # a template's source; real ones are 0.5-17 kB
 MAX_NODES = 20_000  # parsed template nodes; real templates have up to about 1,000
@@ -21,6 +21,10 @@ MAX_DEPTH = 64  # nested calls, i.e. macro recursion
 MAX_SECONDS = 5.0  # wall time of one render
 MAX_DATA_DEPTH = 32  # nesting of dicts and lists inside messages and variables
 MAX_INT_BITS = 16_384  # a number built by * or **; 10 ** 4000 is still fine
+# A list, tuple or dict counted through every reference (sizes.shape), as ==, <, in, hash, sort, min, max and
+# unique walk it in one C call that no step check interrupts; [x, x] doubles, so 60 doublings would never end.
+MAX_ENTRIES = 1_000_000
+MAX_NESTING = 128  # lists, tuples and dicts inside each other (hashing a tuple recurses in C without a guard)
 
 _ONE_ITEM = Cost(0, 1)
 
@@ -37,6 +41,8 @@ class Budget:
         self.depth = 0
         self.built = 0  # bytes, as sizes.Cost counts them
         self.deadline = time.monotonic() + MAX_SECONDS
+        self.shapes: dict[int, Shape] = {}  # containers measured in this render, by id
+        self.measured: list = []  # and the containers themselves, so that no id is reused while shapes lives
 
     def step(self) -> None:
         self.steps += 1
@@ -51,6 +57,20 @@ class Budget:
         self.built += cost.bytes
         if self.built > MAX_BUILT_BYTES:
             raise LimitError(f"the template built more than {MAX_BUILT_BYTES >> 20} MiB of text and lists")
+
+    def measure(self, *values: Any) -> None:
+        """Refuse values that together would make a comparison, hash or sort walk too much: a container the
+        template built (a literal, an operator's, a filter's or a call's result) or the arguments of a call."""
+        entries = 0
+        for value in values:
+            found = shape(value, self.shapes, self.measured, cap=MAX_ENTRIES, max_depth=MAX_NESTING)
+            entries += found.entries
+            if found.depth > MAX_NESTING:
+                raise LimitError(f"lists, tuples or dicts nested more than {MAX_NESTING} deep")
+            if entries > MAX_ENTRIES:
+                raise LimitError(
+                    f"lists, tuples or dicts of more than {MAX_ENTRIES:,} entries counted through every reference"
+                )
 
 
 BUDGET: ContextVar[Budget | None] = ContextVar("edgelm_chat_template_budget", default=None)
@@ -67,8 +87,10 @@ def check_length(length: int) -> None:
 
 
 def checked(value: Any) -> Any:
+    """value, a result the template gets, once its length and shape pass the limits."""
     if isinstance(value, (str, bytes, list, tuple, dict)):
         check_length(len(value))
+    current_budget().measure(value)
     return value
 
 
@@ -77,6 +99,7 @@ def check_arguments(args: tuple, kwargs: dict) -> None:
         # Widths and counts of callables no bound knows (and a second guard for those it does).
         if type(value) is int and abs(value) > MAX_OUTPUT_CHARS:
             raise LimitError(f"an argument of {value:,} (the limit is {MAX_OUTPUT_CHARS:,})")
+    current_budget().measure(*args, *kwargs.values())  # a macro's varargs, a cycler's items: one tuple of them
 
 
 def materialized(value: Any) -> Any:

@@ -74,8 +74,9 @@ _REMOVED_FILTERS = ("pprint", "urlize", "wordwrap")
 
 
 class _CodeGenerator(CodeGenerator):
-    """jinja's code generator, with `~` and slices routed through the environment so they are measured,
-    and `{% autoescape %}` taking literals only (jinja would evaluate any other expression while compiling)."""
+    """jinja's code generator, with `~`, slices and list, tuple and dict literals routed through the
+    environment so they are measured, and `{% autoescape %}` taking literals only (jinja would evaluate any
+    other expression while compiling)."""
 
     def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
         if frame.eval_ctx.volatile:  # the same join jinja picks
@@ -102,6 +103,24 @@ class _CodeGenerator(CodeGenerator):
                 self.visit(part, frame)
             self.write(", ")
         self.write("))")
+
+    def visit_List(self, node: nodes.List, frame: Frame) -> None:
+        self._measured(super().visit_List, node, frame)
+
+    def visit_Tuple(self, node: nodes.Tuple, frame: Frame) -> None:
+        if node.ctx != "load":  # `a, b` as a target of set or for
+            super().visit_Tuple(node, frame)
+        else:
+            self._measured(super().visit_Tuple, node, frame)
+
+    def visit_Dict(self, node: nodes.Dict, frame: Frame) -> None:
+        self._measured(super().visit_Dict, node, frame)
+
+    def _measured(self, visit: Any, node: nodes.Node, frame: Frame) -> None:
+        """A literal list, tuple or dict measured as it is made: `[x, x]` doubles what a comparison walks."""
+        self.write("environment.literal(")
+        visit(node, frame)
+        self.write(")")
 
     def visit_EvalContextModifier(self, node: nodes.EvalContextModifier, frame: Frame) -> None:
         for keyword in node.options:
@@ -155,6 +174,9 @@ class _Environment(ImmutableSandboxedEnvironment):
             count = len(range(*argument.indices(len(obj))))
             current_budget().build(Cost(count, 0, width(obj)) if isinstance(obj, (str, bytes)) else Cost(0, count))
         return obj[argument]  # as jinja does for a slice: no fallback to an attribute
+
+    def literal(self, value: Any) -> Any:
+        return checked(value)
 
     def concat_pieces(self, pieces: tuple) -> tuple:
         """The pieces of `a ~ b ~ ...`, admitted before they are joined."""
