@@ -119,7 +119,10 @@ class ChatTemplate:
         # What the template sees besides messages, as transformers passes the tokenizer's special tokens.
         tokens = {name: token for name, token in (("bos_token", bos_token), ("eos_token", eos_token)) if token}
         self._special = _plain({**(special or {}), **tokens}, "special tokens")
-        self._template = compile_template(source)
+        self._template, literals = compile_template(source)
+        # The template's own text, where its control tokens come from (prompt_ids.py), NUL-separated so that no
+        # token text spans two literals: the literals and the special-token strings it is given.
+        self.own_text = "\0".join((*literals, *(value for value in self._special.values() if isinstance(value, str))))
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text for messages; variables (tools, enable_thinking, date_string, ...) reach the template."""

@@ -244,8 +244,9 @@ def _literal_cost(loop: nodes.For) -> Cost:
     return Cost(1 + sum(map(len, texts)), 0, width(*texts))
 
 
-def compile_template(source: str) -> Template:
-    """Compile a chat template in the bounded sandbox; ChatTemplateError names the line that does not parse."""
+def compile_template(source: str) -> tuple[Template, tuple[str, ...]]:
+    """Compile a chat template in the bounded sandbox; ChatTemplateError names the line that does not parse.
+    Returns the template and its literals: the text and the string constants written in it."""
     if not isinstance(source, str) or not source.strip():
         raise ChatTemplateError("a chat template must be a non-empty string")
     if len(source) > MAX_SOURCE_CHARS:
@@ -253,6 +254,8 @@ def compile_template(source: str) -> Template:
     env = _environment()
     try:
         tree = env.parse(source)
+        literals = [node.data for node in tree.find_all(nodes.TemplateData)]
+        literals += [node.value for node in tree.find_all(nodes.Const) if isinstance(node.value, str)]
         count = sum(1 for _ in tree.find_all(nodes.Node))
         if count > MAX_NODES:
             raise ChatTemplateError(f"a chat template of {count:,} parts (the limit is {MAX_NODES:,})")
@@ -264,7 +267,7 @@ def compile_template(source: str) -> Template:
                 if getattr(call, field) is not None:
                     spread = nodes.Filter(getattr(call, field), _SPREAD_FILTER, [], [], None, None, lineno=call.lineno)
                     setattr(call, field, spread)
-        return env.from_string(tree)
+        return env.from_string(tree), tuple(literals)
     except TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile: line {exc.lineno}: {exc.message}") from exc
     except RecursionError as exc:
