@@ -211,6 +211,46 @@ def test_same_text_as_transformers(name: str, tokens: dict, case: int, generatio
     assert ours == hf_render(source, messages, generation, tokens, **variables)
 
 
+# Real templates (as llama.cpp's models/templates keeps them) that read tool calls and reasoning: transformers
+# drops a message's None-valued keys (an API's content=None beside tool_calls) and passes the reasoning as both
+# reasoning_content and thinking; LFM2.5 wraps assistant turns in {% generation %}.
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "content": "21 C", "tool_call_id": "call_1", "name": None},
+    {"role": "assistant", "content": "It is 21 C.", "reasoning": "The tool said so."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+@pytest.mark.parametrize("name", ["glm-4.6", "minimax-m2", "lfm2.5"])
+@pytest.mark.parametrize("generation", [True, False])
+def test_tool_calls_and_reasoning_render_as_transformers(name: str, generation: bool) -> None:
+    source = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    tokens = dict(bos_token="<s>", eos_token="</s>")
+    ours = ChatTemplate(source, **tokens).render(TOOL_CHAT, add_generation_prompt=generation, tools=[TOOL])
+    assert ours == hf_render(source, TOOL_CHAT, generation, tokens, tools=[TOOL])
+    assert "None" not in ours and "get_weather" in ours
+
+
+def test_generation_blocks_render_their_body_as_transformers() -> None:
+    source = (
+        "{% for m in messages %}{% generation %}{% set kept = m.content %}<{{ kept }}>{% endgeneration %}"
+        "[{{ kept }}]{% endfor %}{%- generation -%} {{ messages|length }} {%- endgeneration -%}"
+    )
+    ours = ChatTemplate(source).render(CHAT, add_generation_prompt=False)
+    assert ours == hf_render(source, CHAT, False, {}) == "<You are terse.>[]<Hi>[]<Hello.>[]<Bye>[]4"
+
+
+def test_none_valued_keys_are_dropped_as_transformers_drops_them(chatml: ChatTemplate) -> None:
+    source = "{% for m in messages %}{{ m.role }}:{{ m.content is defined }},{{ m.tool_calls is defined }};{% endfor %}"
+    messages = [CHAT[1], {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL], "name": None}]
+    assert ChatTemplate(source).render(messages, add_generation_prompt=False) == "user:True,False;assistant:False,True;"
+    assert hf_render(source, messages, False, {}) == "user:True,False;assistant:False,True;"
+
+
 # ---- messages ----
 
 BAD_MESSAGES = [

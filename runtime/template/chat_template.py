@@ -79,6 +79,20 @@ def validate_messages(messages: Any) -> list[dict]:
     return [_plain(message, f"message {index}", count) for index, message in enumerate(messages)]
 
 
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a message's reasoning
+
+
+def _as_transformers_passes(message: dict) -> dict:
+    """A message as transformers' apply_chat_template hands it to the template: keys whose value is None dropped
+    (an API's `content=None` beside `tool_calls`; templates test whether a key is there, and would print "None"
+    or fail on it), and the reasoning under each name templates read (`reasoning_content`, `thinking`)."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_KEYS if key in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
 def read_template_file(path: Path) -> str:
     """The text of a chat template file (chat_template.jinja); ChatTemplateError names the file when it is
     not UTF-8 text: a binary file, another encoding, a pipe, one too large to be a template or one it cannot read."""
@@ -131,7 +145,7 @@ class ChatTemplate:
             "documents": None,
             **self._special,
             **_plain(variables, "variables"),
-            "messages": validate_messages(messages),
+            "messages": [_as_transformers_passes(message) for message in validate_messages(messages)],
             "add_generation_prompt": bool(add_generation_prompt),
         }
         return render_bounded(self._template, context)

@@ -10,9 +10,9 @@ gigabyte. Nothing is evaluated while compiling: jinja's constant folding (which 
 even inside `{% if false %}`) is off, and the source and the Python it compiles to are bounded. Text
 is only made of data: a function, macro, cycler or namespace cannot be printed (its repr shows a heap
 address). The bounds stop runaway templates with a ChatTemplateError; they are a guard, not a proof.
-The globals and filters are the ones Hugging Face's `apply_chat_template` gives a template
-(raise_exception, tojson, strftime_now, loop controls) less pprint, urlize and wordwrap, whose cost the
-input size does not bound and which no chat template uses.
+The globals, filters and tags are the ones Hugging Face's `apply_chat_template` gives a template
+(raise_exception, tojson, strftime_now, loop controls, `{% generation %}`) less pprint, urlize and
+wordwrap, whose cost the input size does not bound and which no chat template uses.
 The limits and the render's budget are in limits.py, what each operation builds in costs.py (from
 sizes.py's bounds of values), the bounded filters and globals in filters.py; this module holds the
 environment, compiling and rendering.
@@ -28,6 +28,8 @@ from typing import Any
 from jinja2 import Template, nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateSyntaxError
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from markupsafe import Markup
@@ -214,12 +216,27 @@ class _Environment(ImmutableSandboxedEnvironment):
         return super()._compile(source, filename)
 
 
+class _Generation(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's tokens for training
+    masks: the body rendered as transformers renders it, a call block (so a `set` inside stays inside)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Macro) -> str:
+        return caller()
+
+
 def _environment() -> _Environment:
     # A fresh environment per template: compiled templates keep a reference to theirs.
     env = _Environment(
         trim_blocks=True,
         lstrip_blocks=True,
-        extensions=["jinja2.ext.loopcontrols"],
+        extensions=["jinja2.ext.loopcontrols", _Generation],
         finalize=finalize,
         optimized=False,  # jinja's optimizer folds constants while compiling, before any bound applies
     )
