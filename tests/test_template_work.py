@@ -203,65 +203,41 @@ def child_property(examples: int) -> None:
 
     from edgelm.runtime.template import ChatTemplate
 
-    leaves = st.sampled_from(["0", "1.5", "'a'", "none", "ns.a", "ns.b", "ns.c", "messages"])
-    grows = [
-        "[{0}, {1}]",
-        "({0}, {1})",
-        "{{'k': {0}, 'l': {1}}}",
-        "{{{0}: {1}}}",
-        "{0} + {1}",
-        "[{0}] * {n}",
-        "({0},) * {n}",
-        "[{0}, {1}]|list",
-        "[[{0}]]|groupby(0)|list",
-        "{{}}.fromkeys(['p', 'q'], {0})",
-        "cycler({0}, {1}).items",
-        "[{0}, {1}]|batch(1)|list",
-        "dict(a={0}, b={1})",
-        "[{0}, {1}]|sort",
-        "[{0}, {1}]|unique|list",
-        "[{0}]|sum(start={1})",
-        "{0}|reverse|list",
-        "[{0}, {1}][1:]",
-    ]
+    # lists (ns.a), tuples (ns.b) and dicts (ns.c), each rebuilt from all three on every loop iteration
+    def typed(leaves: list[str], grows: list[str]):
+        def combine(inner):
+            others = st.sampled_from(["ns.a", "ns.b", "ns.c", "0", "'a'", "messages"])
+            pick = st.tuples(st.sampled_from(grows), inner, inner, others, st.integers(0, 3))
+            return pick.map(lambda g: g[0].format(f"({g[1]})", f"({g[2]})", o=g[3], n=g[4]))
+
+        return st.recursive(st.sampled_from(leaves), combine, max_leaves=4)
+
+    lists = typed(
+        ["ns.a", "[0]", "messages"],
+        ["[{0}, {1}]", "[{0}, {o}]", "{0} + {1}", "[{0}] * {n}", "[[{0}]]|groupby(0)|list", "[{0}]|batch(3, {1})|list",
+         "cycler({0}, {o}).items|list", "{{}}.fromkeys(['p', 'q'], {0}).values()|list", "{0}[1:]", "{0}|reverse|list",
+         "[{0}, {1}]|sum(start=[])", "[{0}]|slice(2, {1})|list", "dict(a={0}, b={o})|dictsort"],
+    )  # fmt: skip
+    tuples = typed(["ns.b", "(1,)"], ["({0}, {1})", "({0}, {o})", "{0} + {1}", "({0},) * {n}", "{0}[::-1]"])
+    dicts = typed(["ns.c", "{}"], ["{{'k': {0}, 'l': {1}}}", "dict(a={0}, b={o})", "{{}}.fromkeys(['p', 'q'], {0})"])
     walks = [
-        "{0} == {1}",
-        "{0} != {1}",
-        "{0} < {1}",
-        "{0} in [{1}]",
-        "[{0}, {1}]|max",
-        "[{0}, {1}]|min",
-        "[{0}, {1}]|sort",
-        "[{1}].index({0})",
-        "[{0}, {1}]|unique|list",
-        "{{{0}: 1}}",
-        "{0} in {{}}",
-        "[[{0}], [{1}]]|groupby(0)",
-        "{0} is eq {1}",
-        "[{0}]|select('eq', {1})|list",
-        "{0}|tojson|length",
-        "{0}|string|length",
-        "{0}|length",
-        "[{0}, {1}]|dictsort",
-        "[{1}].count({0})",
-    ]
-
-    def combine(inner):
-        return st.tuples(st.sampled_from(grows), inner, inner, st.integers(0, 3)).map(
-            lambda g: g[0].format(f"({g[1]})", f"({g[2]})", n=g[3])
-        )
-
-    expressions = st.recursive(leaves, combine, max_leaves=4)
-    walk = st.tuples(st.sampled_from(walks), expressions, expressions).map(lambda w: w[0].format(*w[1:]))
+        "{0} == {1}", "{0} != {1}", "{0} < {1}", "{0} in [{1}]", "[{0}, {1}]|max", "[{0}, {1}]|min", "[{0}, {1}]|sort",
+        "[{1}].index({0})", "[{1}].count({0})", "{0} is eq {1}", "[{0}]|select('eq', {1})|list", "{0}|tojson|length",
+        "{0}|string|length", "[[{0}], [{1}]]|groupby(0)|list",
+    ]  # fmt: skip
+    hashes = ["[{0}, {1}]|unique|list", "{{{0}: 1}}", "{0} in {{}}", "{{{0}: {1}}}|dictsort"]
+    walk = st.one_of(
+        st.tuples(st.sampled_from(walks), lists, lists).map(lambda w: w[0].format(*w[1:])),
+        st.tuples(st.sampled_from(walks + hashes), tuples, tuples).map(lambda w: w[0].format(*w[1:])),
+        st.tuples(st.sampled_from(walks[:2] + ["{0}.items() == {1}.items()"]), dicts, dicts).map(
+            lambda w: w[0].format(*w[1:])
+        ),
+    )
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(
-        steps=st.lists(st.tuples(st.sampled_from("abc"), expressions), min_size=1, max_size=4),
-        repeat=st.sampled_from([1, 3, 20, 60]),
-        final=walk,
-    )
-    def bounded(steps: list, repeat: int, final: str) -> None:
-        body = "".join(f"{{% set ns.{name} = {expression} %}}" for name, expression in steps)
+    @given(a=lists, b=tuples, c=dicts, repeat=st.sampled_from([1, 3, 20, 60]), final=walk)
+    def bounded(a: str, b: str, c: str, repeat: int, final: str) -> None:
+        body = f"{{% set ns.a = {a} %}}{{% set ns.b = {b} %}}{{% set ns.c = {c} %}}"
         source = (
             "{% set ns = namespace(a=[0], b=(1,), c={'k': 'v'}) %}"
             f"{{% for i in range({repeat}) %}}{body}{{% endfor %}}{{% set r = {final} %}}ok"
