@@ -404,6 +404,8 @@ def test_hostile_templates_fail_quickly(chatml: ChatTemplate, source: str, messa
         ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", "line 2"),
         ("Hello\n{% if x %}", "line 2"),
         ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nested too deeply"),
+        ("{% if a %}" * 100 + "x" + "{% endif %}" * 100, "nested too deeply"),  # Python's IndentationError
+        ("{% for i in a %}" * 30 + "x" + "{% endfor %}" * 30, "nested too deeply"),  # Python's SyntaxError
         ("", "non-empty"),
     ],
 )

@@ -289,6 +289,8 @@ def compile_template(source: str) -> tuple[Template, tuple[str, ...]]:
         raise ChatTemplateError(f"chat template does not compile: line {exc.lineno}: {exc.message}") from exc
     except RecursionError as exc:
         raise ChatTemplateError("chat template does not compile: nested too deeply") from exc
+    except SyntaxError as exc:  # Python's own limits on the code it compiles to: nested blocks, indentation
+        raise ChatTemplateError(f"chat template does not compile: nested too deeply ({exc.msg})") from exc
     except (LimitError, MemoryError) as exc:
         raise ChatTemplateError(f"chat template does not compile: {_what(exc)}") from exc
 
