@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options, text_pieces
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
-from .kvcache import make_cache
+from .kvcache import Cache, make_cache
 from .results import GenerationResult, Stream, make_timings
 from .template import ChatTemplate, chat_prompt_ids, read_template_file, validate_messages
 from .text import TextAssembler
@@ -125,7 +125,7 @@ class Conversation:
         self.system = system
         self.last_turn: TurnStats | None = None
         self._history: list[dict] = []  # the messages after the system message
-        self._cache = None  # made by the first turn (runtime/kvcache.py)
+        self._cache: Cache | None = None  # made by the first turn (runtime/kvcache.py)
         self._ids: list[int] = []  # the ids whose keys/values the cache holds, in order
         self._turn_starts: list[int] = []  # per exchange in _history: the cache length its turn started from
         self._pending: Iterator[str] | None = None  # the pieces of a stream not yet finished
@@ -276,6 +276,8 @@ class Conversation:
             self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
         # at least one id is fed: its logits start the reply
         reused = min(common_prefix(self._ids, ids), len(ids) - 1)
+        if self._cache is not None:  # a state that keeps only some lengths (runtime/kvcache.py's Cache)
+            reused = self._cache.rewind_point(reused)
         path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"
         stats = TurnStats(path, len(ids), reused, len(ids) - reused, dropped, adapter, switched)
         earlier = sum(message["role"] == "user" for message in history) - 1  # exchanges before this one
@@ -318,7 +320,7 @@ class Conversation:
         if tail:
             yield tail
 
-    def _prepare_cache(self, reused: int, capacity: int):
+    def _prepare_cache(self, reused: int, capacity: int) -> Cache:
         if self._cache is None:
             self._cache = make_cache(self.model, [[0]], capacity=capacity)
             self._cache.rewind(0)  # an empty cache: every turn extends it
@@ -326,7 +328,9 @@ class Conversation:
         self._ids = self._ids[:reused]
         return self._cache
 
-    def _commit(self, history: list[dict], ids: list[int], assembler: TextAssembler, cache, starts: list[int]) -> None:
+    def _commit(
+        self, history: list[dict], ids: list[int], assembler: TextAssembler, cache: Cache, starts: list[int]
+    ) -> None:
         """The turn enters the history; the cache holds the prompt and the reply's ids that were fed."""
         held = int(cache.lengths[0])
         self._ids = (ids + list(assembler.ids))[:held]

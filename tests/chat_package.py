@@ -30,16 +30,16 @@ def make_tokenizer(folder: Path) -> None:
 
 
 def make_chat_folder(
-    folder: Path, *, template: str = "smollm2", context: int = 256, layers: int = 2, seed: int = 0
+    folder: Path, *, template: str = "smollm2", context: int = 256, layers: int = 2, seed: int = 0, vocab: int = VOCAB
 ) -> Path:
     """A Llama checkpoint folder: random weights, the tokenizer above, tests/data/chat_templates/<template>.jinja
-    (or no template for template=""), EOS ids [<|im_end|>, <|eot_id|>]."""
+    (or no template for template=""), EOS ids [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
         intermediate_size=128, max_position_embeddings=context, rope_theta=1e4, rms_norm_eps=1e-5,
         bos_token_id=BEGIN, eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
         initializer_range=0.1,  # not near-uniform logits: a wrong position or cache would change the tokens
