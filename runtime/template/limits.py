@@ -42,7 +42,8 @@ class Budget:
         self.built = 0  # bytes, as sizes.Cost counts them
         self.deadline = time.monotonic() + MAX_SECONDS
         self.shapes: dict[int, Shape] = {}  # containers measured in this render, by id
-        self.measured: list = []  # and the containers themselves, so that no id is reused while shapes lives
+        # and the containers themselves, so that no id is reused while shapes lives (each was counted as built)
+        self.measured: list = []
 
     def step(self) -> None:
         self.steps += 1

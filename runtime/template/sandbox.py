@@ -178,6 +178,8 @@ class _Environment(ImmutableSandboxedEnvironment):
         return obj[argument]  # as jinja does for a slice: no fallback to an attribute
 
     def literal(self, value: Any) -> Any:
+        """A list, tuple or dict literal, counted as built (it is kept until the render ends: see Budget.measure)."""
+        current_budget().build(Cost(0, len(value)))
         return checked(value)
 
     def concat_pieces(self, pieces: tuple) -> tuple:
