@@ -124,6 +124,28 @@ def test_the_template_writes_tokens_not_marked_special(deepseek, r1) -> None:
     assert ids[UNWRITTEN] not in control_ids(r1, deepseek)
 
 
+def test_added_text_tokens_are_not_control(tmp_path) -> None:
+    """Some tokenizers add runs of spaces or whole words as tokens (not special): a template writes them as any
+    message does, so a message keeps them, and its ids are transformers'."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(REPO / "models" / "shakespeare" / "tokenizer.json"))
+    hf.add_tokens([AddedToken(text, special=False, normalized=False) for text in ["    ", "Question"]])
+    hf.add_special_tokens([AddedToken(EOS, special=True, normalized=False)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path / "tokenizer.json")
+    source = "{% for m in messages %}Question:\n    {{ m.content }}" + EOS + "{% endfor %}"
+    template = ChatTemplate(source, eos_token=EOS)
+    assert control_ids(template, tokenizer) == tokenizer.special_ids
+    messages = [{"role": "user", "content": "Question:    indented"}]
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token=EOS)
+    reference.chat_template = source
+    expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    assert chat_prompt_ids(template, tokenizer, messages, add_generation_prompt=False) == list(expected["input_ids"])
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("generation", [True, False])
 def test_ordinary_ids_equal_transformers(deepseek, deepseek_path, r1, case: int, generation: bool) -> None:

@@ -97,14 +97,20 @@ def chat_prompt_ids(
 
 
 def control_ids(template: ChatTemplate, tokenizer: Tokenizer) -> frozenset[int]:
-    """The control tokens: the added tokens marked special, and every other added token whose text the template
-    writes itself (in its literals, or as a special token it is given), whatever its `special` flag."""
+    """The control tokens: the added tokens marked special, and every other added token of markup whose text the
+    template writes itself (in its literals, or as a special token it is given), whatever its `special` flag."""
     return tokenizer.special_ids | _written_added_ids(template.own_text, tokenizer.added_tokens)
 
 
 @functools.lru_cache(maxsize=64)
 def _written_added_ids(own_text: str, added_tokens: tuple[tuple[int, str], ...]) -> frozenset[int]:
-    return frozenset(token_id for token_id, token in added_tokens if token and token in own_text)
+    return frozenset(token_id for token_id, token in added_tokens if _is_markup(token) and token in own_text)
+
+
+def _is_markup(token: str) -> bool:
+    """Whether an added token is markup (<think>, <｜User｜>, [INST]) rather than text some tokenizers add as a
+    token of its own (runs of spaces, whole words), which a message writes as often as a template does."""
+    return any(not (char.isalnum() or char.isspace()) for char in token)
 
 
 # ---- marked: the data's characters, exactly ----------------------------------------------------------
