@@ -18,7 +18,9 @@ MAX_OUTPUT_CHARS = 4_000_000  # the rendered prompt, and any one string or list 
 MAX_BUILT_BYTES = 48 << 20  # everything one render builds: every string, list and printed value, freed or not
 MAX_STEPS = 200_000  # loop iterations plus calls in one render; a 1000-message chat takes ~10k
 MAX_DEPTH = 64  # nested calls, i.e. macro recursion
-MAX_SECONDS = 5.0  # wall time of one render
+MAX_CPU_SECONDS = 1.0  # the rendering thread's CPU time; real templates take milliseconds
+MAX_SECONDS = 5.0  # wall time of one render (a thread that waits for the interpreter lock spends no CPU)
+_CHECK_EVERY = 0.05  # seconds of wall time between readings of the thread's CPU time (a system call)
 MAX_DATA_DEPTH = 32  # nesting of dicts and lists inside messages and variables
 MAX_INT_BITS = 16_384  # a number built by * or **; 10 ** 4000 is still fine
 # A list, tuple or dict counted through every reference (sizes.shape), as ==, <, in, hash, sort, min, max and
@@ -41,6 +43,8 @@ class Budget:
         self.depth = 0
         self.built = 0  # bytes, as sizes.Cost counts them
         self.deadline = time.monotonic() + MAX_SECONDS
+        self.cpu_deadline = time.thread_time() + MAX_CPU_SECONDS
+        self.next_reading = time.monotonic() + _CHECK_EVERY
         self.shapes: dict[int, Shape] = {}  # containers measured in this render, by id
         # and the containers themselves, so that no id is reused while shapes lives (each was counted as built)
         self.measured: list = []
@@ -49,8 +53,13 @@ class Budget:
         self.steps += 1
         if self.steps > MAX_STEPS:
             raise LimitError(f"more than {MAX_STEPS:,} loop iterations and calls (an endless loop?)")
-        if time.monotonic() > self.deadline:
-            raise LimitError(f"rendering took more than {MAX_SECONDS} s")
+        now = time.monotonic()
+        if now > self.next_reading:  # CPU time never runs ahead of wall time: reading it now and then is enough
+            self.next_reading = now + _CHECK_EVERY
+            if time.thread_time() > self.cpu_deadline:
+                raise LimitError(f"rendering took more than {MAX_CPU_SECONDS} s of CPU time")
+            if now > self.deadline:
+                raise LimitError(f"rendering took more than {MAX_SECONDS} s")
 
     def build(self, cost: Cost) -> None:
         """Admit what an operation is about to build, or refuse it before it allocates."""
