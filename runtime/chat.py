@@ -8,7 +8,7 @@
 
 Every turn renders the whole history with the chat template and the generation prompt (as transformers'
 apply_chat_template(..., add_generation_prompt=True)), tokenizes that text (special-token text from the
-messages as plain text: runtime/chat_ids.py), and compares the ids with the ids whose keys/values the
+messages as plain text: runtime/template/prompt_ids.py), and compares the ids with the ids whose keys/values the
 conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
 
 - "prefix": the cached ids are a prefix of the new ones; only the rest is fed (the usual follow-up turn);
@@ -37,12 +37,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .chat_ids import chat_prompt_ids
-from .chat_template import ChatTemplate, read_template_file, validate_messages
 from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options, text_pieces
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
 from .kvcache import Cache, make_cache
 from .results import GenerationResult, Stream, make_timings
+from .template import ChatTemplate, chat_prompt_ids, read_template_file, validate_messages
 from .text import TextAssembler
 
 if TYPE_CHECKING:
