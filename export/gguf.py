@@ -68,6 +68,11 @@ class GGUFModel:
         """The GGUF tensor type of `name`: "F32", "F16", "Q8_0", "Q4_0", "Q4_1", ..."""
         return self._lookup(name)[1].tensor_type.name
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape `tensor(name)` returns (Hugging Face orientation), without reading it."""
+        entry = self._lookup(name)[0]
+        return tuple(reversed(entry.shape)) if entry.transpose else tuple(entry.shape)
+
     def tensor(self, name: str) -> np.ndarray:
         """`name` dequantized to a new float32 array in Hugging Face orientation."""
         entry, stored = self._lookup(name)

@@ -44,6 +44,7 @@ from edgelm.onnxfile import placeholder
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
 from .decoder import Decoder, Layer, Linear, NBits, Norm
+from .lazy_weights import LazyArray
 
 MS_DOMAIN = "com.microsoft"
 
@@ -75,7 +76,7 @@ class _GraphBuilder:
 
     def constant(self, name: str, array: np.ndarray) -> str:
         """An initializer; floating arrays but float16 ones are written as float32 (by save_model, no copy here)."""
-        array = np.asarray(array)
+        array = array if isinstance(array, LazyArray) else np.asarray(array)  # a LazyArray is read when written
         self.initializers.append(placeholder(name, array))
         self.weights[name] = array
         return name

@@ -49,6 +49,7 @@ from .defaults import (
 from .families import Blocks
 from .gguf_blocks import FLOAT_TYPES, KEPT_TYPE_NAMES
 from .graph import build_fused_graph
+from .lazy_weights import is_lazy, lazy_parameter, materialize
 from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
 from .parity import check_parity, check_parity_shared
 from .source import Source, open_source
@@ -60,7 +61,9 @@ Progress = Callable[[str], None]
 
 def _untie(model: torch.nn.Module) -> None:
     """Give the LM head its own copy of the embedding (for runtimes or tools that want two tables)."""
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # tied: the embedding
+    weight = model.lm_head.weight  # tied: the embedding
+    copy = lazy_parameter(weight.loader) if is_lazy(weight) else torch.nn.Parameter(weight.detach().clone())
+    model.lm_head.weight = copy
     model.config.tie_word_embeddings = False
 
 
@@ -298,6 +301,7 @@ def _write_graph(
         plan.decoder = None  # save_model drops each array once written: its float copies go one by one
         manifest.export["external_data"] = save_model(graph, path, weights=weights)
     else:
+        materialize(model)  # tracing runs the whole model in fp32
         graph = trace_graph(model, io=manifest.io, opset=opset, last_token_logits=last_token_logits)
         manifest.export["external_data"] = save_model(graph, path)
 

@@ -19,6 +19,7 @@ import torch
 
 from ..runtime.contract import IONames
 from .checkpoint import CheckpointError
+from .lazy_weights import float64_stream
 
 
 def _worst(worst: float, ort_logits: np.ndarray, torch_logits: np.ndarray) -> float:
@@ -110,16 +111,6 @@ def check_parity(
     return worst
 
 
-@contextmanager
-def _float64(model: torch.nn.Module) -> Iterator[None]:
-    """The model in float64 for the duration (fp32 values convert exactly, both ways)."""
-    model.double()
-    try:
-        yield
-    finally:
-        model.float()
-
-
 def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) -> list[dict]:
     """The runs check_parity_shared compares, with PyTorch's float64 logits: a batch of 2 right-padded prompts
     of different lengths with all-position logits, then one-token steps (greedy on the reference)."""
@@ -133,7 +124,7 @@ def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) ->
         mask[row, :length] = 1
     position_ids = torch.arange(width).unsqueeze(0).expand(2, width) * mask  # padding at position 0
     steps = []
-    with _one_thread(), _float64(model):
+    with _one_thread(), float64_stream(model):
         logits, past = model(input_ids, mask, position_ids)
         steps.append(dict(ids=input_ids, mask=mask.numpy(), positions=position_ids, keep=0, logits=logits.numpy()))
         steps[0]["real"] = mask.bool().numpy()  # padded query rows are never read
@@ -167,7 +158,7 @@ def check_parity_shared(
     logits_to_keep among them."""
     config = model.config
     steps = _reference_steps(model, decode_steps=decode_steps, seed=seed)
-    # after the float64 pass, so the two copies of the weights are not held at once
+    # after the float64 pass, whose module-by-module weights are gone by now
     session = _session(onnx_path, prepacking=prepacking)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
     capacity = steps[0]["ids"].shape[1] + decode_steps

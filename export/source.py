@@ -5,6 +5,7 @@ reference model and what the package carries beside it (tokenizer, chat template
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,13 +24,15 @@ from .checkpoint import (
 )
 from .families import Blocks, Family, checked_tokens, family_for
 from .gguf import read_gguf
+from .lazy_weights import TensorLoader
 
 
 @dataclass
 class Source:
     """What export reads: the reference model and what the package carries beside it."""
 
-    model: torch.nn.Module  # eval mode, fp32, with the shared forward signature (export/parity.py)
+    model: torch.nn.Module  # eval mode, the shared forward signature (export/parity.py); lazy weights
+    # (export/lazy_weights.py): on the meta device, read from the checkpoint when used
     family: Family
     tokens: dict  # bos_token_id, eos_token_ids, pad_token_id
     name: str  # the checkpoint's name, for the manifest
@@ -80,14 +83,17 @@ def open_folder(folder: Path) -> Source:
     )
 
 
+def _dequantized(gguf, name: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.tensor(name))
+
+
 def open_gguf(path: Path) -> Source:
     """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
     tokenizer metadata, its chat template kept (export/gguf.py)."""
     gguf = read_gguf(path)
     family = gguf.family
-    state = {name: torch.from_numpy(gguf.tensor(name)) for name in gguf.tensor_names}
-    model = family.build(gguf.hf_config, state)
-    del state
+    state = {name: TensorLoader(gguf.shape(name), partial(_dequantized, gguf, name)) for name in gguf.tensor_names}
+    model = family.build(gguf.hf_config, state)  # lazy: each tensor dequantized when used
     tokens = checked_tokens(model.config.vocab_size, gguf.bos_token_id, gguf.eos_token_ids, gguf.pad_token_id)
     sha256 = file_sha256(path)
     return Source(

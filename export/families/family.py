@@ -16,6 +16,7 @@ from ..checkpoint import CheckpointError
 from ..decoder import Decoder, Linear, NBits, Norm
 from ..gguf_blocks import Runs, widen
 from ..gguf_metadata import Entry
+from ..lazy_weights import LazyArray, concatenated, float32_array
 
 # checkpoint tensor name -> its MatMulNBits runs (export/gguf_blocks.py), or None where the tensor has none
 # (export/gguf.py GGUFModel.matmul_nbits)
@@ -64,8 +65,9 @@ def head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | No
     return kept_blocks(blocks, [embedding if tied else "lm_head.weight"])
 
 
-def array(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to(torch.float32).cpu().numpy()
+def array(tensor: torch.Tensor) -> np.ndarray | LazyArray:
+    """A parameter as float32; a large lazy one (export/lazy_weights.py) stays unread until the graph writes it."""
+    return float32_array(tensor)
 
 
 def linear(layer: torch.nn.Linear, nbits: NBits | None = None) -> Linear:
@@ -76,10 +78,10 @@ def linear(layer: torch.nn.Linear, nbits: NBits | None = None) -> Linear:
 def packed(layers: list[torch.nn.Linear], nbits: NBits | None) -> Linear:
     """Linears with one input packed along their outputs (Q, K, V; gate, up): one MatMul."""
     biases = [layer.bias for layer in layers]
-    bias = None if biases[0] is None else array(torch.cat(biases))
+    bias = None if biases[0] is None else concatenated([array(b) for b in biases])
     if nbits is not None:
         return Linear(None, bias, nbits)
-    return Linear(array(torch.cat([layer.weight for layer in layers])).T, bias)
+    return Linear(concatenated([array(layer.weight) for layer in layers]).T, bias)
 
 
 def norm(module: torch.nn.Module) -> Norm:
