@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .families import Family, gguf_family
-from .gguf_blocks import SUPPORTED_TYPES, Runs, by_rows, to_runs
+from .gguf_blocks import SUPPORTED_TYPES, LazyRuns, Runs, by_rows, lazy_runs, to_runs
 from .gguf_header import HeaderError, read_header
 from .gguf_metadata import Entry, GGUFError
 from .gguf_tokenizer import build_tokenizer_json
@@ -82,6 +82,14 @@ class GGUFModel:
         if entry.shift:
             weight += np.float32(entry.shift)
         return np.ascontiguousarray(weight.T) if entry.transpose else weight
+
+    def lazy_nbits(self, name: str) -> LazyRuns | None:
+        """matmul_nbits(name), unpacked only when used (what export keeps: one linear's blocks unpacked at a time)."""
+        entry, stored = self._lookup(name)
+        if len(entry.shape) != 2:
+            return None
+        change = (lambda a: _unpermute_rows(a, entry.heads)) if entry.heads else None
+        return lazy_runs(stored.tensor_type, stored.data, entry.shape[1], change)
 
     def matmul_nbits(self, name: str) -> Runs | None:
         """Linear weight `name` (N = out features, K = in features) as MatMulNBits runs, from its own quantized

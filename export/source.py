@@ -41,7 +41,7 @@ class Source:
     files: dict[str, Path] = field(default_factory=dict)  # package file name -> file to copy (tokenizer)
     texts: dict[str, str] = field(default_factory=dict)  # package file name -> contents to write
     chat_template: str | None = None
-    blocks: Blocks | None = None  # a GGUF file's own MatMulNBits blocks by tensor name (GGUFModel.matmul_nbits)
+    blocks: Blocks | None = None  # a GGUF file's own MatMulNBits blocks by tensor name (GGUFModel.lazy_nbits)
     quant_types: dict[str, str] = field(default_factory=dict)  # tensor name -> GGUF type ("Q4_1", "F32", ...)
     sampling: Sampling | None = None  # what a folder's generation_config.json recommends
 
@@ -105,7 +105,7 @@ def open_gguf(path: Path) -> Source:
         hashes={path.name: sha256},
         texts={TOKENIZER_FILE: gguf.tokenizer_json},
         chat_template=gguf.chat_template,
-        blocks=gguf.matmul_nbits,
+        blocks=gguf.lazy_nbits,
         quant_types={name: gguf.quant_type(name) for name in gguf.tensor_names},
     )
 

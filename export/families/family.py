@@ -14,13 +14,13 @@ import torch
 
 from ..checkpoint import CheckpointError
 from ..decoder import Decoder, Linear, NBits, Norm
-from ..gguf_blocks import Runs, widen
+from ..gguf_blocks import LazyRuns, Runs
 from ..gguf_metadata import Entry
 from ..lazy_weights import LazyArray, concatenated, float32_array
 
 # checkpoint tensor name -> its MatMulNBits runs (export/gguf_blocks.py), or None where the tensor has none
 # (export/gguf.py GGUFModel.matmul_nbits)
-Blocks = Callable[[str], Runs | None]
+Blocks = Callable[[str], Runs | LazyRuns | None]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
     if any(part is None for part in parts):
         return None
     bits, block_size = max(part.bits for part in parts), min(part.block_size for part in parts)
-    return NBits(bits, block_size, [widen(part, bits, block_size) for part in parts])
+    return NBits(bits, block_size, parts)  # widened when the graph unpacks them (NBits.parts)
 
 
 def head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | None:
