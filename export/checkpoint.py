@@ -157,11 +157,13 @@ def read_sampling(folder: Path) -> Sampling | None:
     return Sampling(**found) if found else None
 
 
-def check_finite(model: torch.nn.Module, source: str) -> None:
+def check_finite(model: torch.nn.Module, source: str, *, on_tensor: Callable[[], None] | None = None) -> None:
     """Refuse NaN or inf in any weight, naming the tensor: such a model can never generate, and an export of
     it would fail only later, with a less useful message (or, before this check, not at all). Lazy weights
-    (export/lazy_weights.py) are read one at a time."""
+    (export/lazy_weights.py) are read one at a time; on_tensor is called after each (progress)."""
     for name, parameter in model.named_parameters():
+        if on_tensor is not None:
+            on_tensor()
         tensor = read(parameter)
         # a NaN or inf makes the sum non-finite; the sum alone can also overflow, so the mask confirms (the mask
         # first would take about 10x longer: 1.5 s on SmolLM2-135M)

@@ -12,14 +12,16 @@ GGUF file) is opened by export/source.py.
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 import torch
+from tqdm import tqdm
 
-from edgelm.onnxfile import save_model
+from edgelm.onnxfile import save_model, stored_bytes
 from edgelm.package_writer import StagedOutput, list_files, write_json
 from edgelm.version import __version__
 
@@ -57,6 +59,14 @@ from .tokenizer_config import tokenizer_config
 from .traced import trace_graph
 
 Progress = Callable[[str], None]
+
+
+def _bar(total: int, what: str, *, show: bool, unit: str = "it") -> tqdm:
+    """A progress bar on stderr for a long step (per tensor, layer or byte), under the step's own line."""
+    return tqdm(
+        total=total, desc=f"      {what}", unit=unit, unit_scale=unit == "B", file=sys.stderr, mininterval=1.0,
+        disable=not show, leave=False, dynamic_ncols=True,
+    )  # fmt: skip
 
 
 def _untie(model: torch.nn.Module) -> None:
@@ -191,13 +201,16 @@ def export_package(
     lora: list[tuple[str | Path, float]] = (),
     lora_slots: SlotSpec | None = None,
     progress: Progress = print,
+    bars: bool = True,
 ) -> dict:
     """Checkpoint folder or GGUF file -> model package folder, staged beside `out_dir` and renamed into place, so a
     failed export leaves nothing half-written; returns the manifest (JSON). attention: "fused" or "standard"
     (last_token_logits is the standard graph's). A GGUF file's quantized blocks are kept (MatMulNBits run at
     `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph; compact_blocks
     stores them as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py). tolerance: the largest
-    |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py)."""
+    |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py).
+    bars: progress bars on stderr for the long steps (reading, writing and proving, tensor by tensor or layer by
+    layer), beside the `progress` lines."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
@@ -207,7 +220,7 @@ def export_package(
     )
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     adapters = read_adapters(list(lora))
-    source = _load(checkpoint, untie=untie, progress=progress)
+    source = _load(checkpoint, untie=untie, progress=progress, bars=bars)
     apply_lora(source, adapters, keeps_blocks=attention == "fused" and not dequantize, progress=progress)
     plan = _plan(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
@@ -217,9 +230,9 @@ def export_package(
     with staged as staging:
         _write_graph(
             plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, compact=compact_blocks,
-            progress=progress,
+            progress=progress, bars=bars,
         )  # fmt: skip
-        manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress)
+        manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress, bars=bars)
         progress("[4/4] writing package files")
         _write_files(staging, manifest, source)
     size = sum(f["bytes"] for f in manifest.files.values())
@@ -284,7 +297,14 @@ def _plan(
 
 
 def _write_graph(
-    plan: _Plan, model: torch.nn.Module, path: Path, *, accuracy_level: int, compact: bool, progress: Progress
+    plan: _Plan,
+    model: torch.nn.Module,
+    path: Path,
+    *,
+    accuracy_level: int,
+    compact: bool,
+    progress: Progress,
+    bars: bool,
 ) -> None:
     """Step 2: the fused graph built from the plan's Decoder (which it then lets go; compact: its kept blocks as
     bit planes), or the standard graph traced from the model; saved with its weights beside it."""
@@ -299,7 +319,8 @@ def _write_graph(
             plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level, compact=compact
         )
         plan.decoder = None  # save_model drops each array once written: its float copies go one by one
-        manifest.export["external_data"] = save_model(graph, path, weights=weights)
+        with _bar(stored_bytes(weights), "writing weights", show=bars, unit="B") as bar:
+            manifest.export["external_data"] = save_model(graph, path, weights=weights, on_write=bar.update)
     else:
         materialize(model)  # tracing runs the whole model in fp32
         graph = trace_graph(model, io=manifest.io, opset=opset, last_token_logits=last_token_logits)
@@ -324,12 +345,14 @@ def _check_options(
         raise ValueError("LoRA slots need the fused graph (--attention fused)")
 
 
-def _load(checkpoint: Path, *, untie: bool, progress: Progress) -> Source:
-    """Step 1: the checkpoint opened and checked (finite weights), its head untied if asked."""
+def _load(checkpoint: Path, *, untie: bool, progress: Progress, bars: bool) -> Source:
+    """Step 1: the checkpoint opened and checked (finite weights, read one tensor at a time), its head untied if
+    asked."""
     progress(f"[1/4] loading checkpoint {checkpoint}")
     source = open_source(checkpoint)
     model, config = source.model, source.model.config
-    check_finite(model, source.name)
+    with _bar(len(list(model.parameters())), "checking weights", show=bars, unit="tensor") as bar:
+        check_finite(model, source.name, on_tensor=bar.update)
     if untie and config.tie_word_embeddings:
         _untie(model)
     parameters = sum(p.numel() for p in model.parameters())
@@ -376,13 +399,15 @@ def _keep_blocks(
     return keep
 
 
-def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Progress) -> dict:
+def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Progress, bars: bool) -> dict:
     """Step 3: ONNX Runtime against PyTorch (export/parity.py); RuntimeError above the tolerance. Returns the
     manifest's parity record."""
     progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
     io, tolerance = plan.manifest.io, plan.tolerance
     if plan.fused:
-        max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep)
+        steps = 6 * (model.config.n_layer + 1)  # 6 reference passes layer by layer, then 6 ONNX Runtime runs
+        with _bar(steps, "PyTorch float64, then ONNX Runtime", show=bars, unit="layer") as bar:
+            max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep, on_step=bar.update)
     else:
         last_token_logits = plan.manifest.export["last_token_logits"]
         max_diff = check_parity(model, onnx_path, io=io, last_token_logits=last_token_logits)

@@ -9,7 +9,7 @@ vocab_size), which is all these checks use.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -111,9 +111,31 @@ def check_parity(
     return worst
 
 
-def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) -> list[dict]:
+def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The reference model's list of decoder layers (its ModuleList of n_layer blocks)."""
+    n_layer = model.config.n_layer
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layer)
+
+
+def _reference_steps(
+    model: torch.nn.Module, *, decode_steps: int, seed: int, on_layer: Callable[[], None] | None = None
+) -> list[dict]:
     """The runs check_parity_shared compares, with PyTorch's float64 logits: a batch of 2 right-padded prompts
-    of different lengths with all-position logits, then one-token steps (greedy on the reference)."""
+    of different lengths with all-position logits, then one-token steps (greedy on the reference). on_layer:
+    called after each layer's forward (progress)."""
+
+    def after_layer(*_) -> None:  # returns None: a forward hook's result would replace the layer's output
+        on_layer()
+
+    handles = [] if on_layer is None else [block.register_forward_hook(after_layer) for block in _layers(model)]
+    try:
+        return _run_reference(model, decode_steps=decode_steps, seed=seed)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _run_reference(model: torch.nn.Module, *, decode_steps: int, seed: int) -> list[dict]:
     config = model.config
     generator = torch.Generator().manual_seed(seed)
     lengths = [min(7, config.n_positions - decode_steps), min(5, config.n_positions - decode_steps)]
@@ -150,14 +172,15 @@ def check_parity_shared(
     decode_steps: int = 5,
     seed: int = 0,
     prepacking: bool = False,
+    on_step: Callable[[], None] | None = None,
 ) -> float:
     """Max |logit difference| between ONNX Runtime, run the way the runtime runs the fused graph (the
     cache one buffer per layer bound as both past and present, num_logits_to_keep 1 after the prompt), and
     the PyTorch model on the same rows in float64: the exact answer for the weights, so the figure is ONNX
     Runtime's float32 rounding alone, not the sum of two float32 roundings. io: the manifest's names, its
-    logits_to_keep among them."""
+    logits_to_keep among them. on_step: called after each reference layer and each ONNX Runtime step (progress)."""
     config = model.config
-    steps = _reference_steps(model, decode_steps=decode_steps, seed=seed)
+    steps = _reference_steps(model, decode_steps=decode_steps, seed=seed, on_layer=on_step)
     # after the float64 pass, whose module-by-module weights are gone by now
     session = _session(onnx_path, prepacking=prepacking)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
@@ -186,4 +209,6 @@ def check_parity_shared(
         assert logits.shape == step["logits"].shape, f"ONNX logits {logits.shape} vs {step['logits'].shape}"
         real = step.get("real", np.ones(logits.shape[:2], dtype=bool))
         worst = _worst(worst, logits[real], step["logits"][real])
+        if on_step is not None:
+            on_step()
     return worst
