@@ -39,6 +39,7 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
+from .block_quantize import QUANTIZE_MODES, quantize_decoder
 from .checkpoint import check_finite
 from .decoder import Decoder
 from .defaults import (
@@ -200,6 +201,9 @@ def export_package(
     compact_blocks: bool = True,
     lora: list[tuple[str | Path, float]] = (),
     lora_slots: SlotSpec | None = None,
+    quantize: str | None = None,
+    block_size: int = 32,
+    int4_lm_head: str = "int8",
     progress: Progress = print,
     bars: bool = True,
 ) -> dict:
@@ -209,14 +213,17 @@ def export_package(
     `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph; compact_blocks
     stores them as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py). tolerance: the largest
     |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py).
-    bars: progress bars on stderr for the long steps (reading, writing and proving, tensor by tensor or layer by
-    layer), beside the `progress` lines."""
+    quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
+    (export/block_quantize.py; block_size and int4_lm_head as quantize's). bars: progress bars on stderr for
+    the long steps (reading, writing and proving, tensor by tensor or layer by layer), beside the `progress`
+    lines."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
         last_token_logits=last_token_logits,
         accuracy_level=accuracy_level,
         lora_slots=lora_slots,
+        quantize=quantize,
     )
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     adapters = read_adapters(list(lora))
@@ -225,6 +232,7 @@ def export_package(
     plan = _plan(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
+        quantize=None if quantize is None else dict(mode=quantize, block_size=block_size, lm_head=int4_lm_head),
     )  # fmt: skip
     manifest = _add_storage_and_lora(plan, source, compact_blocks=compact_blocks, adapters=adapters, slots=lora_slots)
     with staged as staging:
@@ -246,7 +254,7 @@ def _add_storage_and_lora(
     """The plan's manifest with how kept blocks are stored and the LoRA record; run-time slots join the Decoder."""
     manifest = plan.manifest
     if plan.keep:  # compact: ONNX Runtime computes the blocks at load, by constant folding (export/compact_blocks.py)
-        manifest.recipe["storage"] = "compact" if compact_blocks else "plain"
+        manifest.recipe["storage"] = "compact" if compact_blocks and not plan.quantized else "plain"
     planned = plan_slots(source.model, source.family, slots) if slots is not None else None
     if planned is not None:
         add_slots(plan.decoder, planned)
@@ -263,6 +271,7 @@ class _Plan:
     decoder: Decoder | None  # the fused graph's; None for the standard graph, and once the graph is built
     keep: bool
     tolerance: float
+    quantized: bool = False  # export --quantize: blocks of its own rounding, stored plain
 
     @property
     def fused(self) -> bool:
@@ -279,16 +288,23 @@ def _plan(
     accuracy_level: int,
     tolerance: float | None,
     progress: Progress,
+    quantize: dict | None = None,
 ) -> _Plan:
     """The fused graph's Decoder (with the GGUF blocks it keeps), the manifest and the tolerance (None: the
     default for what the graph keeps)."""
     fused = attention == "fused"
-    blocks = source.blocks if fused and not dequantize else None
+    blocks = source.blocks if fused and not dequantize and quantize is None else None
     decoder = source.family.decoder(source.model, blocks=blocks) if fused else None
     position_ids = not fused or decoder.position_table is not None
     manifest = build_manifest(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
     )
+    if quantize is not None:
+        manifest.recipe = quantize_decoder(decoder, source.model, **quantize)
+        manifest.precision = quantize["mode"]
+        progress(f"      quantizing as written: {manifest.recipe['ops']}, blocks of {quantize['block_size']}")
+        tolerance = INT8_ACTIVATION_TOLERANCE if tolerance is None else tolerance
+        return _Plan(manifest=manifest, decoder=decoder, keep=True, tolerance=tolerance, quantized=True)
     keep = _keep_blocks(manifest, decoder, source, blocks=blocks, accuracy_level=accuracy_level, progress=progress)
     if tolerance is None:
         tolerance = KEPT_FLOAT_TOLERANCE if keep else PARITY_TOLERANCE
@@ -315,8 +331,13 @@ def _write_graph(
         f"{', last-token logits' if last_token_logits else ''})"
     )
     if plan.fused:
+        accuracy_level = 4 if plan.quantized else accuracy_level  # quantize's recipe: int8 activations
         graph, weights = build_fused_graph(
-            plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level, compact=compact
+            plan.decoder,
+            manifest.io,
+            opset=opset,
+            accuracy_level=accuracy_level,
+            compact=compact and not plan.quantized,
         )
         plan.decoder = None  # save_model drops each array once written: its float copies go one by one
         with _bar(stored_bytes(weights), "writing weights", show=bars, unit="B") as bar:
@@ -333,8 +354,13 @@ def _check_options(
     last_token_logits: bool,
     accuracy_level: int,
     lora_slots: SlotSpec | None,
+    quantize: str | None = None,
 ) -> None:
     """ValueError for options that contradict each other or are out of range (export_package's)."""
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ValueError(f"unknown export quantization {quantize!r}; valid: {', '.join(QUANTIZE_MODES)}")
+    if quantize is not None and attention != "fused":
+        raise ValueError("--quantize writes the fused graph's MatMulNBits blocks: use --attention fused")
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     if attention == "fused" and last_token_logits:
@@ -426,6 +452,8 @@ def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Pr
         )
     parity = {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2}
     parity["reference"] = "PyTorch float64" if plan.fused else "PyTorch float32"
+    if plan.quantized:
+        parity["reference_weights"] = "what the blocks hold (quantized and dequantized)"
     if plan.keep and plan.manifest.recipe["accuracy_level"] == 4:
         parity["activations"] = "int8 (MatMulNBits accuracy_level 4)"
     return parity
