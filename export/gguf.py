@@ -12,7 +12,10 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +38,28 @@ class _Stored(NamedTuple):
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order: shape[0] is the row length
     data: np.ndarray  # uint8 (rows, bytes per row), memory-mapped: what gguf.quants.dequantize takes
+    pages: Callable[[], None] | None = None  # lets go of the pages of `data` this process has read (_forget)
+
+
+def _drop_pages(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Let go of the mapped file's pages in [start, start + length) (whole pages within it): the kernel keeps them
+    in its page cache, but they no longer count as this process's memory, which would otherwise grow to the
+    whole file as export reads it tensor by tensor."""
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + length) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def _forget(stored: _Stored) -> None:
+    if stored.pages is not None and hasattr(mmap, "MADV_DONTNEED"):
+        stored.pages()
+
+
+def _forgotten(load: Callable[[], Runs], stored: _Stored) -> Runs:
+    runs = load()
+    _forget(stored)
+    return runs
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -77,6 +102,7 @@ class GGUFModel:
         """`name` dequantized to a new float32 array in Hugging Face orientation."""
         entry, stored = self._lookup(name)
         weight = np.array(dequantize(stored.data, stored.tensor_type), dtype=np.float32).reshape(entry.shape)
+        _forget(stored)
         if entry.heads:
             weight = _unpermute_rows(weight, entry.heads)
         if entry.shift:
@@ -89,7 +115,8 @@ class GGUFModel:
         if len(entry.shape) != 2:
             return None
         change = (lambda a: _unpermute_rows(a, entry.heads)) if entry.heads else None
-        return lazy_runs(stored.tensor_type, stored.data, entry.shape[1], change)
+        runs = lazy_runs(stored.tensor_type, stored.data, entry.shape[1], change)
+        return runs if runs is None else runs.with_load(lambda: _forgotten(runs.load, stored))
 
     def matmul_nbits(self, name: str) -> Runs | None:
         """Linear weight `name` (N = out features, K = in features) as MatMulNBits runs, from its own quantized
@@ -130,12 +157,13 @@ def read_gguf(path: str | Path) -> GGUFModel:
         header = read_header(path)
     except (HeaderError, UnicodeDecodeError) as error:
         raise GGUFError(_one_line(path, error)) from None
-    file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # a plain view: np.memmap slices cost per call
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    file = np.asarray(mapped)  # a plain view: np.memmap slices cost per call
     stored = {}
     for t in header.tensors:
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         rows = file[t.start : t.start + t.nbytes].reshape(-1, t.dims[0] // block * type_size)
-        stored[t.name] = _Stored(t.tensor_type, t.dims, rows)
+        stored[t.name] = _Stored(t.tensor_type, t.dims, rows, partial(_drop_pages, mapped._mmap, t.start, t.nbytes))
     try:
         return _build(path, stored, header.metadata)
     except GGUFError as error:

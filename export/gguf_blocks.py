@@ -253,6 +253,9 @@ class LazyRuns:
     has_offsets: bool
     load: Callable[[], Runs]
 
+    def with_load(self, load: Callable[[], Runs]) -> LazyRuns:
+        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load)
+
 
 def lazy_runs(
     kind: Q, rows: np.ndarray, n_in: int, change: Callable[[np.ndarray], np.ndarray] | None
