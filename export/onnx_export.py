@@ -62,11 +62,12 @@ from .traced import trace_graph
 Progress = Callable[[str], None]
 
 
-def _bar(total: int, what: str, *, show: bool, unit: str = "it") -> tqdm:
-    """A progress bar on stderr for a long step (per tensor, layer or byte), under the step's own line."""
+def _bar(total: int, what: str, *, show: bool | None, unit: str = "it") -> tqdm:
+    """A progress bar on stderr for a long step (per tensor, layer or byte), under the step's own line; show
+    None: when stderr is a terminal (a log, or a caller reading one error line, gets none)."""
     return tqdm(
         total=total, desc=f"      {what}", unit=unit, unit_scale=unit == "B", file=sys.stderr, mininterval=1.0,
-        disable=not show, leave=False, dynamic_ncols=True,
+        disable=None if show is None else not show, leave=False, dynamic_ncols=True,
     )  # fmt: skip
 
 
@@ -205,7 +206,7 @@ def export_package(
     block_size: int = 32,
     int4_lm_head: str = "int8",
     progress: Progress = print,
-    bars: bool = True,
+    bars: bool | None = None,
 ) -> dict:
     """Checkpoint folder or GGUF file -> model package folder, staged beside `out_dir` and renamed into place, so a
     failed export leaves nothing half-written; returns the manifest (JSON). attention: "fused" or "standard"
@@ -216,7 +217,7 @@ def export_package(
     quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
     (export/block_quantize.py; block_size and int4_lm_head as quantize's). bars: progress bars on stderr for
     the long steps (reading, writing and proving, tensor by tensor or layer by layer), beside the `progress`
-    lines."""
+    lines; None: when stderr is a terminal."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
@@ -320,7 +321,7 @@ def _write_graph(
     accuracy_level: int,
     compact: bool,
     progress: Progress,
-    bars: bool,
+    bars: bool | None,
 ) -> None:
     """Step 2: the fused graph built from the plan's Decoder (which it then lets go; compact: its kept blocks as
     bit planes), or the standard graph traced from the model; saved with its weights beside it."""
@@ -371,7 +372,7 @@ def _check_options(
         raise ValueError("LoRA slots need the fused graph (--attention fused)")
 
 
-def _load(checkpoint: Path, *, untie: bool, progress: Progress, bars: bool) -> Source:
+def _load(checkpoint: Path, *, untie: bool, progress: Progress, bars: bool | None) -> Source:
     """Step 1: the checkpoint opened and checked (finite weights, read one tensor at a time), its head untied if
     asked."""
     progress(f"[1/4] loading checkpoint {checkpoint}")
@@ -425,7 +426,7 @@ def _keep_blocks(
     return keep
 
 
-def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Progress, bars: bool) -> dict:
+def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Progress, bars: bool | None) -> dict:
     """Step 3: ONNX Runtime against PyTorch (export/parity.py); RuntimeError above the tolerance. Returns the
     manifest's parity record."""
     progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
