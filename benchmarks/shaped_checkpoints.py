@@ -106,6 +106,20 @@ def write_weights(state: dict, folder: Path, *, dtype: torch.dtype, shard_bytes:
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def drop_tokens_past(folder: Path, vocab_size: int) -> None:
+    """transformers' GGUF tokenizer conversion adds an <|endoftext|> past Llama 3's 128,256 tokens; the real
+    model has none, and export refuses a tokenizer bigger than the embedding."""
+    for name, key in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", "added_tokens_decoder")):
+        path = folder / name
+        data = json.loads(path.read_text())
+        tokens = data.get(key)
+        if isinstance(tokens, list):
+            data[key] = [t for t in tokens if t["id"] < vocab_size]
+        elif isinstance(tokens, dict):
+            data[key] = {k: v for k, v in tokens.items() if int(k) < vocab_size}
+        path.write_text(json.dumps(data, ensure_ascii=False, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", choices=sorted(SHAPES))
@@ -123,6 +137,7 @@ def main() -> None:
     GenerationConfig(bos_token_id=shape["bos_token_id"], eos_token_id=shape["eos_token_id"]).save_pretrained(args.out)
     tokenizer = AutoTokenizer.from_pretrained(LLAMA_CPP / "models", gguf_file=VOCABS[shape["model_type"]])
     tokenizer.save_pretrained(args.out)
+    drop_tokens_past(args.out, shape["vocab_size"])
     shard_bytes = int(args.shard_gb * 1e9) if args.shard_gb else 1 << 62
     write_weights(state, args.out, dtype=DTYPES[args.dtype], shard_bytes=shard_bytes)
     print(f"{args.shape}: {sum(m.numel() for m in state.values()) / 1e6:.1f}M parameters in {args.out}")
