@@ -98,6 +98,15 @@ class GGUFModel:
         entry = self._lookup(name)[0]
         return tuple(reversed(entry.shape)) if entry.transpose else tuple(entry.shape)
 
+    def rows(self, name: str, indices: np.ndarray) -> np.ndarray | None:
+        """Rows `indices` of tensor(name), dequantizing only them; None where the file's rows are not the
+        tensor's (a transposed or permuted one)."""
+        entry, stored = self._lookup(name)
+        if entry.transpose or entry.heads or len(entry.shape) != 2:
+            return None
+        weight = np.array(dequantize(stored.data[indices], stored.tensor_type), dtype=np.float32)
+        return weight.reshape(len(indices), entry.shape[1]) + np.float32(entry.shift)
+
     def tensor(self, name: str) -> np.ndarray:
         """`name` dequantized to a new float32 array in Hugging Face orientation."""
         entry, stored = self._lookup(name)

@@ -33,6 +33,7 @@ class TensorLoader:
 
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
+    rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # some rows only (an Embedding's lookup), if cheaper
 
     def numel(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
@@ -128,7 +129,11 @@ def _embedding(module: torch.nn.Embedding, dtype: torch.dtype) -> Callable[[torc
     """An Embedding's forward in `dtype`: only the rows asked for are converted."""
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, read(module.weight)).to(dtype)
+        weight = module.weight
+        if is_lazy(weight) and weight.loader.rows is not None:  # only the rows asked for are read
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            return weight.loader.rows(unique).to(dtype)[inverse]
+        return F.embedding(ids, read(weight)).to(dtype)
 
     return forward
 

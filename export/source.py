@@ -87,12 +87,20 @@ def _dequantized(gguf, name: str) -> torch.Tensor:
     return torch.from_numpy(gguf.tensor(name))
 
 
+def _rows(gguf, name: str, indices: torch.Tensor) -> torch.Tensor:
+    rows = gguf.rows(name, indices.numpy())
+    return torch.from_numpy(rows) if rows is not None else torch.from_numpy(gguf.tensor(name))[indices]
+
+
 def open_gguf(path: Path) -> Source:
     """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
     tokenizer metadata, its chat template kept (export/gguf.py)."""
     gguf = read_gguf(path)
     family = gguf.family
-    state = {name: TensorLoader(gguf.shape(name), partial(_dequantized, gguf, name)) for name in gguf.tensor_names}
+    state = {
+        name: TensorLoader(gguf.shape(name), partial(_dequantized, gguf, name), partial(_rows, gguf, name))
+        for name in gguf.tensor_names
+    }
     model = family.build(gguf.hf_config, state)  # lazy: each tensor dequantized when used
     tokens = checked_tokens(model.config.vocab_size, gguf.bos_token_id, gguf.eos_token_ids, gguf.pad_token_id)
     sha256 = file_sha256(path)
