@@ -432,8 +432,8 @@ def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Pr
     progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
     io, tolerance = plan.manifest.io, plan.tolerance
     if plan.fused:
-        steps = 6 * (model.config.n_layer + 1)  # 6 reference passes layer by layer, then 6 ONNX Runtime runs
-        with _bar(steps, "PyTorch float64, then ONNX Runtime", show=bars, unit="layer") as bar:
+        steps = 6 + model.config.n_layer  # 6 ONNX Runtime runs, then the reference's one pass layer by layer
+        with _bar(steps, "ONNX Runtime, then PyTorch float64", show=bars, unit="step") as bar:
             max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep, on_step=bar.update)
     else:
         last_token_logits = plan.manifest.export["last_token_logits"]

@@ -103,7 +103,7 @@ def test_exported_logits_match_transformers(bf16_sharded, streamed) -> None:
 def test_progress_bars_on_the_long_steps(bf16_sharded, tmp_path, capsys) -> None:
     export_package(bf16_sharded, tmp_path / "pkg", progress=quiet, bars=True)
     err = capsys.readouterr().err
-    for step in ("checking weights", "writing weights", "PyTorch float64, then ONNX Runtime"):
+    for step in ("checking weights", "writing weights", "ONNX Runtime, then PyTorch float64"):
         assert step in err, step
 
 
