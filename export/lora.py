@@ -17,7 +17,6 @@ holds each part's B in its own rows and columns.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from ..package_writer import StagedFiles, write_json
 from ..runtime.contract import MANIFEST_FILE, Manifest
 from ..runtime.errors import AdapterError
 from ..runtime.lora_contract import (
@@ -205,12 +205,18 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
     return tensors
 
 
-def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0) -> Path:
-    """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base.
-    AdapterError for a package without slots or an adapter that does not fit them."""
+def convert_adapter(
+    adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0, overwrite: bool = False
+) -> Path:
+    """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base, written
+    through edgelm/package_writer.py's StagedFiles (no symlink written through, nothing replaced without
+    overwrite, nothing inside an input). AdapterError for a package without slots or an adapter that does
+    not fit them."""
     out = Path(out)
     if out.suffix != ADAPTER_SUFFIX:
         raise AdapterError(f"the adapter file's name must end in {ADAPTER_SUFFIX}, got {out.name}")
+    record_path = out.with_name(f"{out.name}{RECORD_SUFFIX}")
+    staged = StagedFiles([out, record_path], inputs=[adapter_dir, package], overwrite=overwrite)  # before any work
     spec = read_package(package)
     slots = parse_slots(spec.manifest.lora if spec.manifest else None, MANIFEST_FILE)
     if slots is None:
@@ -223,10 +229,10 @@ def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Pat
     writer.set_model_version(model_version(slots.base_sha256))
     arrays = {name: np.ascontiguousarray(t, dtype=dtype) for name, t in tensors.items()}  # alive while written
     writer.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer.export_adapter(str(out))
-    record = AdapterRecord(file_sha256(out), slots.base_sha256, slots.max_rank, adapter.record())
-    Path(f"{out}{RECORD_SUFFIX}").write_text(json.dumps(record.to_json(), indent=2) + "\n", encoding="utf-8")
+    with staged as folder:
+        writer.export_adapter(str(folder / out.name))
+        record = AdapterRecord(file_sha256(folder / out.name), slots.base_sha256, slots.max_rank, adapter.record())
+        write_json(folder / record_path.name, record.to_json())
     return out
 
 
