@@ -68,8 +68,8 @@ def parse_slot_argument(text: str) -> SlotSpec:
 
 def slots_from_adapters(adapters: list[PeftAdapter]) -> SlotSpec:
     """Slots that fit every adapter given: the modules any of them adapts, at the largest rank among them."""
-    names = sorted({path.rsplit(".", 1)[-1] for adapter in adapters for path in adapter.modules})
-    return SlotSpec(names, max(w.rank for adapter in adapters for w in adapter.modules.values()))
+    names = sorted({path.rsplit(".", 1)[-1] for adapter in adapters for path in adapter.pairs})
+    return SlotSpec(names, max(rank for adapter in adapters for rank in adapter.ranks))
 
 
 def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
@@ -83,17 +83,29 @@ def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
 
 
 def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, family: str) -> set[str]:
-    """Add every adapter's scale * B @ A to the model's linears, in order; returns the weights changed
-    (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError before any change when a
-    module is not a linear of this model or a shape differs."""
+    """Add every adapter's scale * B @ A to the model's linears PEFT's targeting selects (PeftAdapter.select), in
+    order; returns the weights changed (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError
+    before any change when a module is not a linear of this model, a shape differs, or the weight is shared
+    with another module (a tied LM head: merging would change the input embedding too)."""
     modules = dict(model.named_modules())
+    sharing: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        sharing.setdefault(id(parameter), []).append(name)
     for adapter in adapters:
+        adapter.select({name: isinstance(m, torch.nn.Linear) for name, m in modules.items()}, model_type=family)
         for path, weights in adapter.modules.items():
             module = modules.get(path)
             if not isinstance(module, torch.nn.Linear):
                 raise AdapterError(
                     f"LoRA adapter {adapter.name}: {path} is not a linear layer of this {family} model "
                     "(an adapter for another architecture?)"
+                )
+            shared = [name for name in sharing[id(module.weight)] if name != f"{path}.weight"]
+            if shared:
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: {path} shares its weight with {shared[0]} (tied word embeddings); "
+                    "merging it would change that too, so edgelm refuses it: train the adapter without "
+                    f"{path.rsplit('.', 1)[-1]} in target_modules, or untie the base's embeddings first"
                 )
             expected = (module.out_features, module.in_features)
             if (weights.b.shape[0], weights.a.shape[1]) != expected:
@@ -222,6 +234,7 @@ def convert_adapter(
     if slots is None:
         raise AdapterError(f"{package} has no LoRA slots: export the base with --lora-slots MODULES:MAX_RANK")
     adapter = read_peft_adapter(adapter_dir, scale=scale)
+    adapter.select_by_name(model_type=spec.manifest.architecture.type if spec.manifest else None)
     tensors = _slot_tensors(slots, adapter, f"LoRA adapter {adapter.name}")
     dtype = np.float16 if spec.io.kv_dtype == "float16" else np.float32  # an fp16 package's inputs are half
     writer = ort.AdapterFormat()
@@ -252,8 +265,9 @@ def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progr
     merged = merge_adapters(source.model, adapters, family=source.family.name)
     for adapter in adapters:
         ranks = sorted({w.rank for w in adapter.modules.values()})
+        left_out = f" ({len(adapter.ignored)} modules not targeted, left out)" if adapter.ignored else ""
         progress(f"      merged LoRA adapter {adapter.name}: {len(adapter.modules)} linears, rank "
-                 f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}")  # fmt: skip
+                 f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}{left_out}")  # fmt: skip
     if source.blocks is not None:
         source.blocks = without_blocks(source.blocks, merged)
         if keeps_blocks:
