@@ -12,7 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from helpers import LORA_BASES, edgelm, quiet, save_lora_base, save_peft_adapter, save_random_model
 
 from edgelm.export.lora import SlotSpec, convert_adapter
@@ -120,3 +122,160 @@ def test_tied_lm_head_is_refused(setup, tmp_path):
     with pytest.raises(AdapterError, match="shares its weight with model.embed_tokens"):
         export_package(setup["root"] / "tied", tmp_path / "out", lora=[(tmp_path / "head", 1.0)], progress=quiet)
     assert not (tmp_path / "out").exists()
+
+
+# ---- targeting against PEFT ----------------------------------------------------------------------------
+
+NAMES = [*LINEARS, "self_attn.q_proj", "mlp.down_proj", "layers.1.mlp.up_proj", "model.layers.0.self_attn.k_proj",
+         "lm_head", "attn.q_proj", "nothing"]  # fmt: skip
+REGEXES = [r".*\.(q|k)_proj", r"model\.layers\.[01]\.mlp\.(up|down)_proj", r".*_proj", r".*layers\.1\..*(v|o)_proj",
+           r"lm_head|.*v_proj", r"(.*\.)*gate_proj", r".*\.q"]  # fmt: skip
+# no (.*)*x: PEFT never finishes
+KEYS = [*NAMES[:6], r"layers\.0\..*", r"q_proj|v_proj", r"mlp\.\w+", r"model.layers.1.self_attn.o_proj"]
+
+
+def _configs():
+    """Random LoraConfig arguments; about one in six is one PEFT refuses (layers with a string target_modules,
+    targets matching no module)."""
+    from hypothesis import strategies as st
+
+    names = st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True)
+    layers = st.one_of(st.integers(0, 2), st.lists(st.integers(0, 2), max_size=2, unique=True))
+    pattern = st.sampled_from([None, "layers", ["h", "layers"], "model.layers", "h"])
+
+    @st.composite
+    def config(draw) -> dict:
+        targets = draw(st.one_of(st.none(), st.just("all-linear"), names, names, st.sampled_from(REGEXES)))
+        by_layer = draw(st.integers(0, 5)) >= (5 if isinstance(targets, str) else 3)  # PEFT refuses it with a str
+        chosen = {
+            "r": draw(st.integers(1, 4)), "lora_alpha": draw(st.integers(1, 16)), "use_rslora": draw(st.booleans()),
+            "target_modules": targets,
+            "exclude_modules": draw(st.one_of(st.none(), st.none(), names, st.sampled_from(REGEXES))),
+            "rank_pattern": draw(st.dictionaries(st.sampled_from(KEYS), st.integers(1, 6), max_size=2)),
+            "alpha_pattern": draw(st.dictionaries(st.sampled_from(KEYS), st.integers(1, 20), max_size=2)),
+        }  # fmt: skip
+        if by_layer:
+            chosen["layers_to_transform"] = draw(layers)
+            chosen["layers_pattern"] = draw(pattern)
+        return chosen
+
+    return config()
+
+
+def _peft_choice(hf, config: dict) -> dict[str, tuple[int, float]] | None:
+    """PEFT's own answer: module path -> (rank, scaling) of every module it adapts; None when it refuses."""
+    from peft import LoraConfig, get_peft_model
+
+    try:
+        peft_model = get_peft_model(copy.deepcopy(hf), LoraConfig(**config))
+    except ValueError:
+        return None
+    prefix = "base_model.model."
+    return {
+        name[len(prefix) :]: (module.r["default"], module.scaling["default"])
+        for name, module in peft_model.named_modules()
+        if hasattr(module, "lora_A") and "default" in module.lora_A
+    }
+
+
+def _file_for_every_linear(hf, folder: Path, config: dict, ranks: dict[str, int]) -> Path:
+    """An adapter folder with `config` and A/B weights for every linear of hf (lm_head included) at the given
+    ranks (the config's r elsewhere): more modules than the config selects."""
+    from safetensors.numpy import save_file
+
+    generator = np.random.default_rng(0)
+    tensors = {}
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            rank = ranks.get(name, config["r"])
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = generator.standard_normal((rank, module.in_features), np.float32)
+            tensors[f"{key}.lora_B.weight"] = generator.standard_normal((module.out_features, rank), np.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    return folder
+
+
+def test_targeting_matches_peft_on_random_configs(setup, tmp_path_factory):
+    """Random target_modules (names, regexes, all-linear, PEFT's default), layers_to_transform, layers_pattern,
+    exclude_modules, rank_pattern and alpha_pattern: edgelm adapts the modules PEFT adapts, with PEFT's ranks and
+    scales, and refuses (AdapterError) exactly the configs PEFT refuses."""
+    from hypothesis import HealthCheck, given, settings
+
+    from edgelm.export.peft_adapter import read_peft_adapter
+
+    hf = setup["untied"]
+    modules = {name: isinstance(module, torch.nn.Linear) for name, module in hf.named_modules()}
+    root = tmp_path_factory.mktemp("targeting")
+    count = iter(range(10**6))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_configs())
+    def check(config):
+        config = {key: value for key, value in config.items() if value is not None}
+        expected = _peft_choice(hf, config)
+        folder = root / str(next(count))
+        ranks = {name: rank for name, (rank, _) in (expected or {}).items()}
+        _file_for_every_linear(hf, folder, config, ranks)
+        if expected is None:
+            with pytest.raises(AdapterError):
+                read_peft_adapter(folder).select(modules, model_type="llama")
+            return
+        adapter = read_peft_adapter(folder)
+        adapter.select(modules, model_type="llama")
+        assert set(adapter.modules) == set(expected), config
+        for name, (rank, scaling) in expected.items():
+            assert adapter.modules[name].rank == rank and adapter.modules[name].scale == pytest.approx(scaling)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check()
+
+
+PARITY = {  # name: adapter_config.json changes to the every-linear adapter (whose file keeps all its weights)
+    "layers_to_transform": {"target_modules": ["q_proj", "down_proj"], "layers_to_transform": [1],
+                            "layers_pattern": "layers"},
+    "regex and exclude": {"target_modules": r".*\.(k|o|up)_proj", "exclude_modules": r".*layers\.0\..*o_proj"},
+    "default targets": {"target_modules": None, "exclude_modules": ["model.layers.1.self_attn.v_proj"]},
+    "all-linear": {"target_modules": "all-linear", "exclude_modules": ["gate_proj"],
+                   "rank_pattern": {}, "alpha_pattern": {r"layers\.1\..*": 3}},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def peft_references(setup, tmp_path_factory) -> dict:
+    """case -> (adapter folder, PEFT's logits for PROMPT with the adapter loaded by PeftModel.from_pretrained)."""
+    from peft import PeftModel
+
+    root = tmp_path_factory.mktemp("parity")
+    out = {}
+    for case, changes in PARITY.items():
+        folder = _variant(setup, root / case.replace(" ", "-"), **changes)
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(setup["untied"]), folder).eval()
+        with torch.no_grad():
+            out[case] = (folder, peft_model(torch.tensor([PROMPT])).logits[0].numpy())
+    return out
+
+
+@pytest.mark.parametrize("case", PARITY)
+def test_merged_export_equals_peft(setup, peft_references, tmp_path, case):
+    """Merged at export: PEFT's logits (the file's weights for unselected modules would move them by far more)."""
+    folder, expected = peft_references[case]
+    export_package(setup["root"] / "untied", tmp_path / "pkg", lora=[(folder, 1.0)], progress=quiet)
+    logits, _ = load(tmp_path / "pkg", provider="cpu", threads=1).forward(np.array([PROMPT]))
+    assert np.abs(logits[0] - expected).max() < 1e-4
+    _, every = peft_references["all-linear"] if case != "all-linear" else peft_references["default targets"]
+    assert np.abs(every - expected).max() > 1e-2  # the cases differ: targeting matters
+
+
+def test_converted_adapter_equals_peft(setup, peft_references, tmp_path):
+    """Converted for slots: the same selection, PEFT's logits."""
+    folder, expected = peft_references["regex and exclude"]
+    out = convert_adapter(folder, setup["root"] / "pkg", tmp_path / "a.onnx_adapter")
+    model = load(setup["root"] / "pkg", provider="cpu", threads=1)
+    model.load_adapter(out)
+    logits, _ = model.forward(np.array([PROMPT]), adapter="a")
+    assert np.abs(logits[0] - expected).max() < 1e-4
