@@ -20,6 +20,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("package")
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
+    p.add_argument(
+        "--no-bos",
+        action="store_true",
+        help="tokenize the prompt without the BOS (or other special tokens) the tokenizer adds to text "
+        "(add_special_tokens=False; see docs/tokenization.md)",
+    )
     add_sampling(p)
     add_speculative(p)
     add_runtime(p)
@@ -33,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
     options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter)}
+    options["add_special_tokens"] = not args.no_bos
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(to_json(result.to_dict(), ensure_ascii=False))
