@@ -44,7 +44,9 @@ OUTPUT_LAYER = "lm_head"  # the output layer's module name in every family's ref
 # PEFT's targets when target_modules is absent (peft.utils.constants TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
 DEFAULT_TARGETS = {"gpt2": ["c_attn"], **{t: ["q_proj", "v_proj"] for t in ("llama", "mistral", "qwen2", "qwen3",
                                                                             "gemma3_text")}}  # fmt: skip
+MAX_NAME = 1000  # characters in a tensor name: what the patterns are matched against
 MAX_PATTERNS = 1000  # keys of rank_pattern and alpha_pattern, entries of target_modules and exclude_modules
+MAX_STATES = 4_000  # NFA states of a config's patterns together (export/safe_regex.py): bounds the matching work
 LAYER_NAME = re.compile(r"[\w.]{1,200}")  # a layers_pattern edgelm runs with re: a module name, no quantifiers
 
 
@@ -226,7 +228,7 @@ def _patterns(config: dict, key: str, path: Path, *, integer: bool) -> dict[str,
 def _compile(pattern: str, shown: str, key: str, path: Path) -> Pattern:
     try:
         Pattern(shown)  # the key alone first: its own error positions
-        return Pattern(pattern)
+        return Pattern(pattern, plain=shown)
     except PatternError as e:
         raise AdapterError(f"{path}: {key} pattern {shown[:80]!r}: {e}") from None
 
@@ -308,6 +310,8 @@ def _module_tensors(tensors: dict[str, np.ndarray], where: Path) -> dict[str, di
         if not key.startswith(PREFIX) or not key.endswith(SUFFIXES):
             raise AdapterError(f"{where}: tensor {key!r} is not a LoRA A/B weight (embedding adapters, DoRA and "
                                "saved modules are not supported)")  # fmt: skip
+        if len(key) > MAX_NAME:
+            raise AdapterError(f"{where}: tensor name {key[:80]!r}... is over {MAX_NAME} characters")
         module, part = key[len(PREFIX) : -len(".weight")].rsplit(".", 1)
         array = np.asarray(tensor, dtype=np.float32)
         if array.ndim != 2:
@@ -341,6 +345,11 @@ def read_peft_adapter(folder: str | Path, *, scale: float = 1.0) -> PeftAdapter:
     targeting = _targeting(config, path)
     rank_pattern = _patterns(config, "rank_pattern", path, integer=True)
     alpha_pattern = _patterns(config, "alpha_pattern", path, integer=False)
+    compiled = [p for p, _ in (*rank_pattern.values(), *alpha_pattern.values())]
+    compiled += [p for p in (targeting.target_modules, targeting.exclude_modules) if isinstance(p, Pattern)]
+    if sum(p.states for p in compiled) > MAX_STATES:
+        raise AdapterError(f"{path}: its rank_pattern, alpha_pattern, target_modules and exclude_modules patterns are "
+                           f"too large together (over {MAX_STATES} states); use fewer or simpler ones")  # fmt: skip
     weights = folder / WEIGHTS_FILE
     pairs = _module_tensors(_read_tensors(weights), weights)
     targets = config.get("target_modules")

@@ -4,7 +4,9 @@ re's), and a Thompson NFA (Thompson 1968; Cox 2007, "Regular Expression Matching
 it in time proportional to the text's length times the pattern's states, where re's backtracking can take
 exponential time (`(.*)*x`). The answer (match or not) is re's for every pattern it accepts: literals, classes,
 `.`, groups, alternation, greedy and lazy repeats, `^ $ \\A \\Z \\b \\B`. What is not regular (backreferences,
-lookaround, conditionals), possessive repeats, atomic groups and inline flags raise PatternError.
+lookaround, conditionals), possessive repeats, atomic groups and inline flags raise PatternError. A pattern
+without repeats or alternation (a module path, `.` and `\\.` included, maybe `^...$`) is run by re itself, which
+cannot backtrack far on it: the usual case, and the fast one.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ except ImportError:  # Python 3.10
     import sre_parse  # type: ignore[no-redef]
 
 MAX_PATTERN = 1000  # characters in a pattern
-MAX_STATES = 20_000  # NFA states once counted repeats are unrolled
+MAX_STATES = 4_000  # NFA states once counted repeats are unrolled: bounds a match's work to states x length
 _UNICODE = sre.SRE_FLAG_UNICODE
+_PLAIN = re.compile(r"\^?(?:[\w.]|\\\.)*\$?", re.ASCII)  # letters, digits, _, . and \. only: no repeats to blow up
 
 
 class PatternError(ValueError):
@@ -144,7 +147,9 @@ class Pattern:
     """One untrusted pattern, parsed and built once; `match` (re.match: from the start, any end) and
     `fullmatch` (re.fullmatch) answer as re would, in linear time."""
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, *, plain: str | None = None):
+        """plain: the user's part of pattern (a key PEFT wraps in its own regex); when it is plain (_PLAIN), re
+        runs the pattern."""
         if not isinstance(pattern, str):
             raise PatternError(f"a pattern must be a string, got {type(pattern).__name__}")
         if len(pattern) > MAX_PATTERN:
@@ -156,16 +161,22 @@ class Pattern:
         if parsed.state.flags & ~_UNICODE & ~sre.SRE_FLAG_VERBOSE:
             raise PatternError("inline flags such as (?i) are not supported")
         self.pattern = pattern
+        self.states = 0  # what one character of a match can cost at most: 0 when re runs it
+        self._re = re.compile(pattern) if _PLAIN.fullmatch(pattern if plain is None else plain) else None
+        if self._re is not None:
+            return
+        builder = _Builder()
         try:
-            self._start = _Builder().sequence(parsed, _State("match"))
+            self._start = builder.sequence(parsed, _State("match"))
         except RecursionError:
             raise PatternError("its groups are nested too deeply") from None
+        self.states = builder.states  # what one character of a match can cost at most
 
     def match(self, text: str) -> bool:
-        return self._run(text, full=False)
+        return bool(self._re.match(text)) if self._re is not None else self._run(text, full=False)
 
     def fullmatch(self, text: str) -> bool:
-        return self._run(text, full=True)
+        return bool(self._re.fullmatch(text)) if self._re is not None else self._run(text, full=True)
 
     def _run(self, text: str, *, full: bool) -> bool:
         current = self._closure([self._start], text, 0)

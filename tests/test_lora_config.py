@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from helpers import LORA_BASES, edgelm, quiet, save_lora_base, save_peft_adapter
 
 from edgelm.export.lora import SlotSpec, convert_adapter
 from edgelm.export.onnx_export import export_package
+from edgelm.export.peft_adapter import read_peft_adapter
 from edgelm.runtime import AdapterError, load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -70,6 +72,7 @@ BAD_CONFIGS = {  # name: (adapter_config.json changes, message)
     "layers with a regex": ({"target_modules": ".*q_proj", "layers_to_transform": 0}, "cannot be used"),
     "target_parameters": ({"target_parameters": ["mlp.experts"]}, "target_parameters"),
     "targets nothing": ({"target_modules": ["nothing"]}, "select none"),
+    "patterns too large together": ({"rank_pattern": {f"(x|y){{{n}}}": 4 for n in range(100, 140)}}, "too large"),
 }  # fmt: skip
 
 
@@ -103,6 +106,18 @@ def test_backtracking_patterns_finish(setup, tmp_path):
     assert done.returncode == 0, done.stderr
     plain = convert_adapter(setup["root"] / "every", setup["root"] / "pkg", tmp_path / "plain.onnx_adapter")
     assert (tmp_path / "a.onnx_adapter").read_bytes() == plain.read_bytes()
+
+
+def test_many_plain_keys_are_quick(setup, tmp_path):
+    """A rank_pattern naming every module of a large model (as AdaLoRA and EVA write them) matches at re's speed."""
+    parts = [f"{'mlp' if name in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{name}" for name in LINEARS]
+    keys = {f"model.layers.{i}.{part}": 4 for i in range(80) for part in parts}
+    folder = _variant(setup, tmp_path / "many", rank_pattern=keys, alpha_pattern={k: 3 for k in keys})
+    start = time.process_time()
+    adapter = read_peft_adapter(folder)
+    adapter.select_by_name(model_type="llama")
+    assert time.process_time() - start < 5
+    assert {w.scale for w in adapter.modules.values()} == {0.75}
 
 
 def test_nested_record_is_one_line(setup, tmp_path):
