@@ -7,7 +7,7 @@ rebuilt here, each to give the ids llama.cpp gives on the same file (llama-vocab
   that is a token skips the merges, BOS by default). An unknown label is refused: a wrong split gives wrong ids
   silently.
 - `gemma4`: BPE on SentencePiece-spelled text ("▁" for the space, raw UTF-8, byte fallback) with the file's
-  merges, cut at newlines only (the "gemma4" row).
+  merges (the "gemma4" row).
 - `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral ship it. Merges
   are recovered from the scores: a token is the merge of any two tokens that spell it, ranked by its score.
   Gemma files (general.architecture gemma*) differ twice, as transformers' GGUF reader also handles them: their
@@ -127,7 +127,9 @@ PRE_TOKENIZERS = {
     "deepseek-llm": Split((r"[\r\n]", DEEPSEEK_LLM_LETTERS, DEEPSEEK_LLM_PUNCTUATION, r"\s+$", CJK, r"\p{N}+")),
     "deepseek-coder": Split((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", CJK, r"\p{N}")),
     "deepseek-v3": DEEPSEEK_V3,
-    "gemma4": Split(("[^\n]+|[\n]+",), add_bos=True, byte_level=False),  # also the tokenizer model gemma4's
+    # Also the tokenizer model gemma4's. llama.cpp cuts the text at newlines, which changes no ids where no token
+    # mixes a newline with other characters (Gemma 4 has none): the text goes to the merges whole.
+    "gemma4": Split((), add_bos=True, byte_level=False),
 }
 
 
@@ -135,7 +137,9 @@ def _pre_tokenizer(split: Split) -> pre_tokenizers.PreTokenizer:
     steps = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in split.regexes]
     if split.byte_level:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-    return pre_tokenizers.Sequence(steps)
+    else:  # Gemma's own: no space is left after the normalizer, but onnxruntime-genai needs it to apply the merges
+        steps.append(pre_tokenizers.Split(" ", behavior="merged_with_previous"))
+    return pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
 
 
 def _split(meta: Mapping[str, Any]) -> Split:

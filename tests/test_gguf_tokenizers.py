@@ -7,6 +7,8 @@ whole vocabulary, BOS as llama.cpp adds it, and a one-line error for a label lla
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from edgelm.export.gguf_header import read_header
 from edgelm.export.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer_json
+from edgelm.export.tokenizer_config import tokenizer_config
+from edgelm.runtime.contract import MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Manifest
 
 SEPARATOR = "\n__ggml_vocab_test__\n"  # between texts in a .inp file (test-tokenizer-0.cpp's read_tests)
 # vocabulary -> whether llama.cpp adds BOS with add_special: the file's add_bos_token, else the default of its
@@ -49,13 +53,14 @@ def read_tests(gguf: Path) -> list[tuple[str, list[int]]]:
 
 
 @functools.cache
-def vocabulary(gguf: Path) -> tuple[dict, HFTokenizer]:
-    """The file's metadata, and the tokenizer edgelm builds from it, encoding special-token text as text (as
-    llama.cpp's test does: parse_special false; edgelm's runtime Tokenizer.encode_text does the same)."""
+def vocabulary(gguf: Path) -> tuple[dict, HFTokenizer, str]:
+    """The file's metadata, the tokenizer.json edgelm builds from it, and that tokenizer encoding special-token
+    text as text (as llama.cpp's test does: parse_special false; edgelm's runtime Tokenizer.encode_text does too)."""
     meta = read_header(gguf).metadata
-    tokenizer = HFTokenizer.from_str(build_tokenizer_json(meta))
+    tokenizer_json = build_tokenizer_json(meta)
+    tokenizer = HFTokenizer.from_str(tokenizer_json)
     tokenizer.encode_special_tokens = True
-    return meta, tokenizer
+    return meta, tokenizer, tokenizer_json
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def test_ids_are_llamacpps(name, built, llamacpp_vocab):
     """Every test text, encoded as plain text (special-token text stays text, like llama.cpp's parse_special
     false) and without BOS, gives llama.cpp's expected ids."""
     cases = read_tests(llamacpp_vocab / f"ggml-vocab-{name}.gguf")
-    _, tokenizer = built(name)
+    _, tokenizer, _ = built(name)
     wrong = [
         (text, ids, got) for text, ids in cases if (got := tokenizer.encode(text, add_special_tokens=False).ids) != ids
     ]
@@ -78,7 +83,7 @@ def test_ids_are_llamacpps(name, built, llamacpp_vocab):
 
 @pytest.mark.parametrize("name", sorted(ADDS_BOS))
 def test_bos_is_added_as_llamacpp_adds_it(name, built):
-    meta, tokenizer = built(name)
+    meta, tokenizer, _ = built(name)
     plain = tokenizer.encode("Hello world", add_special_tokens=False).ids
     full = tokenizer.encode("Hello world", add_special_tokens=True).ids
     assert full == [meta["tokenizer.ggml.bos_token_id"]] * ADDS_BOS[name] + plain
@@ -88,7 +93,7 @@ def test_llama3_ignore_merges(built):
     """Llama 3's tokenizer (llama.cpp: ignore_merges for llama-bpe) takes a word that is a token whole: every
     ordinary token whose text is valid UTF-8 and one word encodes as its own id. Without it (smaug-bpe, the
     same words, every one merged) 588 do not, " việc" among them."""
-    meta, tokenizer = built("llama-bpe")
+    meta, tokenizer, _ = built("llama-bpe")
     ordinary = [i for i, kind in enumerate(meta["tokenizer.ggml.token_type"]) if kind == 1]
     texts = [tokenizer.decode([i]) for i in ordinary]
     encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -99,6 +104,30 @@ def test_llama3_ignore_merges(built):
     assert tokenizer.encode(" việc", add_special_tokens=False).ids == [100769]
     merged = HFTokenizer.from_str(build_tokenizer_json(meta | {"tokenizer.ggml.pre": "smaug-bpe"}))
     assert merged.encode(" việc", add_special_tokens=False).ids == [3355, 26298, 66]
+
+
+@pytest.mark.parametrize("name", ["gemma-4", "llama-bpe"])
+def test_onnxruntime_genai_reads_the_tokenizer_alike(name, built, llamacpp_vocab, package, tmp_path):
+    """A package holding the file's tokenizer (the tiny GPT-2 package with its tokenizer files replaced):
+    onnxruntime-genai's tokenizer gives llama.cpp's ids too, and adds BOS as llama.cpp does. (It refuses
+    DeepSeek's pre-tokenizer regexes and misreads Falcon's, as it does the models' own tokenizer.json files.)"""
+    og = pytest.importorskip("onnxruntime_genai")
+    meta, _, tokenizer_json = built(name)
+    folder = Path(shutil.copytree(package, tmp_path / "pkg"))
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    eos = meta["tokenizer.ggml.eos_token_id"]
+    ids = {"bos_token_id": meta["tokenizer.ggml.bos_token_id"], "eos_token_ids": [eos]}
+    manifest["tokenizer"] |= ids | {"pad_token_id": meta.get("tokenizer.ggml.padding_token_id", eos)}
+    config = tokenizer_config(tokenizer_json, Manifest.parse(manifest), chat_template=None)
+    (folder / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
+    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config), encoding="utf-8")
+    genai = og.Tokenizer(og.Model(str(folder)))
+    cases = read_tests(llamacpp_vocab / f"ggml-vocab-{name}.gguf")
+    wrong = [text for text, expected in cases if [int(i) for i in genai.encode(text)] != expected]
+    assert not wrong, f"{name}: onnxruntime-genai matches {len(cases) - len(wrong)}/{len(cases)}; first {wrong[0]!r}"
+    plain = [int(i) for i in genai.encode("Hello world")]
+    genai.update_options(add_special_tokens="true")
+    assert [int(i) for i in genai.encode("Hello world")] == [ids["bos_token_id"]] * ADDS_BOS[name] + plain
 
 
 def test_every_label_builds():
@@ -114,7 +143,7 @@ def test_every_label_builds():
 
 def test_unknown_pre_tokenizer_is_one_line_naming_the_key(built, llamacpp_vocab):
     """(read_gguf's one-line GGUFError for it: test_gguf_metadata's BAD table.)"""
-    meta, _ = built("gpt-2")
+    meta, _, _ = built("gpt-2")
     with pytest.raises(ValueError, match=r"unknown BPE pre-tokenizer 'no-such-bpe' \(tokenizer.ggml.pre\)") as error:
         build_tokenizer_json(meta | {"tokenizer.ggml.pre": "no-such-bpe"})
     assert "\n" not in str(error.value)
