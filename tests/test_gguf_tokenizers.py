@@ -79,6 +79,7 @@ def test_ids_are_llamacpps(name, built, llamacpp_vocab):
     ]
     first = f"; first: {wrong[0][0]!r:.60} expected {wrong[0][1][:12]} got {wrong[0][2][:12]}" if wrong else ""
     assert not wrong, f"{name}: {len(cases) - len(wrong)}/{len(cases)} texts match{first}"
+    assert [text for text, ids in cases if tokenizer.decode(ids, skip_special_tokens=False) != text] == []
 
 
 @pytest.mark.parametrize("name", sorted(ADDS_BOS))
@@ -128,6 +129,17 @@ def test_onnxruntime_genai_reads_the_tokenizer_alike(name, built, llamacpp_vocab
     plain = [int(i) for i in genai.encode("Hello world")]
     genai.update_options(add_special_tokens="true")
     assert [int(i) for i in genai.encode("Hello world")] == [ids["bos_token_id"]] * ADDS_BOS[name] + plain
+
+
+def test_single_regex_labels_are_transformers_gguf_splits():
+    """transformers' GGUF reader (an independent reading of llama.cpp's labels and the models' tokenizer.json)
+    cuts words with the same one regex for every label both know: Llama 3's, Qwen2's, Qwen3.5's, tekken's,
+    GPT-4o's. (Its other labels, and llama.cpp's multi-regex ones, it leaves to GPT-2's split.)"""
+    splits = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping").GGUF_PRE_TOKENIZER_SPLITS
+    shared = sorted(set(splits) & set(PRE_TOKENIZERS))
+    assert {"llama-bpe", "smaug-bpe", "qwen2", "qwen35", "tekken", "gpt-4o"} <= set(shared)
+    for label in shared:
+        assert PRE_TOKENIZERS[label].regexes == (splits[label],), label
 
 
 def test_every_label_builds():
