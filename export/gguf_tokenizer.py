@@ -71,7 +71,7 @@ GPT4O_WORDS = (
 # Written with escapes: several of these characters have canonical equivalents that an editor may substitute.
 CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # DeepSeek's: CJK ideographs, Hangul, and U+0800..U+4E00 as upstream
 KANA_CJK = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"  # DeepSeek V3's: CJK ideographs, hiragana, katakana
-# DeepSeek LLM's letters: Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee, ... (no CJK: that is CJK above)
+# DeepSeek LLM's letter runs: Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee, ... (CJK has its own split)
 DEEPSEEK_LLM_LETTERS = (
     "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376\u0377"
     "\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5"
@@ -97,9 +97,9 @@ STARCODER = Split((r"\p{N}", GPT2_WORDS))  # every digit alone, then GPT-2's wor
 DEEPSEEK_V3 = Split((r"\p{N}{1,3}", KANA_CJK, DEEPSEEK_V3_WORDS))
 GPT4O = Split((GPT4O_WORDS,))
 
-# tokenizer.ggml.pre -> its Split: llama.cpp's labels (llama-vocab.cpp), grouped as llama.cpp groups them. The
+# tokenizer.ggml.pre -> its Split, for the labels llama.cpp's converter writes (llama-vocab.cpp reads them). The
 # regexes are the models' own tokenizer.json ones, which llama.cpp's are rewritten from. A file without the key
-# is "default", as in llama.cpp.
+# is "default", as in llama.cpp. A new label is one row.
 PRE_TOKENIZERS = {
     "default": Split((r"[\p{P}\$\+<=>\^~\|]+", GPT2_WORDS, r"\p{N}+", "[0-9][0-9][0-9]")),
     "gpt-2": GPT2,
