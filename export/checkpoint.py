@@ -14,13 +14,14 @@ import json
 import math
 import os
 import pickle
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Sampling
 from ..runtime.files import check_file, kind_of, read_text
 from ..runtime.package import file_sha256
 from .limits import checked_number, context_length_problem
@@ -135,6 +136,23 @@ def tokenizer_files(folder: Path) -> dict[str, Path]:
             read_text(path, "checkpoint file", error=CheckpointError)
         found[name] = path
     return found
+
+
+def read_sampling(folder: Path) -> Sampling | None:
+    """The sampling generation_config.json recommends (runtime/contract.py Sampling: do_sample, temperature, top_k,
+    top_p, min_p, repetition_penalty), or None when it states none. A value the sampler cannot take is left out,
+    with a warning: the recommendation is advice, and the weights export as well without it."""
+    path = folder / GENERATION_CONFIG_FILE
+    if not present(path):
+        return None
+    data = read_json(path)
+    found = {key: data[key] for key in Sampling.__dataclass_fields__ if data.get(key) is not None}
+    for key, value in list(found.items()):
+        problem = Sampling.problem({key: value})
+        if problem:
+            warnings.warn(f"{path}: {problem}; left out of the package's sampling", stacklevel=2)
+            del found[key]
+    return Sampling(**found) if found else None
 
 
 def check_finite(model: torch.nn.Module, source: str) -> None:

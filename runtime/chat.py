@@ -157,14 +157,28 @@ class Conversation:
 
     def reply_to(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
         """The reply to a whole list of messages (Model.chat): they replace the history; none is dropped."""
+        stream = self.stream_reply(messages, max_new_tokens, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream_reply(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
+        """reply_to as a Stream (Model.chat_stream)."""
         self._close_pending()
         messages = validate_messages(messages)
         if messages and messages[0]["role"] == "system":
             self.system, messages = messages[0]["content"], messages[1:]
-        stream = self._start(messages, max_new_tokens, options, drop_oldest=False)
-        for _ in stream:
-            pass
-        return stream.result
+        return self._start(messages, max_new_tokens, options, drop_oldest=False)
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """A copy of the ids whose keys/values the cache holds (what a next turn can reuse)."""
+        return list(self._ids)
+
+    def ids_of(self, messages: list[dict], **variables: Any) -> list[int]:
+        """The ids this conversation's template renders for a whole message list and template variables, with the
+        generation prompt (what stream_reply feeds when `system` is None); nothing changes."""
+        return chat_prompt_ids(self.template, self.model.tokenizer, validate_messages(messages), **variables)
 
     def prompt_ids(self, text: str) -> list[int]:
         """The ids the template renders for the history plus a user message `text`, with the generation prompt;

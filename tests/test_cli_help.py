@@ -11,7 +11,7 @@ from edgelm.cli import export as export_command
 from edgelm.cli import main
 from edgelm.export import defaults
 
-COMMANDS = ("export", "quantize", "eval", "generate", "chat", "info", "bench")
+COMMANDS = ("export", "quantize", "eval", "generate", "chat", "info", "bench", "serve")
 
 
 def help_text(capsys, *argv: str) -> str:
