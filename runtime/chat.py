@@ -8,7 +8,7 @@
 
 Every turn renders the whole history with the chat template and the generation prompt (as transformers'
 apply_chat_template(..., add_generation_prompt=True)), tokenizes that text (special-token text from the
-messages as plain text: runtime/chat_ids.py), and compares the ids with the ids whose keys/values the
+messages as plain text: runtime/template/prompt_ids.py), and compares the ids with the ids whose keys/values the
 conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
 
 - "prefix": the cached ids are a prefix of the new ones; only the rest is fed (the usual follow-up turn);
@@ -37,12 +37,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .chat_ids import chat_prompt_ids
-from .chat_template import ChatTemplate, read_template_file, validate_messages
 from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options, text_pieces
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
 from .kvcache import Cache, make_cache
 from .results import GenerationResult, Stream, make_timings
+from .template import ChatTemplate, chat_prompt_ids, read_template_file, validate_messages
 from .text import TextAssembler
 
 if TYPE_CHECKING:
@@ -157,14 +156,28 @@ class Conversation:
 
     def reply_to(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
         """The reply to a whole list of messages (Model.chat): they replace the history; none is dropped."""
+        stream = self.stream_reply(messages, max_new_tokens, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream_reply(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
+        """reply_to as a Stream (Model.chat_stream)."""
         self._close_pending()
         messages = validate_messages(messages)
         if messages and messages[0]["role"] == "system":
             self.system, messages = messages[0]["content"], messages[1:]
-        stream = self._start(messages, max_new_tokens, options, drop_oldest=False)
-        for _ in stream:
-            pass
-        return stream.result
+        return self._start(messages, max_new_tokens, options, drop_oldest=False)
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """A copy of the ids whose keys/values the cache holds (what a next turn can reuse)."""
+        return list(self._ids)
+
+    def ids_of(self, messages: list[dict], **variables: Any) -> list[int]:
+        """The ids this conversation's template renders for a whole message list and template variables, with the
+        generation prompt (what stream_reply feeds when `system` is None); nothing changes."""
+        return chat_prompt_ids(self.template, self.model.tokenizer, validate_messages(messages), **variables)
 
     def prompt_ids(self, text: str) -> list[int]:
         """The ids the template renders for the history plus a user message `text`, with the generation prompt;
@@ -275,8 +288,11 @@ class Conversation:
         switched = adapter != self.adapter
         if switched:  # the cache holds another adapter's keys and values: start it afresh
             self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
-        # at least one id is fed: its logits start the reply
-        reused = min(common_prefix(self._ids, ids), len(ids) - 1)
+        # at least two ids are fed (one for a one-id prompt): their last logits start the reply. A step of one row
+        # runs other kernels than a prompt's step of several in some packages (MatMulNBits at accuracy level 4),
+        # so a question asked again after reset() or undo() gets a fresh conversation's answer only when its last
+        # id is fed beside another, as a fresh prefill feeds it; steps of two or more rows agree with each other
+        reused = max(0, min(common_prefix(self._ids, ids), len(ids) - 2))
         if self._cache is not None:  # a state that keeps only some lengths (runtime/kvcache.py's Cache)
             reused = self._cache.rewind_point(reused)
         path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"
