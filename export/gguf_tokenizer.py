@@ -105,6 +105,7 @@ PRE_TOKENIZERS = {
     "gpt-2": GPT2,
     "phi-2": GPT2,
     "olmo": GPT2,
+    "granite-docling": GPT2,
     "mpt": Split((GPT2_WORDS,), nfc=True),  # GPT-NeoX's tokenizer
     "llama-bpe": LLAMA3,
     "llama3": LLAMA3,
