@@ -161,3 +161,17 @@ def test_unknown_pre_tokenizer_is_one_line_naming_the_key(built, llamacpp_vocab)
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"tokenizer model 'bert' \(tokenizer.ggml.model\) is not supported"):
         build_tokenizer_json(read_header(llamacpp_vocab / "ggml-vocab-bert-bge.gguf").metadata)
+
+
+def test_a_file_without_label_gets_llamacpps_default_split():
+    """No tokenizer.ggml.pre is llama.cpp's "default": punctuation runs and 3-digit groups split off, unlike in
+    GPT-2's words."""
+    tokens = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["Ġ", "do"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["d o"]}
+
+    def words(meta: dict) -> list[str]:
+        pre_tokenizer = HFTokenizer.from_str(build_tokenizer_json(meta)).pre_tokenizer
+        return [word for word, _ in pre_tokenizer.pre_tokenize_str("don't 12345")]
+
+    assert words(meta) == ["don", "'", "t", "Ġ", "123", "45"]
+    assert words(meta | {"tokenizer.ggml.pre": "gpt-2"}) == ["don", "'t", "Ġ12345"]
