@@ -155,14 +155,42 @@ class Model(AdapterMixin):
         self, messages: list[dict], max_new_tokens: int = 256, *, template=None, adapter=None, **options
     ) -> GenerationResult:
         """The assistant's reply to messages ([{"role": ..., "content": ...}]), rendered with the package's chat
-        template (or `template`, Jinja source). Options as generate's; ContextLengthError when they do not fit."""
-        conversation = Conversation(self, template=template, adapter=adapter)
-        return conversation.reply_to(messages, max_new_tokens=max_new_tokens, **options)
+        template (or `template`, Jinja source). Options as generate's, and tools, documents, enable_thinking,
+        template_vars, tool_choice (docs/apps.md); ContextLengthError when they do not fit. The result's content,
+        reasoning and tool_calls are the reply parsed by the template's convention (runtime/tool_calls.py)."""
+        return self.chat_stream(messages, max_new_tokens, template=template, adapter=adapter, **options).finish()
 
-    def conversation(self, system: str | None = None, *, template=None, adapter=None) -> Conversation:
-        """A multi-turn chat that keeps its KV cache between turns: .send(text), .stream(text), .undo(), .reset().
-        adapter: a loaded LoRA adapter's name; send/stream(..., adapter=) switches it (and re-prefills)."""
-        return Conversation(self, system=system, template=template, adapter=adapter)
+    def chat_stream(
+        self, messages: list[dict], max_new_tokens: int = 256, *, template=None, adapter=None, **options
+    ) -> Stream:
+        """chat as a Stream of pieces (each a str, with .content, .reasoning and .tool_calls); .result at the end."""
+        conversation = Conversation(self, template=template, adapter=adapter)
+        return conversation.stream_reply(messages, max_new_tokens=max_new_tokens, **options)
+
+    def conversation(
+        self,
+        system: str | None = None,
+        *,
+        template=None,
+        adapter=None,
+        tools=None,
+        documents=None,
+        enable_thinking=None,
+        template_vars=None,
+    ) -> Conversation:
+        """A multi-turn chat that keeps its KV cache between turns: .send(message), .stream(message), .undo(),
+        .reset(). adapter: a loaded LoRA adapter's name; send/stream(..., adapter=) switches it (and re-prefills).
+        tools, documents, enable_thinking, template_vars: the template variables of every turn (docs/apps.md)."""
+        return Conversation(
+            self,
+            system=system,
+            template=template,
+            adapter=adapter,
+            tools=tools,
+            documents=documents,
+            enable_thinking=enable_thinking,
+            template_vars=template_vars,
+        )
 
     # ---- input handling ------------------------------------------------------------------------
 

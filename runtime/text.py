@@ -67,8 +67,9 @@ class Tokenizer:
         """The vocabulary entry of one id (e.g. "<|im_end|>"), None if there is none."""
         return self._tokenizer.id_to_token(token_id)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        """The text of ids; control tokens dropped unless skip_special=False (a reply's tool-call markup)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
 class TextAssembler:
