@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .constraints import CONSTRAINT_OPTIONS, constraints_from, matchers
 from .errors import InvalidParameterError, non_finite_logits
 from .kvcache import check_generation_memory, make_cache
 from .sampling import SamplingParams, sample
@@ -48,6 +49,8 @@ class GenerationOptions:
     truncate_prompt: bool = False  # drop the oldest prompt tokens when the prompt does not fit the context
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     speculative: Any = None  # "lookup", a draft Model or package folder, or None (runtime/speculative.py)
+    # from response_format / grammar / regex: a Constraint, or one per row (runtime/constraints.py)
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         self.sampling  # noqa: B018  (SamplingParams checks its own ranges)
@@ -81,7 +84,8 @@ class GenerationOptions:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions)) - {"max_new_tokens"}
+OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions)) - {"max_new_tokens", "constraint"}
+OPTION_NAMES |= frozenset(CONSTRAINT_OPTIONS)
 TURN_OPTIONS = OPTION_NAMES - {"truncate_prompt", "ignore_eos"}  # a chat turn fits its history itself
 
 
@@ -93,14 +97,17 @@ def generation_options(
     allowed: frozenset[str] = OPTION_NAMES,
     caller: str = "options()",
     runner: Runner | None = None,
+    rows: int | None = None,
 ) -> GenerationOptions:
     """Options from keyword arguments, checked once: TypeError for an unknown name, InvalidParameterError for a
     bad value. The result holds max_new_tokens as an int and stop as a tuple; with a `runner`, a speculative
-    draft folder is loaded and checked against it."""
+    draft folder is loaded and checked against it. rows: a batch's size, when a constraint may be given per row."""
     unknown = set(options) - allowed
     if unknown:
         raise TypeError(f"{caller} got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
-    checked = GenerationOptions(max_new_tokens=max_new_tokens, **options)
+    options = dict(options)
+    constraint = constraints_from(options, rows)  # compiled here: a bad schema raises before anything runs
+    checked = GenerationOptions(max_new_tokens=max_new_tokens, constraint=constraint, **options)
     if checked.stops and tokenizer is None:
         raise InvalidParameterError("stop strings need a tokenizer, and this package has none")
     speculative = checked.speculative if runner is None else prepare_speculative(checked.speculative, runner)
@@ -138,8 +145,9 @@ class TokenPicker:
     """Chooses each live row's next token from its logits: one seeded generator per row, the tokens seen so far
     for a repetition penalty, and a single argmax pass when decoding is greedy without a penalty."""
 
-    def __init__(self, prompts: list[list[int]], params: SamplingParams, seed: int | None):
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, seed: int | None, constrained=None):
         self.params = params
+        self.constrained = constrained  # one grammar Matcher (or None) per row: runtime/constraints.py
         self.rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(len(prompts))]
         self.penalize = params.repetition_penalty != 1.0
         self.seen = [np.array(p, dtype=np.int64) for p in prompts] if self.penalize else []
@@ -147,7 +155,12 @@ class TokenPicker:
 
     def pick(self, logits: np.ndarray, live: list[int]) -> list[int]:
         """logits (B, V); the tokens of the rows in `live`, in order. PackageError for non-finite logits."""
-        rows = logits[live] if len(logits) > 1 else logits
+        rows = raw = logits[live] if len(logits) > 1 else logits
+        if self.constrained is not None:  # the grammar's mask, before any choice (-inf: not a broken model)
+            masks = [self.constrained[row] for row in live]
+            rows = np.stack([m.mask(r) if m else r for m, r in zip(masks, rows, strict=True)])
+            logits = np.zeros((max(live) + 1, rows.shape[-1]), rows.dtype)
+            logits[live] = rows
         if self.argmax_only:
             # argmax returns a NaN's index if there is one, and +inf's before any finite value, so the chosen
             # logits are finite exactly when the pick is sound (a -inf beside finite logits cannot change it);
@@ -155,7 +168,7 @@ class TokenPicker:
             picks = rows.argmax(axis=-1)
             checked = rows[np.arange(len(rows)), picks]
         else:
-            checked = rows
+            checked = raw
         if not np.isfinite(checked).all():
             raise non_finite_logits()
         if self.argmax_only:
@@ -165,6 +178,8 @@ class TokenPicker:
         ]
 
     def append(self, row: int, token: int) -> None:
+        if self.constrained is not None and self.constrained[row] is not None:
+            self.constrained[row].take(token)
         if self.penalize:
             self.seen[row] = np.append(self.seen[row], token)
 
@@ -190,7 +205,7 @@ def decode(
         cache = make_cache(runner, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
     else:
         assert batch == 1 and feed, "a kept cache continues one row with at least one new token"
-    picker = TokenPicker(prompts, options.sampling, options.seed)
+    picker = TokenPicker(prompts, options.sampling, options.seed, matchers(runner, options.constraint, batch))
     eos = set() if options.ignore_eos else set(runner.spec.tokens.eos_token_ids)
     finish, next_ids = state.finish, np.empty((batch, 1), dtype=np.int64)
     for step in range(max_new_tokens):

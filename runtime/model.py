@@ -269,7 +269,7 @@ class Model(AdapterMixin):
         started = time.perf_counter()
         runner = self.runner(options.pop("adapter", None))
         checked = generation_options(
-            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self
+            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self, rows=len(prompts)
         )
         encoded = self._encode_all(prompts, checked)
         state = DecodeState.start(len(encoded))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .constraints import matchers
 from .errors import InvalidParameterError, non_finite_logits
 from .kvcache import make_cache
 from .sampling import (
@@ -187,28 +188,62 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 class Chooser:
     """The target's choices: plain sampling for a step without guesses, and the acceptance rule for a round."""
 
-    def __init__(self, params: SamplingParams, seed: int | None):
+    def __init__(self, params: SamplingParams, seed: int | None, constrained=None):
         self.params = params
         self.rng = np.random.default_rng(seed)  # row 0 of a batch: seed + 0
         self.penalize = params.repetition_penalty != 1.0
+        self.matcher = constrained[0] if constrained else None  # a grammar's mask (runtime/constraints.py)
+        self.masked = constrained is not None  # logits may hold the mask's -inf (checked before masking)
+
+    def _sound(self, logits: np.ndarray) -> bool:
+        return bool(np.isfinite(logits).all()) or (self.masked and not np.isnan(logits).any())
 
     def seen(self, history: list[int]) -> np.ndarray | None:
         return np.array(history, dtype=np.int64) if self.penalize else None
 
     def choose(self, logits: np.ndarray, history: list[int]) -> int:
-        """One token from one position's logits (V,), as plain decoding (decode.py's TokenPicker) picks it."""
+        """One token from one position's logits (V,), as plain decoding (decode.py's TokenPicker) picks it; with a
+        grammar, the token is taken by it."""
+        if self.matcher is None:
+            return self._choose(logits, history)
+        if not np.isfinite(logits).all():  # checked before the mask adds its -inf
+            raise non_finite_logits()
+        matcher, self.matcher = self.matcher, None
+        try:
+            token = self._choose(matcher.mask(logits), history)
+        finally:
+            self.matcher = matcher
+        matcher.take(token)
+        return token
+
+    def _choose(self, logits: np.ndarray, history: list[int]) -> int:
         if self.params.greedy and not self.penalize:
             token = int(np.argmax(logits))
             checked = logits[token : token + 1]  # finite exactly when the pick is sound (see TokenPicker.pick)
         else:
             token, checked = -1, logits
-        if not np.isfinite(checked).all():
+        if not self._sound(checked):
             raise non_finite_logits()
         return token if token >= 0 else sample(logits, self.params, self.rng, self.seen(history))
 
     def check(self, logits: np.ndarray, history: list[int], guesses: list[int], q) -> tuple[int, int]:
         """logits (len(guesses) + 1, V) of a round; q: the draft's distributions, one per guess, or None (a
-        point mass). Returns how many guesses are accepted and the token after them."""
+        point mass). Returns how many guesses are accepted and the token after them. With a grammar, every
+        position is masked as plain decoding would mask it, and the grammar takes the chosen tokens."""
+        if self.matcher is None:
+            return self._check(logits, history, guesses, q)
+        if not np.isfinite(logits).all():  # checked before the masks add their -inf
+            raise non_finite_logits()
+        matcher, self.matcher = self.matcher, None  # the round's masks are made here, once
+        try:
+            accepted, token = self._check(matcher.mask_round(logits, guesses), history, guesses, q)
+        finally:
+            self.matcher = matcher
+        for taken in [*guesses[:accepted], token]:
+            matcher.take(taken)
+        return accepted, token
+
+    def _check(self, logits: np.ndarray, history: list[int], guesses: list[int], q) -> tuple[int, int]:
         if self.params.greedy and not self.penalize:  # one argmax pass over every position
             picks = logits.argmax(axis=-1)
             agree = picks[: len(guesses)] == np.array(guesses, dtype=picks.dtype)
@@ -223,7 +258,7 @@ class Chooser:
                 if token != guess:
                     return i, token
                 continue
-            if not np.isfinite(logits[i]).all():
+            if not self._sound(logits[i]):
                 raise non_finite_logits()
             p = probabilities(logits[i], self.params, self.seen(seen))
             q_guess = 1.0 if q is None else q[i][guess]
@@ -341,7 +376,7 @@ def speculative_decode(
     if cache is None:
         capacity = min(len(prompt) + budget + MAX_DRAFT, runner.spec.arch.context_length)
         cache = make_cache(runner, [prompt], capacity=capacity)
-    chooser = Chooser(options.sampling, options.seed)
+    chooser = Chooser(options.sampling, options.seed, constrained=matchers(runner, options.constraint, 1))
     if speculative == LOOKUP:
         proposer = Lookup(prompt)
     else:

@@ -63,6 +63,10 @@ class Tokenizer:
             copies.append(copy)
         return tuple(copies)
 
+    def to_str(self) -> str:
+        """The tokenizer as tokenizers' JSON text (for llguidance: runtime/constraints.py)."""
+        return self._tokenizer.to_str()
+
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (e.g. "<|im_end|>"), None if there is none."""
         return self._tokenizer.id_to_token(token_id)

@@ -1,0 +1,266 @@
+"""Constrained decoding: output that matches a JSON Schema, a regular expression or a Lark grammar.
+
+Built on llguidance (the library onnxruntime-genai and llama.cpp use; `pip install edgelm[structured]`): a
+grammar is compiled once per call, and for every position a row's LLMatcher gives the set of tokens that keep
+the output inside the language; the others' logits become -inf before the one sampler picks (runtime/decode.py's
+TokenPicker, runtime/speculative.py's Chooser). When the grammar is complete only the package's EOS ids remain.
+
+    constraint_from(response_format={"type": "json_schema", "json_schema": {"schema": {...}}})
+    constraint_from(regex=r"\\d{3}")
+    constraint_from(grammar='start: "yes" | "no"')   # llguidance's Lark dialect, %json{...} for a schema
+
+Speculative decoding masks every position of a round with the matcher advanced through the guesses before it
+(and rolled back after), so a constrained round gives exactly the tokens plain constrained decoding gives.
+`tool_choice_grammar` forces tool calls: the convention's markup (runtime/tool_calls.py) around JSON that
+matches one of the tools' schemas.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import InvalidParameterError
+from .tools import tool_name, tool_parameters
+
+if TYPE_CHECKING:
+    from .tool_calls import Convention
+
+CONSTRAINT_OPTIONS = ("response_format", "grammar", "regex")
+# JSON as json.dumps writes it, with no free whitespace (a model could otherwise write newlines until the budget
+# ends); a schema's own "x-guidance" settings win over these
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise InvalidParameterError(
+            "response_format, regex, grammar and a forced tool_choice need llguidance: pip install edgelm[structured]"
+        ) from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One call's constraint: llguidance's grammar (JSON text) and what it was made from, for messages."""
+
+    grammar: str
+    what: str  # "a JSON schema", "the regex ...", ...
+
+
+def constraint_from(*, response_format: Any = None, grammar: Any = None, regex: Any = None) -> Constraint | None:
+    """The constraint of one row's options (at most one given); InvalidParameterError when it is malformed or does
+    not compile, with llguidance's message."""
+    values = (response_format, grammar, regex)
+    given = [name for name, value in zip(CONSTRAINT_OPTIONS, values, strict=True) if value is not None]
+    if len(given) > 1:
+        raise InvalidParameterError(f"give at most one of response_format, grammar and regex, got {', '.join(given)}")
+    if response_format is not None:
+        schema = _response_schema(response_format)
+        if schema is None:
+            return None
+        made, what = ("json", schema), "the response_format's JSON schema"
+    elif grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise InvalidParameterError(f"grammar must be Lark source text, got {grammar!r:.60}")
+        made, what = ("lark", grammar), "the grammar"
+    elif regex is not None:
+        if not isinstance(regex, str) or not regex:
+            raise InvalidParameterError(f"regex must be a non-empty string, got {regex!r:.60}")
+        made, what = ("regex", regex), "the regex"
+    else:
+        return None
+    llg = _llguidance()
+    kind, source = made
+    try:
+        if kind == "json":
+            compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_STYLE)
+        elif kind == "lark":
+            compiled = llg.LLMatcher.grammar_from_lark(source)
+        else:
+            compiled = llg.LLMatcher.grammar_from_regex(source)
+    except (ValueError, TypeError) as e:
+        raise InvalidParameterError(f"{what} is not valid: {e}") from None
+    error = llg.LLMatcher.validate_grammar(compiled)
+    if error:
+        raise InvalidParameterError(f"{what} does not compile: {error.strip().splitlines()[0]}")
+    return Constraint(compiled, what)
+
+
+def _response_schema(response_format: Any) -> dict | None:
+    """The JSON schema a response_format asks for ({} for any JSON object); None for {"type": "text"}."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if isinstance(schema, bool):
+            schema = {} if schema else None
+        if not isinstance(schema, dict):
+            raise InvalidParameterError('response_format json_schema needs {"json_schema": {"schema": {...}}}')
+        return schema
+    raise InvalidParameterError(
+        f'response_format must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": "json_schema", '
+        f'"json_schema": {{"schema": ...}}}}, got {response_format!r:.80}'
+    )
+
+
+def constraints_from(options: dict[str, Any], rows: int | None) -> Constraint | list[Constraint | None] | None:
+    """The constraint option of a call, taken out of options: one Constraint for every row, or with `rows` (a
+    batch) lists with one entry per row accepted too."""
+    values = {name: options.pop(name) for name in CONSTRAINT_OPTIONS if name in options}
+    if not any(value is not None for value in values.values()):
+        return None
+    lists = {name: value for name, value in values.items() if isinstance(value, (list, tuple))}
+    if not lists:
+        return constraint_from(**values)
+    if rows is None:
+        raise InvalidParameterError(f"{', '.join(lists)}: a list of constraints is for generate_batch, one per prompt")
+    for name, value in lists.items():
+        if len(value) != rows:
+            raise InvalidParameterError(f"{name} has {len(value)} entries for {rows} prompts")
+    return [
+        constraint_from(**{name: value[row] if name in lists else value for name, value in values.items()})
+        for row in range(rows)
+    ]
+
+
+# ---- matching ------------------------------------------------------------------------------------------------
+
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> {(vocab, eos): LLTokenizer}
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+    """llguidance's view of a package tokenizer (built once: it walks the whole vocabulary)."""
+    llg = _llguidance()
+    known = _tokenizers.setdefault(tokenizer, {})
+    key = (vocab_size, eos_ids)
+    if key not in known:
+        known[key] = llg.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
+    return known[key]
+
+
+class Matcher:
+    """One row's grammar state: the mask of allowed tokens at the next position, and the tokens taken."""
+
+    def __init__(self, constraint: Constraint, ll_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+        llg = _llguidance()
+        self.constraint, self.vocab_size, self.eos = constraint, vocab_size, np.array(eos_ids, dtype=np.int64)
+        self.matcher = llg.LLMatcher(ll_tokenizer, constraint.grammar)
+        self._check()
+        self.words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # the mask, one bit per token
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise InvalidParameterError(f"{self.constraint.what}: {self.matcher.get_error().strip().splitlines()[0]}")
+
+    def allowed(self) -> np.ndarray:
+        """(V,) bool: the tokens that keep the output in the language (the EOS ids once it is complete)."""
+        words = self.words
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        self._check()
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+        if self.matcher.is_accepting() or self.matcher.is_stopped():
+            allowed[self.eos] = True  # every EOS id of the package ends a complete output
+        return allowed
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of one position's logits (V,) with the disallowed tokens at -inf."""
+        return np.where(self.allowed(), logits, -np.inf).astype(logits.dtype, copy=False)
+
+    def take(self, token: int) -> None:
+        """Advance past a token the masked sampler picked (an EOS id ends the row: nothing to take)."""
+        if token in self.eos:
+            return
+        accepted = self.matcher.consume_token(int(token))
+        assert accepted, f"a masked pick was refused by {self.constraint.what}: {self.matcher.get_error()}"
+
+    def mask_round(self, logits: np.ndarray, guesses: list[int]) -> np.ndarray:
+        """Speculative decoding: logits (len(guesses) + 1, V) each masked with the state after the guesses before
+        it, up to the first guess the grammar refuses (later positions are never chosen from). The state is
+        left as it was."""
+        masked, taken = logits.copy(), 0
+        for position in range(len(guesses) + 1):
+            allowed = self.allowed()
+            masked[position] = np.where(allowed, logits[position], -np.inf)
+            if position == len(guesses) or not allowed[guesses[position]] or guesses[position] in self.eos:
+                break
+            self.take(guesses[position])
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return masked
+
+
+def matchers(runner, constraint, rows: int) -> list[Matcher | None] | None:
+    """One Matcher per row (None where a row is free) for a call's constraint; None when nothing is constrained."""
+    if constraint is None:
+        return None
+    per_row = constraint if isinstance(constraint, list) else [constraint] * rows
+    if all(item is None for item in per_row):
+        return None
+    if runner.tokenizer is None:
+        raise InvalidParameterError("constrained decoding needs a tokenizer, and this package has none")
+    vocab, eos = runner.spec.arch.vocab_size, tuple(runner.spec.tokens.eos_token_ids)
+    ll_tokenizer = _ll_tokenizer(runner.tokenizer, vocab, eos)
+    return [Matcher(item, ll_tokenizer, vocab, eos) if item is not None else None for item in per_row]
+
+
+# ---- forced tool calls -------------------------------------------------------------------------------------------
+
+
+def tool_choice_grammar(convention: Convention, tools: list[dict] | None, choice: Any, tokenizer) -> str:
+    """Lark source for tool_choice "required" (one or more calls of any tool) or {"type": "function", "function":
+    {"name": NAME}} (one call of that tool), in the template's tool-call markup."""
+    if not tools:
+        raise InvalidParameterError(f"tool_choice {choice!r} needs tools")
+    names = [tool_name(spec) for spec in tools]
+    if choice == "required":
+        chosen, many = tools, True
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        wanted = choice["function"].get("name")
+        if wanted not in names:
+            raise InvalidParameterError(f"tool_choice names {wanted!r}, which is not among the tools {names}")
+        chosen, many = [tools[names.index(wanted)]], False
+    else:
+        raise InvalidParameterError(
+            f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
+            f"got {choice!r:.80}"
+        )
+    arguments_key = "parameters" if convention.name == "llama3" else "arguments"
+
+    def call_schema(spec: dict) -> dict:
+        return {
+            "type": "object",
+            "properties": {"name": {"const": tool_name(spec)}, arguments_key: tool_parameters(spec)},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+
+    one = {"anyOf": [call_schema(spec) for spec in chosen]} if len(chosen) > 1 else call_schema(chosen[0])
+    style = {"x-guidance": JSON_STYLE | {"lenient": True}}  # lenient: tool specs hold keys such as "nullable"
+    specials = {tokenizer.token_text(i): i for i in tokenizer.special_ids}
+
+    def literal(text: str) -> str:
+        return f"<[{specials[text]}]>" if text in specials else json.dumps(text)
+
+    call = f"%json {json.dumps(style | one)}"
+    if convention.name == "hermes":
+        block = f'{literal(convention.open)} "\\n" {call} "\\n" {literal(convention.close)}'
+        return f'start: block ("\\n" block)*\nblock: {block}' if many else f"start: {block}"
+    if convention.name in ("mistral", "phi4"):
+        items = style | {"type": "array", "items": one, "minItems": 1} | ({} if many else {"maxItems": 1})
+        close = f" {literal(convention.close)}" if convention.close else ""
+        return f"start: {literal(convention.open)} %json {json.dumps(items)}{close}"
+    if convention.name == "llama3":
+        return f'start: {call} ("; " {call})*' if many else f"start: {call}"
+    raise InvalidParameterError(f"tool_choice {choice!r} is not supported for this template's tool calls")

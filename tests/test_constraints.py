@@ -1,0 +1,214 @@
+"""Constrained decoding (runtime/constraints.py, llguidance) on a tiny random Llama package (tests/chat_package.py):
+JSON Schema, regex and Lark output that always parses and validates, batches with a grammar per row, speculative
+decoding that gives plain constrained decoding's tokens, a conversation's kept cache, and forced tool calls whose
+round trip renders as transformers renders it."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import numpy as np
+import pytest
+from chat_package import TEMPLATES, make_chat_package
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgelm.runtime import InvalidParameterError, load
+from edgelm.runtime.constraints import Matcher, constraint_from, matchers
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+QWEN = (TEMPLATES.parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    package = make_chat_package(tmp_path_factory.mktemp("constraints") / "fused", context=1024)  # room for tools
+    return load(package, provider="cpu", threads=1)
+
+
+# ---- random small JSON schemas: the output always validates --------------------------------------------------
+
+LEAVES = st.one_of(
+    st.just({"type": "boolean"}),
+    st.integers(-50, 50).map(lambda low: {"type": "integer", "minimum": low, "maximum": low + 100}),
+    st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    st.lists(st.sampled_from(["red", "green", "blue", "x y", "é"]), min_size=1, max_size=3, unique=True).map(
+        lambda values: {"enum": values}
+    ),
+    st.just({"type": "null"}),
+)
+
+
+def _object(children: st.SearchStrategy) -> st.SearchStrategy:
+    names = st.sampled_from(["a", "b", "name", "value", "list"])
+    return st.dictionaries(names, children, min_size=1, max_size=3).flatmap(
+        lambda properties: st.lists(st.sampled_from(sorted(properties)), unique=True).map(
+            lambda required: {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            }
+        )
+    )
+
+
+SCHEMAS = st.recursive(
+    LEAVES,
+    lambda children: st.one_of(
+        _object(children),
+        children.map(lambda items: {"type": "array", "items": items, "maxItems": 3}),
+        st.lists(children, min_size=2, max_size=2).map(lambda options: {"anyOf": options}),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS, seed=st.integers(0, 1000), temperature=st.sampled_from([0.0, 1.0]))
+def test_json_schema_output_always_validates(model, schema, seed, temperature) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    result = model.generate("Answer: ", 160, response_format=response_format, temperature=temperature, seed=seed)
+    assert result.finish_reason == "eos", f"{result.text!r} did not complete"
+    jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_json_object_regex_and_lark(model) -> None:
+    for seed in range(4):  # any object: a random model may write keys until the budget ends
+        result = model.generate("x", 60, response_format={"type": "json_object"}, temperature=1.0, seed=seed)
+        assert result.text.startswith("{")
+        if result.finish_reason == "eos":
+            assert isinstance(json.loads(result.text), dict)
+    for seed in range(3):
+        result = model.generate("phone: ", 30, regex=r"\d{3}-\d{4}", temperature=1.0, seed=seed)
+        assert re.fullmatch(r"\d{3}-\d{4}", result.text) and result.finish_reason == "eos"
+    lark = 'start: answer " because " reason\nanswer: "yes" | "no"\nreason: /[a-z]{1,8}/'
+    result = model.generate("Is it? ", 30, grammar=lark, temperature=1.0, seed=1)
+    assert re.fullmatch(r"(yes|no) because [a-z]{1,8}", result.text)
+    free = model.generate("phone: ", 8, temperature=1.0, seed=0)
+    assert not re.fullmatch(r"\d{3}-\d{4}", free.text)  # the constraint did the work, not the model
+
+
+def test_bad_constraints_raise_before_generating(model) -> None:
+    for bad in (
+        {"regex": "[a-"},
+        {"grammar": "start: undefined_rule"},
+        {"response_format": {"type": "yaml"}},
+        {"response_format": {"type": "json_schema"}},
+        {"regex": r"\d", "grammar": 'start: "a"'},
+    ):
+        with pytest.raises(InvalidParameterError):
+            model.generate("x", 4, **bad)
+    with pytest.raises(InvalidParameterError, match="2 entries for 3 prompts"):
+        model.generate_batch(["a", "b", "c"], 4, regex=[r"\d", None])
+
+
+# ---- one mask for every path: batches, speculative decoding, a kept cache --------------------------------------
+
+
+def test_a_grammar_per_row_equals_each_row_alone(model) -> None:
+    prompts = ["one ", "two two ", "three three three "]
+    regexes = [r"\d{2,6}", None, r"(ab|cd){1,4}!"]
+    batch = model.generate_batch(prompts, 12, regex=regexes)
+    for prompt, regex, row in zip(prompts, regexes, batch, strict=True):
+        alone = model.generate(prompt, 12, regex=regex)
+        assert row.token_ids == alone.token_ids
+    assert re.fullmatch(r"\d{2,6}", batch[0].text) and re.fullmatch(r"(ab|cd){1,4}!", batch[2].text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculative_constrained_equals_plain_constrained(model, temperature) -> None:
+    regex = r"(the cat sat ){3,8}(on|in) [a-z]{2,12}\."
+    prompt = "the cat sat the cat sat the cat sat the cat sat "
+    options = {"regex": regex, "temperature": temperature, "seed": 5}
+    plain = model.generate(prompt, 60, **options)
+    fast = model.generate(prompt, 60, speculative="lookup", **options)
+    assert re.fullmatch(regex, fast.text)
+    assert fast.timings.proposed_tokens > 0 and fast.timings.accepted_tokens > 0
+    if temperature == 0.0:
+        assert fast.token_ids == plain.token_ids
+
+
+def test_mask_round_leaves_the_matcher_as_it_was(model) -> None:
+    (matcher,) = matchers(model, constraint_from(regex=r"abc(d|e)"), 1)
+    vocab = model.vocab_size
+    ab, c = model.tokenizer.encode("abc")  # llguidance keeps to the canonical tokens: "ab", "c"
+    x = model.tokenizer.encode("x")[0]
+    logits = np.zeros((3, vocab), dtype=np.float32)
+    masked = matcher.mask_round(logits, [ab, x])  # x is refused at the second position
+    assert np.isfinite(masked[0, ab]) and not np.isfinite(masked[1, x]) and np.isfinite(masked[1, c])
+    assert np.isfinite(masked[0]).sum() == 1
+    assert np.array_equal(matcher.allowed(), Matcher(matcher.constraint, *_parts(model)).allowed())
+
+
+def _parts(model):
+    from edgelm.runtime.constraints import _ll_tokenizer
+
+    eos = tuple(model.spec.tokens.eos_token_ids)
+    return _ll_tokenizer(model.tokenizer, model.vocab_size, eos), model.vocab_size, eos
+
+
+def test_conversation_turns_keep_their_cache_and_their_format(model) -> None:
+    conv = model.conversation(system="Reply in JSON.")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    first = conv.send("A number?", 40, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    jsonschema.validate(json.loads(first.text), schema)
+    second = conv.send("Another, as a word.", 40, regex=r"(one|two|three)")
+    assert second.text in ("one", "two", "three")
+    assert conv.last_turn.path == "prefix" and conv.last_turn.reused_tokens > 0
+    assert conv.messages[-1]["content"] == second.text
+
+
+# ---- forced tool calls, and the round trip through a conversation -------------------------------------------------
+
+
+def get_weather(city: Literal["Paris", "London"], unit: Literal["C", "F"] = "C") -> str:
+    """The weather in a city (arguments from short lists: a random model would write a free string forever).
+
+    Args:
+        city: The city's name.
+        unit: The temperature unit.
+    """
+
+
+def test_forced_tool_call_round_trip_renders_as_transformers(model) -> None:
+    transformers = pytest.importorskip("transformers")
+    conv = model.conversation(system="You help.", template=QWEN, tools=[get_weather])
+    asked = conv.send("Weather in Paris?", 80, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert asked.tool_calls and asked.tool_calls[0].name == "get_weather", asked.text
+    call = asked.tool_calls[0]
+    from edgelm.runtime.tools import tool_schema
+
+    jsonschema.validate(call.arguments, tool_schema(get_weather)["function"]["parameters"])
+    assert asked.text.startswith("<tool_call>") and asked.content == ""
+    assert conv.messages[-1]["tool_calls"] == [call.to_message()]
+    result = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": '{"weather": "sunny"}'}
+    reply = conv.send(result, 20)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model.spec.tokenizer_path))
+    reference.chat_template = QWEN
+    history = conv.messages[:-1]  # what the reply answered
+    expected = reference.apply_chat_template(
+        history, tools=[get_weather], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert reply.prompt_token_ids == list(expected)
+    assert history[-2]["tool_calls"][0]["function"]["arguments"] == call.arguments
+
+
+def test_required_tool_choice_and_its_errors(model) -> None:
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
+    weather = {"type": "function", "function": {"name": "weather", "parameters": empty}}
+    result = model.chat(
+        [{"role": "user", "content": "hi"}], 80, template=QWEN, tools=[get_weather, weather], tool_choice="required"
+    )
+    assert result.tool_calls and {call.name for call in result.tool_calls} <= {"get_weather", "weather"}
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidParameterError, match="not among the tools"):
+        model.chat(messages, 8, template=QWEN, tools=[weather], tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(InvalidParameterError, match="needs tools"):
+        model.chat(messages, 8, template=QWEN, tool_choice="required")
+    with pytest.raises(InvalidParameterError, match="tool_choice"):
+        model.chat(messages, 8, template=QWEN, tools=[weather], tool_choice="always")
