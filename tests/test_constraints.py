@@ -207,7 +207,8 @@ def test_required_tool_choice_and_its_errors(model) -> None:
     assert result.tool_calls and {call.name for call in result.tool_calls} <= {"get_weather", "weather"}
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(InvalidParameterError, match="not among the tools"):
-        model.chat(messages, 8, template=QWEN, tools=[weather], tool_choice={"type": "function", "function": {"name": "x"}})
+        named = {"type": "function", "function": {"name": "x"}}
+        model.chat(messages, 8, template=QWEN, tools=[weather], tool_choice=named)
     with pytest.raises(InvalidParameterError, match="needs tools"):
         model.chat(messages, 8, template=QWEN, tool_choice="required")
     with pytest.raises(InvalidParameterError, match="tool_choice"):

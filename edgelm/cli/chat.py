@@ -8,6 +8,7 @@ import sys
 import threading
 
 from .adapter import add_adapter_option, load_adapter
+from .apps import add_chat_inputs, add_structured, chat_inputs, show_tool_calls, structured_options
 from .options import add_command, add_runtime, add_sampling, add_speculative, sampling_options
 
 CHAT_COMMANDS = "/reset, /undo, /stats, /exit; Ctrl-C stops a reply"
@@ -28,6 +29,8 @@ def add_parser(sub) -> None:
     add_sampling(p, max_new_tokens=256, truncate=False)
     add_speculative(p)
     p.add_argument("--stats", action="store_true", help="print tokens/s and the tokens prefilled after each reply")
+    add_chat_inputs(p)
+    add_structured(p)
     add_runtime(p)
     add_adapter_option(p)
     p.set_defaults(run=run)
@@ -41,9 +44,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
-    conv = model.conversation(system=args.system, adapter=load_adapter(model, args.adapter))
+    adapter = load_adapter(model, args.adapter)
+    conv = model.conversation(system=args.system, adapter=adapter, **chat_inputs(args))
     conv.prompt_ids("Hello")  # a template that fails on an ordinary message fails here, not on every turn
-    options = sampling_options(args)
+    options = sampling_options(args) | structured_options(args)
     model.options(args.max_new_tokens, **options)  # bad options end here, not per message
     if args.max_new_tokens >= model.context_length:  # else every turn would fail the same way
         raise ContextLengthError(
@@ -109,6 +113,7 @@ def _reply(conv, text: str, max_new_tokens: int, options: dict):
     finally:
         signal.signal(signal.SIGINT, previous)
     print()
+    show_tool_calls(stream.result, sys.stderr)
     if stream.result.finish_reason == "cancelled":
         print("[stopped]", file=sys.stderr)
     return stream.result

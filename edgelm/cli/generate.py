@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .adapter import add_adapter_option, load_adapter
+from .apps import add_structured, structured_options
 from .options import add_command, add_json, add_runtime, add_sampling, add_speculative, sampling_options
 from .text import printable, to_json
 
@@ -22,6 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
     add_sampling(p)
     add_speculative(p)
+    add_structured(p)
     add_runtime(p)
     add_adapter_option(p)
     add_json(p, " (text, ids, finish reason, timings)")
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from edgelm.runtime import load
 
     model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
-    options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter)}
+    options = sampling_options(args) | structured_options(args) | {"adapter": load_adapter(model, args.adapter)}
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(to_json(result.to_dict(), ensure_ascii=False))
