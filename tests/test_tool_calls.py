@@ -120,7 +120,13 @@ OTHERS = [
         None,
         [("get_weather_updates", {"location": "London"})],
     ),
-    (GEMMA, '```tool_code\nget_weather(city="Paris", days=2)\n```', "", None, [("get_weather", {"city": "Paris", "days": 2})]),
+    (
+        GEMMA,
+        '```tool_code\nget_weather(city="Paris", days=2)\n```',
+        "",
+        None,
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
 ]
 CASES = [(convention(name), *rest) for name, *rest in RECORDED] + OTHERS
 
