@@ -208,10 +208,11 @@ def matchers(runner, constraint, rows: int) -> list[Matcher | None] | None:
     per_row = constraint if isinstance(constraint, list) else [constraint] * rows
     if all(item is None for item in per_row):
         return None
-    if runner.tokenizer is None:
+    tokenizer = getattr(runner, "tokenizer", None)  # a Model or an adapter's runner has one
+    if tokenizer is None:
         raise InvalidParameterError("constrained decoding needs a tokenizer, and this package has none")
     vocab, eos = runner.spec.arch.vocab_size, tuple(runner.spec.tokens.eos_token_ids)
-    ll_tokenizer = _ll_tokenizer(runner.tokenizer, vocab, eos)
+    ll_tokenizer = _ll_tokenizer(tokenizer, vocab, eos)
     return [Matcher(item, ll_tokenizer, vocab, eos) if item is not None else None for item in per_row]
 
 
