@@ -338,7 +338,7 @@ class Conversation:
         assembler = TextAssembler(self.model.tokenizer, options.stops)
         reply = _Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls)
         state = DecodeState.start(1)
-        last, calls = None, []
+        last, last_calls = None, []
         try:
             decoding = decode(self.model, [ids], state, options, cache=cache, feed=ids[turn.reused :])
             for _, token in decoding:
@@ -359,7 +359,8 @@ class Conversation:
         finally:
             if self._cache is cache:
                 last, parsed = reply.finish(assembler)
-                calls = [ToolCall(self.convention.new_id(), name, arguments) for name, arguments in parsed.calls]
+                last_calls = reply.register(last) if last is not None else []
+                calls = reply.calls
                 self._commit(turn.history, ids, assembler, cache, turn.starts, reply.message(parsed, calls, assembler))
                 new = len(assembler.ids)
                 ended = time.perf_counter()
@@ -368,7 +369,7 @@ class Conversation:
                 result.content, result.reasoning, result.tool_calls = parsed.content, parsed.reasoning, calls
                 finished(result)
         if tail or last is not None:
-            yield reply.piece(tail, last, calls[len(calls) - len(last.calls) :] if last is not None else [])
+            yield reply.piece(tail, last, last_calls)
 
     def _prepare_cache(self, reused: int, capacity: int):
         if self._cache is None:
@@ -441,7 +442,7 @@ class _Reply:
             convention = Convention("plain", "", "", "", convention.calls, think=convention.think)
         specials = {tokenizer.token_text(i) for i in tokenizer.special_ids}
         self.keep_special = self.active and any(marker in specials for marker in convention.markers())
-        self.tokenizer, self.ids = tokenizer, []
+        self.calls: list[ToolCall] = []  # the calls parsed so far, each given its id once
         tail = tokenizer.decode(prompt_ids[-8:], skip_special=False) if self.active else ""
         self.parser = ReplyParser(convention, in_reasoning=starts_in_reasoning(tail))
         self.special_text = TextAssembler(_KeepSpecial(tokenizer)) if self.keep_special else None
@@ -468,10 +469,17 @@ class _Reply:
         delta, parsed = self.parser.finish(text)
         return delta, parsed
 
+    def register(self, delta) -> list[ToolCall]:
+        """The delta's calls as ToolCalls, each with its id, added to the reply's calls."""
+        new = [ToolCall(self.convention.new_id(), name, arguments) for name, arguments in delta.calls]
+        self.calls += new
+        return new
+
     def piece(self, text: str, delta, calls: list[ToolCall] | None = None) -> Piece:
+        """A stream piece: the raw text and what it added to the parsed reply."""
         if delta is None:
             return Piece(text, text if not self.active else "")
-        return Piece(text, delta.content, delta.reasoning, calls or [])
+        return Piece(text, delta.content, delta.reasoning, self.register(delta) if calls is None else calls)
 
     def message(self, parsed, calls: list[ToolCall], assembler: TextAssembler) -> dict:
         """The assistant message the history keeps: the reply as written, or with its calls taken out."""

@@ -175,6 +175,8 @@ class Convention:
         return parsed
 
     def _parse_calls(self, text: str, final: bool) -> Parsed:
+        if self.name == "plain":  # no calls: the text is the content
+            return Parsed(text, None, [], text)
         if not self.open:  # llama3: the whole reply is a call or it is content
             return _parse_whole(text, final, self.calls)
         content, kept, calls, position = [], [], [], 0

@@ -213,3 +213,41 @@ def test_required_tool_choice_and_its_errors(model) -> None:
         model.chat(messages, 8, template=QWEN, tool_choice="required")
     with pytest.raises(InvalidParameterError, match="tool_choice"):
         model.chat(messages, 8, template=QWEN, tools=[weather], tool_choice="always")
+
+
+MISTRAL_SPECIAL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]")
+MISTRAL_SPECIAL += ("[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+
+
+@pytest.fixture(scope="module")
+def mistral_model(tmp_path_factory):
+    template = str(TEMPLATES.parent / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja")
+    out = tmp_path_factory.mktemp("mistral") / "fused"
+    package = make_chat_package(out, template=template, context=1024, extra_special=MISTRAL_SPECIAL)
+    return load(package, provider="cpu", threads=1)
+
+
+def test_calls_behind_a_special_token_stream_with_their_ids(mistral_model) -> None:
+    """Mistral's [TOOL_CALLS] is a control token, which decoding drops from the text: the calls are parsed from a
+    decoding that keeps it, streamed as they complete, with the 9-character ids its template demands."""
+    transformers = pytest.importorskip("transformers")
+    conv = mistral_model.conversation(tools=[get_weather])
+    stream = conv.stream("Weather in Paris?", 80, tool_choice="required")
+    pieces = list(stream)
+    result = stream.result
+    assert "[TOOL_CALLS]" not in result.text and result.text.startswith("[{")
+    streamed = [call for piece in pieces for call in piece.tool_calls]
+    assert streamed == result.tool_calls and streamed and result.content == ""
+    assert all(len(call.id) == 9 and call.id.isalnum() for call in streamed)
+    results = [{"role": "tool", "tool_call_id": call.id, "content": '"sunny"'} for call in streamed]
+    reply = conv.send(results, 8)
+    reference = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(mistral_model.spec.tokenizer_path), bos_token="<|begin_of_text|>", eos_token="<|im_end|>"
+    )
+    reference.chat_template = (
+        TEMPLATES.parent / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja"
+    ).read_text()
+    expected = reference.apply_chat_template(
+        conv.messages[:-1], tools=[get_weather], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert reply.prompt_token_ids == list(expected)
