@@ -373,3 +373,38 @@ def _grown(before: str, after: str) -> str:
     # a final parse may take back text a partial one showed only if the parser's holding rule failed
     assert after.startswith(before), "a reply's parse must only grow"
     return after[len(before) :]
+
+
+# ---- messages from OpenAI's API -----------------------------------------------------------------------------------
+
+
+def from_openai(messages: list) -> list:
+    """Messages as OpenAI's chat API sends them, as chat templates read them (what vLLM and llama.cpp's server do
+    before rendering): an assistant's tool-call arguments given as JSON text become the object they hold, and
+    content given as a list of text parts becomes their text. Anything else is left for the chat's own checks."""
+    converted = []
+    for message in messages:
+        if not isinstance(message, dict):
+            converted.append(message)
+            continue
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            message["content"] = "".join(str(part.get("text", "")) for part in content)
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_object_arguments(call) for call in calls]
+        converted.append(message)
+    return converted
+
+
+def _object_arguments(call: object) -> object:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": value}} if isinstance(value, dict) else call

@@ -203,3 +203,20 @@ def test_a_streamed_reply_separates_reasoning_and_keeps_the_history_as_written(t
     assert conv.messages[-1] == {"role": "assistant", "content": result.text}  # the template drops it itself
     plain = think_model.conversation().send("Why?", 8)
     assert plain.content == plain.text and plain.reasoning is None
+
+
+def test_openai_messages_become_what_templates_read() -> None:
+    from edgelm.runtime.tool_calls import from_openai
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi, "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    converted = from_openai(messages)
+    assert converted[0]["content"] == "Hi, there"
+    assert converted[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # not changed in place
+    bad = {**call, "function": {"name": "f", "arguments": "not json"}}
+    assert from_openai([{"role": "assistant", "tool_calls": [bad]}])[0]["tool_calls"] == [bad]
