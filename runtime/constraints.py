@@ -262,6 +262,21 @@ def tool_choice_grammar(convention: Convention, tools: list[dict] | None, choice
         items = style | {"type": "array", "items": one, "minItems": 1} | ({} if many else {"maxItems": 1})
         close = f" {literal(convention.close)}" if convention.close else ""
         return f"start: {literal(convention.open)} %json {json.dumps(items)}{close}"
+    if convention.name == "harmony":  # one call per message: the recipient in the header, the arguments after
+        calls = [
+            " ".join(
+                [
+                    literal("<|channel|>"),
+                    literal(f"commentary to=functions.{tool_name(spec)} "),
+                    literal("<|constrain|>"),
+                    literal("json"),
+                    literal("<|message|>"),
+                    f"%json {json.dumps(style | tool_parameters(spec))}",
+                ]
+            )
+            for spec in chosen
+        ]
+        return "start: " + " | ".join(calls)
     if convention.name == "llama3":
         return f'start: {call} ("; " {call})*' if many else f"start: {call}"
     raise InvalidParameterError(f"tool_choice {choice!r} is not supported for this template's tool calls")

@@ -251,3 +251,33 @@ def test_calls_behind_a_special_token_stream_with_their_ids(mistral_model) -> No
         conv.messages[:-1], tools=[get_weather], add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert reply.prompt_token_ids == list(expected)
+
+
+HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+
+
+def test_a_forced_gpt_oss_call_round_trip(tmp_path_factory) -> None:
+    """gpt-oss's harmony format: the call's recipient in a header of control tokens, its history kept in the fields
+    the template reads, the tool's turn rendered as transformers renders it."""
+    transformers = pytest.importorskip("transformers")
+    template = TEMPLATES.parent / "templates" / "openai-gpt-oss-120b.jinja"
+    out = tmp_path_factory.mktemp("harmony") / "fused"
+    model = load(
+        make_chat_package(out, template=str(template), context=1024, extra_special=HARMONY_SPECIAL),
+        provider="cpu",
+        threads=1,
+    )
+    conv = model.conversation(tools=[get_weather], template_vars={"reasoning_effort": "low"})
+    asked = conv.send("Weather in Paris?", 60, tool_choice="required")
+    assert [call.name for call in asked.tool_calls] == ["get_weather"] and asked.content == "", asked.text
+    assert conv.messages[-1] == {"role": "assistant", "content": "", "tool_calls": [asked.tool_calls[0].to_message()]}
+    reply = conv.send({"role": "tool", "tool_call_id": asked.tool_calls[0].id, "content": "sunny"}, 8)
+    reference = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(model.spec.tokenizer_path), bos_token="<|begin_of_text|>", eos_token="<|im_end|>"
+    )
+    reference.chat_template = template.read_text()
+    expected = reference.apply_chat_template(
+        conv.messages[:-1], tools=[get_weather], reasoning_effort="low", add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    assert reply.prompt_token_ids == list(expected)
