@@ -17,8 +17,10 @@ from .errors import (
     ProviderError,
 )
 from .model import Model, load
-from .results import GenerationResult, Stream, Timings
+from .results import GenerationResult, Piece, Stream, Timings
 from .sampling import SamplingParams
+from .tool_calls import ToolCall
+from .tools import tool_schema
 
 __all__ = [
     "AdapterError",
@@ -32,10 +34,13 @@ __all__ = [
     "Model",
     "PackageError",
     "PackageNotFoundError",
+    "Piece",
     "ProviderError",
     "SamplingParams",
     "Stream",
     "Timings",
+    "ToolCall",
     "TurnStats",
     "load",
+    "tool_schema",
 ]

@@ -224,7 +224,9 @@ def tool_choice_grammar(convention: Convention, tools: list[dict] | None, choice
     {"name": NAME}} (one call of that tool), in the template's tool-call markup."""
     if not tools:
         raise InvalidParameterError(f"tool_choice {choice!r} needs tools")
-    names = [tool_name(spec) for spec in tools]
+    names = [tool_name(spec) if isinstance(spec, dict) else None for spec in tools]
+    if None in names:
+        raise InvalidParameterError(f"tool {names.index(None)} has no function name to force a call of")
     if choice == "required":
         chosen, many = tools, True
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):

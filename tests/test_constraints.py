@@ -211,6 +211,8 @@ def test_required_tool_choice_and_its_errors(model) -> None:
         model.chat(messages, 8, template=QWEN, tools=[weather], tool_choice=named)
     with pytest.raises(InvalidParameterError, match="needs tools"):
         model.chat(messages, 8, template=QWEN, tool_choice="required")
+    with pytest.raises(InvalidParameterError, match="tool 0 has no function name"):
+        model.chat(messages, 8, template=QWEN, tools=[{"type": "function"}], tool_choice="required")
     with pytest.raises(InvalidParameterError, match="tool_choice"):
         model.chat(messages, 8, template=QWEN, tools=[weather], tool_choice="always")
 
