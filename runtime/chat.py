@@ -336,7 +336,7 @@ class Conversation:
         ids, options = turn.ids, turn.options
         cache = self._prepare_cache(turn.reused, len(ids) + options.max_new_tokens)
         assembler = TextAssembler(self.model.tokenizer, options.stops)
-        reply = _Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls)
+        reply = _Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls, options.constraint is not None)
         state = DecodeState.start(1)
         last, last_calls = None, []
         try:
@@ -435,7 +435,7 @@ class _Reply:
     """A turn's reply parsed as it grows (runtime/tool_calls.py): from the text the assembler decodes, or, when
     the convention's markup holds special tokens (which decoding drops), from a decoding that keeps them."""
 
-    def __init__(self, tokenizer, convention: Convention, prompt_ids: list[int], parse_calls: bool):
+    def __init__(self, tokenizer, convention: Convention, prompt_ids: list[int], parse_calls: bool, constrained: bool):
         self.convention = convention
         self.active = convention.name != "plain" or convention.think
         if not parse_calls and convention.name != "harmony":
@@ -444,7 +444,8 @@ class _Reply:
         self.keep_special = self.active and any(marker in specials for marker in convention.markers())
         self.calls: list[ToolCall] = []  # the calls parsed so far, each given its id once
         tail = tokenizer.decode(prompt_ids[-8:], skip_special=False) if self.active else ""
-        self.parser = ReplyParser(convention, in_reasoning=starts_in_reasoning(tail))
+        # a prompt that opens <think> starts the reply in the reasoning, unless a grammar decides what is written
+        self.parser = ReplyParser(convention, in_reasoning=starts_in_reasoning(tail) and not constrained)
         self.special_text = TextAssembler(_KeepSpecial(tokenizer)) if self.keep_special else None
 
     def _text(self, assembler: TextAssembler) -> str:

@@ -220,3 +220,13 @@ def test_openai_messages_become_what_templates_read() -> None:
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # not changed in place
     bad = {**call, "function": {"name": "f", "arguments": "not json"}}
     assert from_openai([{"role": "assistant", "tool_calls": [bad]}])[0]["tool_calls"] == [bad]
+
+
+def test_a_prompt_that_opens_think_starts_the_reply_in_reasoning(think_model) -> None:
+    source = (Path(__file__).parent / "data" / "chat_templates" / "think.jinja").read_text()
+    opens = source.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert opens != source
+    free = think_model.conversation(template=opens).send("Why?", 6)
+    assert free.reasoning == free.text.strip() and free.content == ""
+    fixed = think_model.conversation(template=opens).send("Why?", 6, regex="(yes|no)")
+    assert fixed.content == fixed.text in ("yes", "no") and fixed.reasoning is None
