@@ -41,7 +41,7 @@ from .chat_ids import chat_prompt_ids
 from .chat_template import ChatTemplate, read_template_file, validate_messages
 from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError, InvalidParameterError
-from .kvcache import make_cache
+from .kvcache import Cache, make_cache
 from .results import GenerationResult, Piece, Stream, make_timings
 from .text import TextAssembler
 from .tool_calls import Convention, ReplyParser, ToolCall, convention_for, starts_in_reasoning
@@ -139,7 +139,7 @@ class Conversation:
         template_variables(tools, documents, enable_thinking, template_vars)  # bad values raise here
         self.last_turn: TurnStats | None = None
         self._history: list[dict] = []  # the messages after the system message
-        self._cache = None  # made by the first turn (runtime/kvcache.py)
+        self._cache: Cache | None = None  # made by the first turn (runtime/kvcache.py)
         self._ids: list[int] = []  # the ids whose keys/values the cache holds, in order
         self._turn_starts: list[int] = []  # per exchange in _history: the cache length its turn started from
         self._pending: Iterator[str] | None = None  # the pieces of a stream not yet finished
@@ -316,6 +316,8 @@ class Conversation:
             self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
         # at least one id is fed: its logits start the reply
         reused = min(common_prefix(self._ids, ids), len(ids) - 1)
+        if self._cache is not None:  # a state that keeps only some lengths (runtime/kvcache.py's Cache)
+            reused = self._cache.rewind_point(reused)
         path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"
         stats = TurnStats(path, len(ids), reused, len(ids) - reused, dropped, adapter, switched)
         earlier = sum(message["role"] == "user" for message in history) - 1  # exchanges before this one
@@ -336,7 +338,7 @@ class Conversation:
         ids, options = turn.ids, turn.options
         cache = self._prepare_cache(turn.reused, len(ids) + options.max_new_tokens)
         assembler = TextAssembler(self.model.tokenizer, options.stops)
-        reply = _Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls, options.constraint is not None)
+        reply = _Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls, options.token_mask is not None)
         state = DecodeState.start(1)
         last, last_calls = None, []
         try:
@@ -371,7 +373,7 @@ class Conversation:
         if tail or last is not None:
             yield reply.piece(tail, last, last_calls)
 
-    def _prepare_cache(self, reused: int, capacity: int):
+    def _prepare_cache(self, reused: int, capacity: int) -> Cache:
         if self._cache is None:
             self._cache = make_cache(self.model, [[0]], capacity=capacity)
             self._cache.rewind(0)  # an empty cache: every turn extends it
@@ -380,7 +382,13 @@ class Conversation:
         return self._cache
 
     def _commit(
-        self, history: list[dict], ids: list[int], assembler: TextAssembler, cache, starts: list[int], reply: dict
+        self,
+        history: list[dict],
+        ids: list[int],
+        assembler: TextAssembler,
+        cache: Cache,
+        starts: list[int],
+        reply: dict,
     ) -> None:
         """The turn enters the history; the cache holds the prompt and the reply's ids that were fed."""
         held = int(cache.lengths[0])

@@ -2,15 +2,17 @@
 
 Built on llguidance (the library onnxruntime-genai and llama.cpp use; `pip install edgelm[structured]`): a
 grammar is compiled once per call, and for every position a row's LLMatcher gives the set of tokens that keep
-the output inside the language; the others' logits become -inf before the one sampler picks (runtime/decode.py's
-TokenPicker, runtime/speculative.py's Chooser). When the grammar is complete only the package's EOS ids remain.
+the output inside the language; GrammarMask is the call's token mask (runtime/sampling.py's TokenMask), which the
+one TokenPicker applies before every choice, so the others' logits are -inf. When the grammar is complete only the
+package's EOS ids remain.
 
     constraint_from(response_format={"type": "json_schema", "json_schema": {"schema": {...}}})
     constraint_from(regex=r"\\d{3}")
     constraint_from(grammar='start: "yes" | "no"')   # llguidance's Lark dialect, %json{...} for a schema
 
-Speculative decoding masks every position of a round with the matcher advanced through the guesses before it
-(and rolled back after), so a constrained round gives exactly the tokens plain constrained decoding gives.
+The mask is given a row's ids so far (speculative decoding: with the guesses before the position) and keeps
+its matcher in step with them, rolling back what a rejected guess added, so a constrained speculative round
+gives exactly the tokens plain constrained decoding gives.
 `tool_choice_grammar` forces tool calls: the convention's markup (runtime/tool_calls.py) around JSON that
 matches one of the tools' schemas.
 """
@@ -18,6 +20,7 @@ matches one of the tools' schemas.
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -158,6 +161,7 @@ class Matcher:
         self.matcher = llg.LLMatcher(ll_tokenizer, constraint.grammar)
         self._check()
         self.words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # the mask, one bit per token
+        self.taken: list[int] = []  # the tokens the matcher has consumed, in order
 
     def _check(self) -> None:
         if self.matcher.is_error():
@@ -177,43 +181,53 @@ class Matcher:
         """A copy of one position's logits (V,) with the disallowed tokens at -inf."""
         return np.where(self.allowed(), logits, -np.inf).astype(logits.dtype, copy=False)
 
-    def take(self, token: int) -> None:
-        """Advance past a token the masked sampler picked (an EOS id ends the row: nothing to take)."""
-        if token in self.eos:
-            return
-        accepted = self.matcher.consume_token(int(token))
-        assert accepted, f"a masked pick was refused by {self.constraint.what}: {self.matcher.get_error()}"
-
-    def mask_round(self, logits: np.ndarray, guesses: list[int]) -> np.ndarray:
-        """Speculative decoding: logits (len(guesses) + 1, V) each masked with the state after the guesses before
-        it, up to the first guess the grammar refuses (later positions are never chosen from). The state is
-        left as it was."""
-        masked, taken = logits.copy(), 0
-        for position in range(len(guesses) + 1):
-            allowed = self.allowed()
-            masked[position] = np.where(allowed, logits[position], -np.inf)
-            if position == len(guesses) or not allowed[guesses[position]] or guesses[position] in self.eos:
+    def follow(self, ids: list[int]) -> bool:
+        """Bring the matcher to the state after ids (the row's tokens so far, EOS ids left out): roll back what it
+        took beyond their common prefix, take the rest. False when the grammar refuses one of them (a position
+        after a guess that speculative decoding will reject: it is never chosen from)."""
+        taken, kept = self.taken, 0
+        for a, b in zip(taken, ids, strict=False):
+            if a != b:
                 break
-            self.take(guesses[position])
-            taken += 1
-        if taken:
-            self.matcher.rollback(taken)
-        return masked
+            kept += 1
+        if len(taken) > kept:
+            self.matcher.rollback(len(taken) - kept)
+            del taken[kept:]
+        for token in ids[kept:]:
+            if self.matcher.validate_tokens([token]) != 1:
+                return False
+            accepted = self.matcher.consume_token(token)
+            assert accepted, f"{self.constraint.what} refused a token it had validated: {self.matcher.get_error()}"
+            taken.append(token)
+        return True
 
 
-def matchers(runner, constraint, rows: int) -> list[Matcher | None] | None:
-    """One Matcher per row (None where a row is free) for a call's constraint; None when nothing is constrained."""
-    if constraint is None:
-        return None
-    per_row = constraint if isinstance(constraint, list) else [constraint] * rows
-    if all(item is None for item in per_row):
-        return None
-    tokenizer = getattr(runner, "tokenizer", None)  # a Model or an adapter's runner has one
-    if tokenizer is None:
-        raise InvalidParameterError("constrained decoding needs a tokenizer, and this package has none")
-    vocab, eos = runner.spec.arch.vocab_size, tuple(runner.spec.tokens.eos_token_ids)
-    ll_tokenizer = _ll_tokenizer(tokenizer, vocab, eos)
-    return [Matcher(item, ll_tokenizer, vocab, eos) if item is not None else None for item in per_row]
+class GrammarMask:
+    """A call's constraint as runtime/sampling.py's token mask: (row, the row's ids so far, logits) -> logits with
+    the tokens the grammar refuses at -inf. One Matcher per row, kept in step with the ids it is given (so
+    speculative decoding's guesses, and their rejection, need nothing else)."""
+
+    def __init__(self, runner, constraint: Constraint | list[Constraint | None]):
+        tokenizer = getattr(runner, "tokenizer", None)  # a Model or an adapter's runner has one
+        if tokenizer is None:
+            raise InvalidParameterError("constrained decoding needs a tokenizer, and this package has none")
+        self.vocab, self.eos = runner.spec.arch.vocab_size, tuple(runner.spec.tokens.eos_token_ids)
+        self.ll_tokenizer = _ll_tokenizer(tokenizer, self.vocab, self.eos)
+        self.constraint = constraint
+        self.matchers: dict[int, Matcher] = {}
+        self._lock = threading.Lock()  # rows of one batch are masked by one thread, but be safe if not
+
+    def __call__(self, row: int, ids, logits: np.ndarray) -> np.ndarray:
+        constraint = self.constraint[row] if isinstance(self.constraint, list) else self.constraint
+        if constraint is None:
+            return logits
+        with self._lock:
+            matcher = self.matchers.get(row)
+            if matcher is None:
+                matcher = self.matchers[row] = Matcher(constraint, self.ll_tokenizer, self.vocab, self.eos)
+            if not matcher.follow([token for token in ids if token not in self.eos]):
+                return logits
+            return matcher.mask(logits)
 
 
 # ---- forced tool calls -------------------------------------------------------------------------------------------

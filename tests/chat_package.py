@@ -37,17 +37,18 @@ def make_chat_folder(
     context: int = 256,
     layers: int = 2,
     seed: int = 0,
+    vocab: int | None = None,
     extra_special: tuple[str, ...] = (),
 ) -> Path:
     """A Llama checkpoint folder: random weights, the tokenizer above (with extra_special control tokens after the
     others), tests/data/chat_templates/<template>.jinja or a path to a template (no template for template=""),
-    EOS ids [<|im_end|>, <|eot_id|>]."""
+    EOS ids [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's; default: the tokenizer's)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB + len(extra_special), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab or VOCAB + len(extra_special), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=layers,
         intermediate_size=128, max_position_embeddings=context, rope_theta=1e4, rms_norm_eps=1e-5,
         bos_token_id=BEGIN, eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgelm.runtime import InvalidParameterError, load
-from edgelm.runtime.constraints import Matcher, constraint_from, matchers
+from edgelm.runtime.constraints import GrammarMask, constraint_from
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -133,23 +133,20 @@ def test_speculative_constrained_equals_plain_constrained(model, temperature) ->
         assert fast.token_ids == plain.token_ids
 
 
-def test_mask_round_leaves_the_matcher_as_it_was(model) -> None:
-    (matcher,) = matchers(model, constraint_from(regex=r"abc(d|e)"), 1)
-    vocab = model.vocab_size
+def test_the_mask_follows_the_ids_it_is_given(model) -> None:
+    """Speculative decoding asks for positions after guesses, then for positions after fewer ids once guesses are
+    rejected: the mask keeps its matcher in step (rolling back), and a position after a refused id is left as is."""
+    mask = GrammarMask(model, constraint_from(regex=r"abc(d|e)"))
     ab, c = model.tokenizer.encode("abc")  # llguidance keeps to the canonical tokens: "ab", "c"
     x = model.tokenizer.encode("x")[0]
-    logits = np.zeros((3, vocab), dtype=np.float32)
-    masked = matcher.mask_round(logits, [ab, x])  # x is refused at the second position
-    assert np.isfinite(masked[0, ab]) and not np.isfinite(masked[1, x]) and np.isfinite(masked[1, c])
-    assert np.isfinite(masked[0]).sum() == 1
-    assert np.array_equal(matcher.allowed(), Matcher(matcher.constraint, *_parts(model)).allowed())
-
-
-def _parts(model):
-    from edgelm.runtime.constraints import _ll_tokenizer
-
-    eos = tuple(model.spec.tokens.eos_token_ids)
-    return _ll_tokenizer(model.tokenizer, model.vocab_size, eos), model.vocab_size, eos
+    logits = np.zeros(model.vocab_size, dtype=np.float32)
+    first = mask(0, [], logits)
+    assert np.flatnonzero(np.isfinite(first)).tolist() == [ab]
+    assert np.isfinite(mask(0, [ab], logits)[c]) and not np.isfinite(mask(0, [ab], logits)[x])
+    assert np.isfinite(mask(0, [ab, c], logits)).sum() == 2  # d or e
+    assert mask(0, [ab, x], logits) is logits  # after a refused guess: never chosen from, left unmasked
+    assert np.array_equal(mask(0, [], logits), first)  # rolled back to the start
+    assert np.isfinite(mask(1, [], logits)).sum() == 1  # another row has its own matcher
 
 
 def test_conversation_turns_keep_their_cache_and_their_format(model) -> None:

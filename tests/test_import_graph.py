@@ -98,3 +98,17 @@ def test_each_module_imports_alone(module):
     code = f"import edgelm.runtime.{module}, sys; assert 'torch' not in sys.modules, 'torch was imported'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, f"import edgelm.runtime.{module} failed:\n{run.stderr[-2000:]}"
+
+
+def test_loading_and_generating_do_not_import_jinja2(package):
+    # the runtime promises onnxruntime, numpy and tokenizers; chat templates (jinja2) load when chat is first used
+    code = (
+        "import sys, edgelm.runtime as runtime\n"
+        f"model = runtime.load({str(package)!r}, provider='cpu', threads=1)\n"
+        "model.generate('ab', 3); list(model.stream('ab', 3)); model.generate_batch(['a', 'bc'], 2)\n"
+        "model.generate('ab', 3, speculative='lookup')\n"
+        "assert 'jinja2' not in sys.modules, 'jinja2 was imported'\n"
+        "assert runtime.Conversation is not None and 'jinja2' in sys.modules\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -7,7 +7,6 @@ import argparse
 import math
 import textwrap
 
-MAX_THREADS = 1024
 HELP_WIDTH = 78  # argparse wraps option help to the terminal; descriptions are wrapped to this
 
 
@@ -43,6 +42,13 @@ def int_in(low: int, high: int | None = None, *, power_of_two: bool = False):
         return value
 
     return parse
+
+
+def thread_count(text: str) -> int:
+    """--threads: 1 to the CPUs this process may use (the runtime's bound, imported only when the flag is given)."""
+    from edgelm.runtime.session import max_threads
+
+    return int_in(1, max_threads())(text)
 
 
 def finite_at_least(low: float):
@@ -138,9 +144,9 @@ def add_runtime(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--threads",
-        type=int_in(1, MAX_THREADS),
+        type=thread_count,
         default=None,
-        help=f"intra-op threads, 1 to {MAX_THREADS} (default: ONNX Runtime's choice)",
+        help="intra-op threads, 1 to the number of CPUs (default: ONNX Runtime's choice)",
     )
     add_verify(g)
 
