@@ -55,35 +55,44 @@ BIG = {
 }
 
 
-def replay(ll_tokenizer, vocab: int, eos: tuple[int, ...], constraint, tokens: list[int]) -> list[float]:
-    """Seconds per step to mask and take each token of tokens (the steps a constrained generation runs)."""
-    from edgelm.runtime.constraints import Matcher
+def replay(runner, constraint, tokens: list[int]) -> list[float]:
+    """Seconds per step to mask each position of tokens as decoding does (GrammarMask given the ids so far)."""
+    from edgelm.runtime.constraints import GrammarMask
 
-    matcher = Matcher(constraint, ll_tokenizer, vocab, eos)
-    logits = np.random.default_rng(0).standard_normal(vocab).astype(np.float32)
+    mask = GrammarMask(runner, constraint)
+    logits = np.random.default_rng(0).standard_normal(runner.spec.arch.vocab_size).astype(np.float32)
     times = []
-    for token in tokens:
+    for position, token in enumerate(tokens):
         started = time.perf_counter()
-        masked = matcher.mask(logits)
-        matcher.take(token)
+        masked = mask(0, tokens[:position], logits)
         times.append(time.perf_counter() - started)
         assert np.isfinite(masked[token]), "the replayed token must be allowed"
     return times
 
 
-def compile_times(ll_tokenizer, vocab: int, eos: tuple[int, ...]) -> dict:
-    from edgelm.runtime.constraints import Matcher, constraint_from
+def compile_times(runner) -> dict:
+    from edgelm.runtime.constraints import GrammarMask, constraint_from
 
     out = {}
+    logits = np.zeros(runner.spec.arch.vocab_size, dtype=np.float32)
     for name, schema in (("answer schema", SCHEMA), ("40-property schema", BIG)):
         started = time.perf_counter()
         constraint = constraint_from(response_format={"type": "json_schema", "json_schema": {"schema": schema}})
         compiled = time.perf_counter()
-        matcher = Matcher(constraint, ll_tokenizer, vocab, eos)
-        matcher.allowed()  # the first mask builds the lexer's first states
+        GrammarMask(runner, constraint)(0, [], logits)  # the matcher and its first mask (the lexer's first states)
         ready = time.perf_counter()
         out[name] = {"compile_ms": 1000 * (compiled - started), "first_mask_ms": 1000 * (ready - compiled)}
     return out
+
+
+class TokenizerOnly:
+    """What GrammarMask reads of a runner, for a tokenizer without a model."""
+
+    def __init__(self, tokenizer, vocab: int, eos: int):
+        from types import SimpleNamespace
+
+        self.tokenizer = tokenizer
+        self.spec = SimpleNamespace(arch=SimpleNamespace(vocab_size=vocab), tokens=SimpleNamespace(eos_token_ids=[eos]))
 
 
 def summary(times: list[float]) -> dict:
@@ -101,11 +110,12 @@ def main() -> None:
 
     from edgelm.runtime import load
     from edgelm.runtime.constraints import _ll_tokenizer, constraint_from
+    from edgelm.runtime.text import Tokenizer
 
     model = load(args.package, provider="cpu", threads=args.threads)
     vocab, eos = model.vocab_size, tuple(model.spec.tokens.eos_token_ids)
     started = time.perf_counter()
-    ll_tokenizer = _ll_tokenizer(model.tokenizer, vocab, eos)
+    _ll_tokenizer(model.tokenizer, vocab, eos)  # built once per tokenizer, cached
     tokenizer_s = time.perf_counter() - started
     messages = [{"role": "user", "content": QUESTION}]
     response_format = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
@@ -114,7 +124,7 @@ def main() -> None:
     step_ms = 1000 / plain.timings.decode_tokens_per_s
     constrained_step_ms = 1000 / answer.timings.decode_tokens_per_s
     constraint = constraint_from(response_format=response_format)
-    mask = summary(replay(ll_tokenizer, vocab, eos, constraint, answer.token_ids))
+    mask = summary(replay(model, constraint, answer.token_ids))
     report = {
         "cpu": platform.processor() or platform.machine(),
         "threads": args.threads,
@@ -127,26 +137,27 @@ def main() -> None:
         "constrained_decode_step_ms": constrained_step_ms,
         "mask_per_token": mask,
         "mask_share_of_plain_step": mask["mean_ms"] / step_ms,
-        "compile": compile_times(ll_tokenizer, vocab, eos),
+        "compile": compile_times(model),
     }
     if args.tokenizer_gguf:
-        import llguidance
         import transformers
 
         gguf = Path(args.tokenizer_gguf)
         big = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        big_vocab = len(big)
-        big_eos = (big.eos_token_id,)
+        saved = Path(args.out or "structured.json").with_suffix(".tokenizer.json")
+        saved.write_text(big.backend_tokenizer.to_str())
+        runner = TokenizerOnly(Tokenizer(saved), len(big), big.eos_token_id)
+        saved.unlink()
         started = time.perf_counter()
-        big_ll = llguidance.LLTokenizer(big.backend_tokenizer.to_str(), n_vocab=big_vocab, eos_token=list(big_eos))
+        _ll_tokenizer(runner.tokenizer, len(big), (big.eos_token_id,))
         big_build = time.perf_counter() - started
         tokens = big(answer.text, add_special_tokens=False)["input_ids"]
         report["large_vocabulary"] = {
             "tokenizer": gguf.name,
-            "vocab": big_vocab,
+            "vocab": len(big),
             "tokenizer_build_s": big_build,
-            "mask_per_token": summary(replay(big_ll, big_vocab, big_eos, constraint, tokens)),
-            "compile": compile_times(big_ll, big_vocab, big_eos),
+            "mask_per_token": summary(replay(runner, constraint, tokens)),
+            "compile": compile_times(runner),
         }
     text = json.dumps(report, indent=2, ensure_ascii=False)
     print(text)
