@@ -185,6 +185,16 @@ class Conversation:
             self.system, messages = messages[0]["content"], messages[1:]
         return self._start(messages, max_new_tokens, options, drop_oldest=False)
 
+    @property
+    def cached_ids(self) -> list[int]:
+        """A copy of the ids whose keys/values the cache holds (what a next turn can reuse)."""
+        return list(self._ids)
+
+    def ids_of(self, messages: list[dict], **variables: Any) -> list[int]:
+        """The ids this conversation's template renders for a whole message list and template variables, with the
+        generation prompt (what stream_reply feeds when `system` is None); nothing changes."""
+        return chat_prompt_ids(self.template, self.model.tokenizer, validate_messages(messages), **variables)
+
     def prompt_ids(self, text: str) -> list[int]:
         """The ids the template renders for the history plus a user message `text`, with the generation prompt;
         nothing changes. ChatTemplateError when the template fails on them (a CLI checks its template with it)."""

@@ -53,6 +53,15 @@ def hf_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def families(tmp_path_factory):
+    """Every family row's tiny transformers model, folder, GGUF file and packages, made when first asked for
+    (tests/family_cases.py)."""
+    from family_cases import Families
+
+    return Families(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
 def package(hf_checkpoint, tmp_path_factory) -> Path:
     from edgelm.export.onnx_export import export_package
 

@@ -119,9 +119,11 @@ def load_tiny(app, package: Path, mode: str) -> None:
 
 
 def set_input(app, text: str, **params: str) -> None:
+    """The message box's text and sampling fields; min-p and the repetition penalty off unless given (a loaded chat
+    package sets them to its chat sampling)."""
     app.input.delete("1.0", "end")
     app.input.insert("1.0", text)
-    for key, value in params.items():
+    for key, value in ({"min_p": "0", "repetition_penalty": "1"} | params).items():
         app.params[key].set(value)
 
 
@@ -195,6 +197,14 @@ def test_two_turn_chat_stop_new_chat_and_screenshot(app, chat_package, tmp_path)
     send(app, first)  # greedy again: the same first answer, with the system prompt still cached
     assert app.last_result.token_ids == reply_1.token_ids
     assert app.conversation.last_turn.reused_tokens > 5
+
+
+def test_a_chat_package_sets_its_chat_sampling(app, chat_package):
+    from edgelm.runtime.chat_defaults import CHAT_SAMPLING
+
+    load_tiny(app, chat_package, "chat")
+    assert {key: app.params[key].get() for key in CHAT_SAMPLING} == {k: f"{v:g}" for k, v in CHAT_SAMPLING.items()}
+    assert "sampling from edgelm's chat defaults" in app.status_text
 
 
 def test_completion_fallback_without_a_template(app, package):

@@ -1,8 +1,10 @@
-"""The runtime's import graph: every module imports alone, the graph is one-way, and nothing reaches torch.
+"""The library's import graph: no circle anywhere (edgelm/, export/, quantize/, runtime/, subpackages included);
+the runtime's modules each import alone, one way, and never reach torch, export/ or quantize/.
 
 The decode loop (runtime/decode.py) is shared by Model and Conversation; a circle (model -> chat -> model)
-once hid behind imports inside functions, so imports are read at every depth of each module, the ones
-under `if TYPE_CHECKING:` included.
+once hid behind imports inside functions, and two in export/ (families -> gguf -> families, compact_blocks ->
+graph -> compact_blocks), so imports are read at every depth of each module, the ones under
+`if TYPE_CHECKING:` included.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ import pytest
 import edgelm.runtime
 
 RUNTIME = Path(edgelm.runtime.__file__).parent
+REPO = Path(__file__).resolve().parent.parent
+# package name -> folder, as pyproject.toml maps them (the folders are not the import paths)
+LIBRARY = {
+    "edgelm": REPO / "edgelm",
+    "edgelm.export": REPO / "export",
+    "edgelm.quantize": REPO / "quantize",
+    "edgelm.runtime": REPO / "runtime",
+}
 MODULES = sorted(path.stem for path in RUNTIME.glob("*.py") if path.stem != "__init__")
 FORBIDDEN = {"torch", "export", "quantize", "onnx"}  # roots; edgelm.export and edgelm.quantize by their second name
 
@@ -61,10 +71,65 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def library_modules(roots: dict[str, Path]) -> dict[str, Path]:
+    """Every module of the library by its import name (a package by its own name: its __init__.py)."""
+    modules = {}
+    for package, folder in roots.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([package, *parts])
+            if name not in modules:  # edgelm/ holds only edgelm.cli and its own modules, not the mapped rooms
+                modules[name] = path
+    return modules
+
+
+def module_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The library modules `name` imports, at any depth: `from X import a` is X.a where that is a module, else X."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            stem = ".".join([*base, *([node.module] if node.module else [])])
+            for alias in node.names:
+                targets.add(f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in modules else stem)
+        elif isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+    return {target for target in targets if target in modules and target != name}
+
+
+def library_graph(roots: dict[str, Path]) -> dict[str, set[str]]:
+    modules = library_modules(roots)
+    return {name: module_imports(name, path, modules) for name, path in modules.items()}
+
+
 def test_the_graph_reader_sees_a_circle():
     # the check itself can fail: a circle through three modules is reported
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_library_reader_sees_a_circle_through_a_subpackage(tmp_path):
+    # a module importing a name from a subpackage, whose module imports back two levels up inside a function
+    (tmp_path / "lib" / "sub").mkdir(parents=True)
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "a.py").write_text("from .sub import f\n")
+    (tmp_path / "lib" / "sub" / "__init__.py").write_text("from .b import f\n")
+    (tmp_path / "lib" / "sub" / "b.py").write_text("def f():\n    from ..a import x\n")
+    graph = library_graph({"pkg": tmp_path / "lib"})
+    assert graph["pkg.a"] == {"pkg.sub"} and graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"}
+    assert find_cycle(graph) == ["pkg.a", "pkg.sub", "pkg.sub.b", "pkg.a"]
+
+
+def test_the_library_imports_form_no_circle():
+    graph = library_graph(LIBRARY)
+    for module in ("edgelm.cli", "edgelm.export.families", "edgelm.export.graph", "edgelm.quantize.quantize"):
+        assert module in graph, f"{module} is read"
+    assert "edgelm.export.families" in graph["edgelm.export.gguf"], "relative imports resolve"
+    cycle = find_cycle(graph)
+    assert cycle is None, f"library modules import each other in a circle: {' -> '.join(cycle)}"
 
 
 def test_the_runtime_imports_form_no_circle():

@@ -79,7 +79,7 @@ def test_greedy_tokens_match_the_pytorch_reference(long_checkpoint, graph, reque
 
     long_model = request.getfixturevalue(graph)
 
-    from edgelm.export.gpt2_checkpoint import load_checkpoint
+    from edgelm.export.families.gpt2 import load_checkpoint
 
     result = long_model.generate(PROMPT, 64, ignore_eos=True)
     reference = load_checkpoint(long_checkpoint).generate_greedy(torch.tensor([result.prompt_token_ids]), 64)

@@ -7,6 +7,7 @@ package and one transformers model serve the whole module (export ~1.5 min, tran
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -158,3 +159,35 @@ def test_chat_ids_equal_transformers_for_ordinary_messages(fp32, generation):
     for messages in PARITY_CASES:
         expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation)["input_ids"]
         assert chat_prompt_ids(template, fp32.tokenizer, messages, add_generation_prompt=generation) == expected
+
+
+def test_the_openai_client_against_edgelm_serve(fp32):
+    """The official openai client against `edgelm serve` (docs/serve.md) on SmolLM2: a chat that answers, and
+    the same answer streamed; where the runtime has them (docs/apps.md), a JSON-schema answer."""
+    import json
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from edgelm.serve import Engine, Settings, create_app, serve_in_thread
+
+    engine = Engine(fp32, name="smollm2", settings=Settings(parallel=1, prompt_cache=0))
+    messages = [{"role": "user", "content": QUESTION}]
+    with serve_in_thread(create_app(engine)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, temperature=0)
+        answer = reply.choices[0].message.content
+        print(f"served answer: {answer!r}")
+        assert "Paris" in answer
+        stream = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=40, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == answer
+        if "structured" in engine.features and importlib.util.find_spec("llguidance"):
+            schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+            schema["additionalProperties"] = False
+            response_format = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}
+            reply = client.chat.completions.create(
+                model="smollm2", messages=messages, max_tokens=40, temperature=0, response_format=response_format
+            )
+            assert "Paris" in json.loads(reply.choices[0].message.content)["capital"]
+    engine.close()

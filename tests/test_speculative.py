@@ -446,7 +446,7 @@ def test_cli_refuses_a_bad_value_in_one_line(fused_package, command):
 
     args = [command, fused_package] + (["hello"] if command == "generate" else []) + ["--speculative", "nope"]
     run = edgelm(*args)
-    assert run.returncode != 0 and "speculative must be" in run.stderr
+    assert run.returncode != 0 and "--speculative nope: neither 'lookup' nor" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
