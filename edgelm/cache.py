@@ -29,12 +29,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgelm import __version__
-
 from .runtime.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE
 from .runtime.errors import PackageError, PackageNotFoundError
 from .runtime.files import kind_of
 from .runtime.package import file_sha256
+from .version import __version__
 
 CACHE_ENV = "EDGELM_CACHE"  # the cache root (scripts/fetch_smollm2.py keeps the SmolLM2 GGUF there too)
 PACKAGES = "packages"

@@ -19,9 +19,9 @@ from pathlib import Path
 import onnx
 import torch
 
-from edgelm import __version__
 from edgelm.onnxfile import save_model
 from edgelm.package_writer import StagedOutput, list_files, write_json
+from edgelm.version import __version__
 
 from ..runtime.contract import (
     CHAT_TEMPLATE_FILE,

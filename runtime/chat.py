@@ -8,7 +8,7 @@
 
 Every turn renders the whole history with the chat template and the generation prompt (as transformers'
 apply_chat_template(..., add_generation_prompt=True)), tokenizes that text (special-token text from the
-messages as plain text: runtime/chat_ids.py), and compares the ids with the ids whose keys/values the
+messages as plain text: runtime/template/prompt_ids.py), and compares the ids with the ids whose keys/values the
 conversation's cache holds (llama.cpp's prompt cache, genai's rewind):
 
 - "prefix": the cached ids are a prefix of the new ones; only the rest is fed (the usual follow-up turn);
@@ -37,12 +37,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .chat_ids import chat_prompt_ids
-from .chat_template import ChatTemplate, read_template_file, validate_messages
 from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError, InvalidParameterError
 from .kvcache import Cache, make_cache
 from .results import GenerationResult, Piece, Stream, make_timings
+from .template import ChatTemplate, chat_prompt_ids, read_template_file, validate_messages
 from .text import TextAssembler
 from .tool_calls import Convention, ReplyParser, ToolCall, convention_for, starts_in_reasoning
 from .tools import tool_specs
@@ -324,8 +323,11 @@ class Conversation:
         switched = adapter != self.adapter
         if switched:  # the cache holds another adapter's keys and values: start it afresh
             self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
-        # at least one id is fed: its logits start the reply
-        reused = min(common_prefix(self._ids, ids), len(ids) - 1)
+        # at least two ids are fed (one for a one-id prompt): their last logits start the reply. A step of one row
+        # runs other kernels than a prompt's step of several in some packages (MatMulNBits at accuracy level 4),
+        # so a question asked again after reset() or undo() gets a fresh conversation's answer only when its last
+        # id is fed beside another, as a fresh prefill feeds it; steps of two or more rows agree with each other
+        reused = max(0, min(common_prefix(self._ids, ids), len(ids) - 2))
         if self._cache is not None:  # a state that keeps only some lengths (runtime/kvcache.py's Cache)
             reused = self._cache.rewind_point(reused)
         path = "full" if reused == 0 else "prefix" if reused == len(self._ids) else "rewind"

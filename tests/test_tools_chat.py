@@ -12,9 +12,8 @@ from typing import Literal
 import pytest
 
 from edgelm.runtime.chat import template_variables
-from edgelm.runtime.chat_ids import chat_prompt_ids
-from edgelm.runtime.chat_template import ChatTemplate
 from edgelm.runtime.errors import ChatTemplateError
+from edgelm.runtime.template import ChatTemplate, chat_prompt_ids
 from edgelm.runtime.text import Tokenizer
 from edgelm.runtime.tools import tool_schema
 

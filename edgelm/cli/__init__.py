@@ -20,7 +20,7 @@ import textwrap
 import threading
 import warnings
 
-from edgelm import __version__
+from edgelm.version import __version__
 
 from . import adapter, cache, chat, export, generate, info, quantize, serve
 from .options import HELP_WIDTH, Parser
