@@ -93,6 +93,13 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
         sharing.setdefault(id(parameter), []).append(name)
     for adapter in adapters:
         adapter.select({name: isinstance(m, torch.nn.Linear) for name, m in modules.items()}, model_type=family)
+        for path, saved in adapter.base_weights.items():  # PEFT loads them over the model's: they must be its own
+            module = modules.get(path)
+            if module is None or not np.array_equal(saved, module.weight.detach().numpy()):
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: it carries its own {path} weight (PEFT's save_embedding_layers) "
+                    "and it differs from this model's (a resized vocabulary?); edgelm merges only LoRA weights"
+                )
         for path, weights in adapter.modules.items():
             module = modules.get(path)
             if not isinstance(module, torch.nn.Linear):
@@ -235,6 +242,10 @@ def convert_adapter(
         raise AdapterError(f"{package} has no LoRA slots: export the base with --lora-slots MODULES:MAX_RANK")
     adapter = read_peft_adapter(adapter_dir, scale=scale)
     adapter.select_by_name(model_type=spec.manifest.architecture.type if spec.manifest else None)
+    if adapter.base_weights:
+        saved = next(iter(adapter.base_weights))
+        raise AdapterError(f"LoRA adapter {adapter.name}: {saved} (a layer saved with its LoRA) has no LoRA slot; "
+                           "merge this adapter at export with --lora instead")  # fmt: skip
     tensors = _slot_tensors(slots, adapter, f"LoRA adapter {adapter.name}")
     dtype = np.float16 if spec.io.kv_dtype == "float16" else np.float32  # an fp16 package's inputs are half
     writer = ort.AdapterFormat()

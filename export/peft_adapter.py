@@ -39,6 +39,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+BASE_SUFFIX = ".base_layer.weight"  # PEFT's save_embedding_layers: an LM head's own weight saved with its LoRA
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear but the output layer
 OUTPUT_LAYER = "lm_head"  # the output layer's module name in every family's reference model
 # PEFT's targets when target_modules is absent (peft.utils.constants TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
@@ -127,6 +128,7 @@ class PeftAdapter:
     rank_pattern: dict[str, tuple[Pattern, int]]
     alpha_pattern: dict[str, tuple[Pattern, float]]
     where: str  # the weights file, for messages
+    base_weights: dict[str, np.ndarray] = field(default_factory=dict)  # a layer's own weight, saved beside its LoRA
     modules: dict[str, LoraWeights] = field(default_factory=dict)  # module path ("model.layers.0.self_attn.q_proj")
     ignored: list[str] = field(default_factory=list)  # modules the file holds that the targeting leaves out
 
@@ -303,10 +305,15 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
         raise AdapterError(f"{path} is not a readable safetensors file: {reason}") from None
 
 
-def _module_tensors(tensors: dict[str, np.ndarray], where: Path) -> dict[str, dict[str, np.ndarray]]:
-    """module path -> {"A": (r, in), "B": (out, r)} float32; any other tensor is refused by name."""
+def _module_tensors(tensors: dict[str, np.ndarray], where: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(module path -> {"A": (r, in), "B": (out, r)} float32, module path -> a saved base weight); any other
+    tensor is refused by name."""
     modules: dict[str, dict[str, np.ndarray]] = {}
+    bases: dict[str, np.ndarray] = {}
     for key, tensor in tensors.items():
+        if key.startswith(PREFIX) and key.endswith(BASE_SUFFIX) and len(key) <= MAX_NAME:
+            bases[key[len(PREFIX) : -len(BASE_SUFFIX)]] = np.asarray(tensor)
+            continue
         if not key.startswith(PREFIX) or not key.endswith(SUFFIXES):
             raise AdapterError(f"{where}: tensor {key!r} is not a LoRA A/B weight (embedding adapters, DoRA and "
                                "saved modules are not supported)")  # fmt: skip
@@ -328,7 +335,7 @@ def _module_tensors(tensors: dict[str, np.ndarray], where: Path) -> dict[str, di
             )
     if not modules:
         raise AdapterError(f"{where} holds no LoRA weights")
-    return modules
+    return modules, bases
 
 
 def read_peft_adapter(folder: str | Path, *, scale: float = 1.0) -> PeftAdapter:
@@ -351,7 +358,7 @@ def read_peft_adapter(folder: str | Path, *, scale: float = 1.0) -> PeftAdapter:
         raise AdapterError(f"{path}: its rank_pattern, alpha_pattern, target_modules and exclude_modules patterns are "
                            f"too large together (over {MAX_STATES} states); use fewer or simpler ones")  # fmt: skip
     weights = folder / WEIGHTS_FILE
-    pairs = _module_tensors(_read_tensors(weights), weights)
+    pairs, base_weights = _module_tensors(_read_tensors(weights), weights)
     targets = config.get("target_modules")
     return PeftAdapter(
         name=folder.resolve().name,
@@ -364,6 +371,7 @@ def read_peft_adapter(folder: str | Path, *, scale: float = 1.0) -> PeftAdapter:
             "target_modules": targets[:MAX_PATTERNS] if isinstance(targets, (str, list)) else None,
         },  # fmt: skip
         pairs=pairs,
+        base_weights=base_weights,
         targeting=targeting,
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,

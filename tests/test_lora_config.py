@@ -294,3 +294,25 @@ def test_converted_adapter_equals_peft(setup, peft_references, tmp_path):
     model.load_adapter(out)
     logits, _ = model.forward(np.array([PROMPT]), adapter="a")
     assert np.abs(logits[0] - expected).max() < 1e-4
+
+
+def test_lm_head_adapter_on_an_untied_base(setup, tmp_path):
+    """PEFT saves an LM head's own weight beside its LoRA (save_embedding_layers): the model's own weight is
+    accepted and the merge gives PEFT's logits; another weight (a resized vocabulary) is refused."""
+    from safetensors.numpy import load_file, save_file
+
+    reference = save_peft_adapter(setup["untied"], tmp_path / "head", r=4, targets=["q_proj", "lm_head"])
+    weights = tmp_path / "head" / "adapter_model.safetensors"
+    assert "base_model.model.lm_head.base_layer.weight" in load_file(str(weights))
+    export_package(setup["root"] / "untied", tmp_path / "pkg", lora=[(tmp_path / "head", 1.0)], progress=quiet)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
+    logits, _ = load(tmp_path / "pkg", provider="cpu", threads=1).forward(np.array([PROMPT]))
+    assert np.abs(logits[0] - expected).max() < 1e-4
+    tensors = load_file(str(weights))
+    tensors["base_model.model.lm_head.base_layer.weight"][0, 0] += 1
+    save_file(tensors, str(weights))
+    with pytest.raises(AdapterError, match="differs from this model's"):
+        export_package(setup["root"] / "untied", tmp_path / "other", lora=[(tmp_path / "head", 1.0)], progress=quiet)
+    with pytest.raises(AdapterError, match="has no LoRA slot"):
+        convert_adapter(tmp_path / "head", setup["root"] / "pkg", tmp_path / "a.onnx_adapter")
