@@ -40,7 +40,7 @@ from ..runtime.lora_contract import (
 from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
-from .peft_adapter import PeftAdapter, read_peft_adapter
+from .peft_adapter import OUTPUT_LAYER, PeftAdapter, read_peft_adapter
 
 Progress = Callable[[str], None]
 MAX_RANK = 1024
@@ -86,7 +86,8 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
     """Add every adapter's scale * B @ A to the model's linears PEFT's targeting selects (PeftAdapter.select), in
     order; returns the weights changed (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError
     before any change when a module is not a linear of this model, a shape differs, or the weight is shared
-    with another module (a tied LM head: merging would change the input embedding too)."""
+    with another module; a tied LM head is untied first (its own copy, as export's --untie), so that the input
+    embedding stays the base's, as in PEFT's forward."""
     modules = dict(model.named_modules())
     sharing: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
@@ -108,7 +109,8 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
                     "(an adapter for another architecture?)"
                 )
             shared = [name for name in sharing[id(module.weight)] if name != f"{path}.weight"]
-            if shared:
+            tied_head = path == OUTPUT_LAYER and getattr(model.config, "tie_word_embeddings", False)  # untied below
+            if shared and not tied_head:
                 raise AdapterError(
                     f"LoRA adapter {adapter.name}: {path} shares its weight with {shared[0]} (tied word embeddings); "
                     "merging it would change that too, so edgelm refuses it: train the adapter without "
@@ -120,6 +122,10 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
                     f"LoRA adapter {adapter.name}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) "
                     f"weight but the model's is {expected} (shape mismatch: an adapter for another model size?)"
                 )
+    if any(OUTPUT_LAYER in adapter.modules for adapter in adapters) and model.config.tie_word_embeddings:
+        head = modules[OUTPUT_LAYER]
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     with torch.no_grad():
         for adapter in adapters:
             for path, weights in adapter.modules.items():

@@ -127,16 +127,19 @@ def test_nested_record_is_one_line(setup, tmp_path):
         load(setup["root"] / "pkg", provider="cpu", threads=1).load_adapter(out)
 
 
-def test_tied_lm_head_is_refused(setup, tmp_path):
-    """Merging into a tied LM head would change the input embedding as well (the same tensor): refused."""
+def test_lm_head_adapter_on_a_tied_base_unties_it(setup, tmp_path):
+    """Merging into a tied LM head would change the input embedding as well (one tensor): the head is untied
+    first, so the package gives PEFT's logits (PEFT's forward adds the LoRA to the head alone)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
-    peft_model = get_peft_model(copy.deepcopy(setup["tied"]), config)
-    peft_model.save_pretrained(tmp_path / "head", save_embedding_layers=False)  # A and B only, no base weights
-    with pytest.raises(AdapterError, match="shares its weight with model.embed_tokens"):
-        export_package(setup["root"] / "tied", tmp_path / "out", lora=[(tmp_path / "head", 1.0)], progress=quiet)
-    assert not (tmp_path / "out").exists()
+    reference = get_peft_model(copy.deepcopy(setup["tied"]), config).eval()
+    reference.save_pretrained(tmp_path / "head", save_embedding_layers=False)  # A and B only, no base weights
+    export_package(setup["root"] / "tied", tmp_path / "out", lora=[(tmp_path / "head", 1.0)], progress=quiet)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
+    logits, _ = load(tmp_path / "out", provider="cpu", threads=1).forward(np.array([PROMPT]))
+    assert np.abs(logits[0] - expected).max() < 1e-4  # a changed input embedding would move every position
 
 
 # ---- targeting against PEFT ----------------------------------------------------------------------------
