@@ -104,6 +104,39 @@ def test_bad_metadata_is_a_one_line_error(name, tiny, tmp_path):
     assert expected in message, message
 
 
+# tensor of the wrong rank: (architecture, tensor, its values' new shape from the old, what the error must say)
+WRONG_RANK = {
+    "1-D token_embd": ("llama", "token_embd.weight", lambda s: (-1,), f"token_embd.weight has shape ({VOCAB * 64},), "),
+    "1-D gpt2 token_embd": ("gpt2", "token_embd.weight", lambda s: (-1,), "expected (vocabulary, 64)"),
+    "3-D token_embd": ("llama", "token_embd.weight", lambda s: (1, *s), f"shape (1, {VOCAB}, 64), expected (vocab"),
+    "1-D attn_q": ("llama", "blk.0.attn_q.weight", lambda s: (-1,), "blk.0.attn_q.weight has shape (4096,), expected"),
+    "2-D norm": ("llama", "output_norm.weight", lambda s: (1, -1), "output_norm.weight has shape (1, 64), expected"),
+    "2-D gpt2 position_embd": ("gpt2", "position_embd.weight", lambda s: (2, -1), "has shape (2, 32768), expected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_RANK))
+def test_tensor_of_the_wrong_rank_is_a_one_line_error(case, tiny, tmp_path):
+    arch, name, shape, expected = WRONG_RANK[case]
+    values = next(t for t in gguf.GGUFReader(tiny[arch]).tensors if t.name == name).data
+    values = np.asarray(values, dtype=np.float32)
+    path = rewrite_gguf(tiny[arch], tmp_path / "rank.gguf", {}, tensors={name: values.reshape(shape(values.shape))})
+    with pytest.raises(GGUFError) as info:
+        read_gguf(path)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_one_dimensional_token_embd_exits_1(tiny, tmp_path, capsys):
+    values = np.asarray(next(t for t in gguf.GGUFReader(tiny["llama"]).tensors if t.name == "token_embd.weight").data)
+    path = rewrite_gguf(tiny["llama"], tmp_path / "flat.gguf", {}, tensors={"token_embd.weight": values.reshape(-1)})
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err == f"edgelm export: error: flat.gguf: tensor token_embd.weight has shape ({values.size},), expected "
+        "(vocabulary, 64)\n"
+    )
+
+
 def test_tokenizer_larger_than_embedding_is_refused(tiny, tmp_path):
     path = rewrite_gguf(tiny["llama"], tmp_path / "bad.gguf", _tokens_plus(tiny["llama"], 3))
     with pytest.raises(GGUFError, match=f"the tokenizer has {VOCAB + 3} tokens but token_embd.weight only {VOCAB}"):
