@@ -124,3 +124,31 @@ def test_hostile_gguf_cli_one_line_error_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hostile.gguf" in err and "past the end" in err, err
     assert set(tmp_path.iterdir()) == before, "nothing written"
+
+
+def test_over_the_tolerance_names_the_flags_that_export_it(tmp_path, capsys, monkeypatch):
+    """A valid file whose int8 activations move logits past the default tolerance: the one-line error names
+    --accuracy-level 0 and --tolerance, and each of them then exports it."""
+    import edgelm.export.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "INT8_ACTIVATION_TOLERANCE", 1e-9)  # "just over" on this tiny model
+    path = write_gguf(tmp_path, "llama", kinds=KEEP_KINDS, tied=True)
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max |logit difference|" in err, err
+    assert "round activations to int8: `edgelm export --accuracy-level 0` keeps them float" in err, err
+    tolerance = err.split("`edgelm export --tolerance ")[1].split("`")[0]
+    assert float(tolerance) > float(err.split("max |logit difference| ")[1].split(" ")[0])
+    assert not (tmp_path / "out").exists()
+    assert main(["export", str(path), str(tmp_path / "float"), "--accuracy-level", "0"]) == 0
+    assert main(["export", str(path), str(tmp_path / "int8"), "--tolerance", tolerance]) == 0
+
+
+def test_over_the_tolerance_in_the_api_names_its_arguments(tmp_path, monkeypatch):
+    import edgelm.export.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "PARITY_TOLERANCE", 1e-12)  # a float package
+    path = write_gguf(tmp_path, "llama", kinds=(Q.F32,))
+    with pytest.raises(RuntimeError, match=r"if the model is right, export_package\(tolerance=\S+\) allows") as info:
+        export_package(path, tmp_path / "out", progress=quiet)
+    assert "accuracy_level" not in str(info.value)  # nothing kept: the accuracy level changes nothing
