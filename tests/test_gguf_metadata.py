@@ -137,6 +137,42 @@ def test_cli_one_dimensional_token_embd_exits_1(tiny, tmp_path, capsys):
     )
 
 
+# rope_freqs.weight (head_dim 16: 8 factors) -> what the one-line error must say
+BAD_ROPE_FREQS = {
+    "4 factors": (np.ones(4), "has shape (4,), expected (8,)"),
+    "2-D": (np.ones((2, 8)), "has shape (2, 8), expected (8,)"),
+    "a zero factor": (np.array([1, 0, 1, 1, 1, 1, 1, 1]), "not positive finite numbers"),
+    "a negative factor": (np.array([1, 1, 1, 1, 1, 1, 1, -8]), "not positive finite numbers"),
+    "a NaN factor": (np.array([1, 1, NAN, 1, 1, 1, 1, 1]), "not positive finite numbers"),
+    "an infinite factor": (np.array([np.inf, 1, 1, 1, 1, 1, 1, 1]), "not positive finite numbers"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROPE_FREQS))
+def test_bad_rope_freqs_is_a_one_line_error(case, tiny, tmp_path):
+    factors, expected = BAD_ROPE_FREQS[case]
+    add = lambda writer: writer.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))  # noqa: E731
+    path = rewrite_gguf(tiny["llama"], tmp_path / "freqs.gguf", {}, add=add)
+    with pytest.raises(GGUFError, match=r"^freqs\.gguf: tensor rope_freqs\.weight ") as info:
+        read_gguf(path)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_rope_freqs_outside_llama_files_is_an_unexpected_tensor(arch, tiny, tmp_path):
+    """llama.cpp reads rope_freqs.weight in Llama files only (its Qwen2 and Gemma 3 ropes take no factors)."""
+    from family_cases import Families
+
+    if arch == "qwen2":
+        source = write_gguf(tmp_path, "qwen2")
+    else:
+        source = Families(tmp_path).gguf("gemma3_text")
+    add = lambda writer: writer.add_tensor("rope_freqs.weight", np.ones(16, np.float32))  # noqa: E731
+    path = rewrite_gguf(source, tmp_path / "freqs.gguf", {}, add=add)
+    with pytest.raises(GGUFError, match=f"unexpected tensor rope_freqs.weight for architecture {arch}"):
+        read_gguf(path)
+
+
 def test_tokenizer_larger_than_embedding_is_refused(tiny, tmp_path):
     path = rewrite_gguf(tiny["llama"], tmp_path / "bad.gguf", _tokens_plus(tiny["llama"], 3))
     with pytest.raises(GGUFError, match=f"the tokenizer has {VOCAB + 3} tokens but token_embd.weight only {VOCAB}"):
