@@ -385,31 +385,44 @@ def test_missing_file_is_file_not_found(tmp_path):
 
 
 def test_fuzzed_files_fail_cleanly(valid_bytes, tmp_path):
+    """Random byte mutations of a small valid file, through everything export does before it builds a graph
+    (read, dequantize every tensor, build and check the reference model, make the Decoder with the kept blocks):
+    either it all works or one documented one-line error (GGUFError, CheckpointError) comes, in bounded time.
+    Export's later steps read only what these made (the metadata values themselves: tests/test_gguf_metadata.py)."""
     hypothesis = pytest.importorskip("hypothesis")
+    from edgelm.export.checkpoint import CheckpointError, check_finite
+    from edgelm.export.source import open_source
+
     st = hypothesis.strategies
     size = len(valid_bytes)
     header = valid_bytes.index(b"output_norm.weight") + 64  # most flips land in the metadata and tensor table
+    outcomes = []
 
     @hypothesis.settings(max_examples=100, deadline=None, database=None)
     @hypothesis.given(
         flips=st.lists(st.tuples(st.integers(0, header), st.integers(0, 255)), max_size=4),
+        data_flips=st.lists(st.tuples(st.integers(header, size - 1), st.integers(0, 255)), max_size=2),
         cut=st.one_of(st.none(), st.integers(0, size)),
     )
-    def check(flips, cut):
+    def check(flips, data_flips, cut):
         data = bytearray(valid_bytes)
-        for offset, value in flips:
+        for offset, value in flips + data_flips:
             data[offset] = value
         path = tmp_path / "fuzz.gguf"
         path.write_bytes(bytes(data[:cut]))
         start = time.perf_counter()
         try:
-            model = read_gguf(path)
-            model.tensor(model.tensor_names[-1])
-        except GGUFError as error:
+            source = open_source(path)
+            check_finite(source.model, source.name)
+            source.family.decoder(source.model, blocks=source.blocks)
+            outcomes.append("built")
+        except (GGUFError, CheckpointError) as error:
             assert "\n" not in str(error)
+            outcomes.append(type(error).__name__)
         assert time.perf_counter() - start < 10
 
     check()
+    assert "built" in outcomes and "GGUFError" in outcomes, outcomes  # both ends reached
 
 
 # --- SmolLM2-135M-Instruct (the real file, fetched from PyPI and cached) ------------------------------------------
