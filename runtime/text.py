@@ -84,12 +84,17 @@ class Tokenizer:
             copies.append(copy)
         return tuple(copies)
 
+    def to_str(self) -> str:
+        """The tokenizer as tokenizers' JSON text (for llguidance: runtime/constraints.py)."""
+        return self._tokenizer.to_str()
+
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (e.g. "<|im_end|>"), None if there is none."""
         return self._tokenizer.id_to_token(token_id)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        """The text of ids; control tokens dropped unless skip_special=False (a reply's tool-call markup)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
 class TextAssembler:
