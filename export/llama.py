@@ -60,6 +60,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base: frequency i is rope_theta ** (-2i / head_dim)
     rope_scaling: dict | None = None  # None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}
+    # a GGUF file's rope_freqs.weight: frequency i divided by factor i after rope_scaling (llama.cpp's
+    # freq_factors; its Llama 3 files hold their rope scaling this way); None: no factors
+    rope_freq_factors: list[float] | None = None
     attention_bias: bool = False  # biases on Q/K/V (Qwen2); o_proj never has one
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotary (Qwen3)
     tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
@@ -91,6 +94,8 @@ class LlamaConfig:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors must be {self.head_dim // 2} factors (head_dim / 2)")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in ROPE_SCALING_KEYS:
@@ -161,12 +166,21 @@ PRESETS: dict[str, dict] = {
 
 
 def rope_inv_freq(config: LlamaConfig, *, local: bool = False) -> torch.Tensor:
-    """Rotary frequencies (head_dim/2,): theta ** (-2i / head_dim), with the config's scaling applied; local:
-    the sliding layers' (rope_local_theta, unscaled)."""
+    """Rotary frequencies (head_dim/2,): theta ** (-2i / head_dim), with the config's scaling applied, then
+    divided by its rope_freq_factors; local: the sliding layers' (rope_local_theta, unscaled)."""
     dim = config.head_dim
     theta = config.rope_local_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling = None if local else config.rope_scaling
+    if local:
+        return inv_freq
+    inv_freq = _scaled(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:  # as llama.cpp's rope divides by freq_factors
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """The frequencies under rope_scaling (None: as they are)."""
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
