@@ -375,7 +375,8 @@ def test_tools_file_tool_call_line_and_piece_parts(tmp_path):
 def qwen3_package(tmp_path_factory) -> Path:
     """The tiny chat model with Qwen3's template: tools, <think> reasoning and enable_thinking."""
     template = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"
-    return make_chat_package(tmp_path_factory.mktemp("desktop-qwen3") / "fused", template=str(template))
+    # context 1024: the tool spec alone is some 300 tokens of the Shakespeare tokenizer
+    return make_chat_package(tmp_path_factory.mktemp("desktop-qwen3") / "fused", template=str(template), context=1024)
 
 
 def test_tools_thinking_and_typed_tool_results(app, chat_package, qwen3_package, tmp_path):
