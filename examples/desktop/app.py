@@ -29,6 +29,7 @@ calls). Thinking is the template's enable_thinking, offered when the chat templa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import queue
 import threading
@@ -37,8 +38,9 @@ from tkinter import filedialog, ttk
 
 from edgelm.cli.apps import add_chat_inputs, chat_inputs, read_tools_file
 from edgelm.runtime import EdgelmError, GenerationResult, Model, ToolCall, load
+from edgelm.runtime.chat import template_variables
 from edgelm.runtime.chat_defaults import CHAT_SAMPLING, model_chat_sampling
-from edgelm.runtime.tools import tool_specs
+from edgelm.runtime.tools import tool_name, tool_specs
 
 POLL_MS = 30  # how often the UI thread drains the worker's queue: fast enough to look live
 
@@ -242,7 +244,7 @@ class ChatApp:
             self.load_tools(path)
 
     def _show_tools(self) -> None:
-        names = [spec.get("function", spec).get("name", "?") for spec in self.tools or []]
+        names = [tool_name(spec) or "?" for spec in tool_specs(self.tools) or []]
         self.tools_label.configure(text=f"Tools: {', '.join(names)}" if names else "No tools")
 
     def _browse(self) -> None:
@@ -518,13 +520,8 @@ class ChatApp:
 
     def _append_parts(self, parts: list[tuple[str, str]]) -> None:
         """Runs of one tag joined, so a fast stream is a few inserts per poll."""
-        while parts:
-            tag = parts[0][1]
-            run = 0
-            while run < len(parts) and parts[run][1] == tag:
-                run += 1
-            self._append("".join(text for text, _ in parts[:run]), *((tag,) if tag else ()))
-            parts = parts[run:]
+        for tag, run in itertools.groupby(parts, key=lambda part: part[1]):
+            self._append("".join(text for text, _ in run), *((tag,) if tag else ()))
 
     def _clear_history(self) -> None:
         self.history.configure(state="normal")
@@ -554,9 +551,13 @@ def main() -> None:
     parser.add_argument("--adapter", action="append", default=[], help="a LoRA .onnx_adapter to load (repeatable)")
     add_chat_inputs(parser)  # --tools FILE and --template-var KEY=VALUE, as edgelm chat takes them
     args = parser.parse_args()
+    inputs = chat_inputs(args)
+    try:
+        template_variables(inputs["tools"], template_vars=inputs["template_vars"])  # bad specs: one line, exit 2
+    except EdgelmError as e:
+        parser.error(str(e))
     root = tk.Tk()
     root.geometry("900x650")
-    inputs = chat_inputs(args)
     ChatApp(
         root,
         args.package,
