@@ -74,6 +74,9 @@ CASES = {
         ),
         gguf=True,
     ),
+    # four layers: the fourth takes no positions (NoPE), as llama.cpp's fixed interval says
+    "smollm3": Case("smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM"), SMALL | dict(num_hidden_layers=4,
+                    tie_word_embeddings=True), gguf=True),  # fmt: skip
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
     # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
@@ -180,6 +183,9 @@ GLOBAL_NAMES = {
 }  # fmt: skip
 
 
+PERMUTED = ("llama", "smollm3")  # architectures whose converter (Llama's) permutes the Q/K rows
+
+
 def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter order for rotary rows: each head's (2, hd/2) halves become (hd/2, 2) pairs."""
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
@@ -242,7 +248,7 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
         weight = tensor.float().numpy()
         if arch == "gpt2" and weight.ndim == 2 and ".h." in name:
             weight = weight.T  # Conv1D (in, out), stored (out, in)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = _permute(weight, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(weight) + np.float32(shift))
