@@ -44,8 +44,6 @@ def rotary_layers(hf: dict, n_layer: int) -> list[bool]:
 
 
 def config_from_hf(hf: dict) -> SmolLM3Config:
-    if hf.get("attention_bias"):  # on Q, K, V and the output projection
-        raise CheckpointError("config.json sets attention_bias=true, which edgelm does not implement for SmolLM3")
     fields = llama.config_fields({"rope_theta": DEFAULT_THETA, **hf}, VARIANT)
     with config_errors():
         return SmolLM3Config(**fields, rotary_layers=rotary_layers(hf, fields["n_layer"]))
