@@ -89,6 +89,16 @@ CASES = {
     "granite": Case("granite", ("GraniteConfig", "GraniteForCausalLM"), SMALL | dict(tie_word_embeddings=False,
                     embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
                     logits_scaling=2.5, initializer_range=0.05), gguf=True),  # fmt: skip
+    # the dense Granite 4.0's layout: attention layers only, no experts, the MLP as shared_mlp
+    "granitemoehybrid": Case(
+        "granitemoehybrid",
+        ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+        SMALL | dict(
+            tie_word_embeddings=False, embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
+            logits_scaling=2.5, layer_types=["attention"] * 2, num_local_experts=0, num_experts_per_tok=0,
+            shared_intermediate_size=128, position_embedding_type="rope", mamba_n_heads=2,
+        ),
+    ),
     # Phi-4-mini's parts: packed qkv_proj and gate_up_proj, rotary on 3/4 of each head, LongRoPE: an original
     # context of 64 (every test sequence within it: the short factors) or of 3 (every one past it: the long ones);
     # tests/test_phi3.py goes past it while generating

@@ -1,4 +1,4 @@
-"""The SmolLM3, Granite and Phi-3 cases (tests/family_cases.py) through llama.cpp's own converter,
+"""The SmolLM3, Granite (3 and dense 4.0) and Phi-3 cases (tests/family_cases.py) through llama.cpp's own converter,
 convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
 transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
 to the logits of its own dequantized weights. Run where llama.cpp's source is at $EDGELM_LLAMA_CPP (its
@@ -27,7 +27,7 @@ from edgelm.runtime import load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CASES = ("smollm3", "granite", "phi3-longrope-short")
+CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short")
 CONVERT = """
 import sys
 sys.path[:0] = [sys.argv[1] + "/gguf-py", sys.argv[1]]
@@ -55,6 +55,12 @@ def convert(llama_cpp: Path, folder: Path, outtype: str, tmp_path: Path) -> Path
         # the converter's Phi-3 reads a GPT-2-style tokenizer only when the folder says so
         config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
         (source / "tokenizer_config.json").write_text(json.dumps(config))
+        # transformers 5 saves granitemoehybrid's layer kinds as "full_attention"; the converter knows the
+        # published checkpoints' "attention" only (and would take the layers for Mamba ones)
+        hf_config = json.loads((source / "config.json").read_text())
+        if "layer_types" in hf_config:
+            hf_config["layer_types"] = [k.replace("full_attention", "attention") for k in hf_config["layer_types"]]
+            (source / "config.json").write_text(json.dumps(hf_config))
     out = tmp_path / f"{outtype}.gguf"
     run = subprocess.run(
         [sys.executable, "-c", CONVERT, str(llama_cpp), str(source), outtype, str(out)], capture_output=True, text=True
