@@ -13,6 +13,8 @@ stated as data (fields named after what they do), and the weights in MatMul layo
     Gemma 3 also      -                                an embedding scale, norms after attention and the MLP,
                                                        its attention scale, sliding-window layers with their
                                                        own rotary caches
+    others also       -                                layers without rotary (SmolLM3), Granite's multipliers,
+                                                       partial rotary and LongRoPE's long tables (Phi-3)
 
 Each family module (export/families/) turns its reference model into a Decoder; export/graph.py builds the
 graph from a Decoder alone and never asks which family it has. A family made of mechanisms the Decoder has
