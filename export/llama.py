@@ -63,6 +63,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base: frequency i is rope_theta ** (-2i / head_dim)
     rope_scaling: dict | None = None  # None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}
+    # a GGUF file's rope_freqs.weight: frequency i divided by factor i after rope_scaling (llama.cpp's
+    # freq_factors; its Llama 3 files hold their rope scaling this way); None: no factors
+    rope_freq_factors: list[float] | None = None
     attention_bias: bool = False  # biases on Q/K/V (Qwen2); o_proj never has one
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotary (Qwen3)
     tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
@@ -103,6 +106,8 @@ class LlamaConfig:
             raise ValueError(f"head_dim and its rotary part must be even, got {self.head_dim}, {self.rotary_dim}")
         if self.rotary_layers is not None and len(self.rotary_layers) != self.n_layer:
             raise ValueError(f"rotary_layers must name {self.n_layer} layers, got {self.rotary_layers!r}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.rotary_dim // 2:
+            raise ValueError(f"rope_freq_factors must be {self.rotary_dim // 2} factors (rotary_dim / 2)")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in ROPE_SCALING_KEYS:
@@ -178,8 +183,9 @@ PRESETS: dict[str, dict] = {
 
 
 def rope_inv_freq(config: LlamaConfig, *, local: bool = False, long: bool = False) -> torch.Tensor:
-    """Rotary frequencies (rotary_dim/2,): theta ** (-2i / rotary_dim), with the config's scaling applied; local:
-    the sliding layers' (rope_local_theta, unscaled); long: LongRoPE's long factors (else its short ones)."""
+    """Rotary frequencies (rotary_dim/2,): theta ** (-2i / rotary_dim), with the config's scaling applied, then
+    divided by its rope_freq_factors; local: the sliding layers' (rope_local_theta, unscaled); long: LongRoPE's
+    long factors (else its short ones)."""
     dim = config.rotary_dim
     theta = config.rope_local_theta if local else config.rope_theta
     scaling = None if local else config.rope_scaling
@@ -187,6 +193,16 @@ def rope_inv_freq(config: LlamaConfig, *, local: bool = False, long: bool = Fals
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if local:
+        return inv_freq
+    inv_freq = _scaled(inv_freq, scaling)
+    if config.rope_freq_factors is not None:  # as llama.cpp's rope divides by freq_factors
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """The frequencies under rope_scaling (None: as they are)."""
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,10 +57,10 @@ class Case:
 
 CASES = {
     "gpt2": Case("gpt2", ("GPT2Config", "GPT2LMHeadModel"), GPT2, gguf=True),
-    # llama3 scaling with original context 32: no GGUF (llama.cpp keeps Llama 3's usual parameters only;
-    # Llama GGUF files: tests/test_gguf_export.py)
+    # llama3 scaling with original context 32, not Llama 3's usual 8192: its GGUF holds the scaling as llama.cpp's
+    # converter writes it, rope_freqs.weight (more Llama GGUF files: tests/test_gguf_export.py)
     "llama-llama3-tied": Case("llama", ("LlamaConfig", "LlamaForCausalLM"), SMALL | dict(rope_scaling=LLAMA3,
-                              tie_word_embeddings=True)),  # fmt: skip
+                              tie_word_embeddings=True), gguf=True),  # fmt: skip
     "qwen2-biases-untied": Case("qwen2", ("Qwen2Config", "Qwen2ForCausalLM"), SMALL | dict(tie_word_embeddings=False),
                                 gguf=True),  # fmt: skip
     "mistral-untied": Case("mistral", ("MistralConfig", "MistralForCausalLM"), SMALL | dict(tie_word_embeddings=False,
@@ -231,6 +232,25 @@ def _gguf_name(name: str, names: dict) -> str:
     return GLOBAL_NAMES[name]
 
 
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it from a llama3 rope scaling (convert_hf_to_gguf.py,
+    LlamaModel.generate_extra_tensors): each frequency's divisor."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def _write_metadata(writer, c, arch: str) -> None:
     """What llama.cpp's converter writes for a Llama-family model (the window but no layer pattern or local
     rotary base for Gemma 3)."""
@@ -308,6 +328,12 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
             weight = _permute(weight, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(weight) + np.float32(shift))
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor(
+            "rope_freqs.weight",
+            llama3_rope_factors(rope, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads),
+        )
     _add_tokenizer(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -6,7 +6,9 @@ Config keys are those transformers writes, in both the 4.x form (`rope_theta`, `
 (`rope_parameters`). In a GGUF file `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight` (the map
 is GGUF_BLOCK), and llama.cpp's Llama converter reorders each head's Q and K rows from HF's "first half, second
 half" rotary layout to interleaved pairs (its `LlamaModel.permute`), which reading undoes (Entry.heads); Qwen's
-converters write them unpermuted. Mistral files say architecture "llama", so they read as Llama files.
+converters write them unpermuted. Mistral files say architecture "llama", so they read as Llama files. A Llama
+file's rope_freqs.weight (Llama 3's rope scaling as llama.cpp's converter stores it) divides the rotary
+frequencies as llama.cpp's rope does: the reference model and both graphs take them from LlamaConfig.
 """
 
 from __future__ import annotations
@@ -173,22 +175,6 @@ def load_llama(
     return build_llama(config, renamed(read_safetensors_folder(folder), renames))
 
 
-def _llama3_scaling(factors: np.ndarray, *, theta: float, head_dim: int) -> dict:
-    """Recover Llama 3 rope_scaling from the per-frequency divisors llama.cpp stores as rope_freqs.weight."""
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    scaling["original_max_position_embeddings"] = 8192  # every Llama 3.x release uses these three
-    wavelength = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
-    smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
-    expected = np.where(
-        wavelength < 8192 / 4.0,
-        1.0,
-        np.where(wavelength > 8192, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)),
-    )
-    if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-3):
-        raise GGUFError("rope_freqs.weight does not match Llama 3 rope scaling with the usual parameters")
-    return scaling
-
-
 def _gguf_head_dim(meta: dict, arch: str) -> int:
     """Heads' width: key_length, else rope.dimension_count, else embedding_length / head_count."""
     heads, hidden = number(meta, f"{arch}.attention.head_count"), number(meta, f"{arch}.embedding_length")
@@ -205,9 +191,27 @@ def _gguf_head_dim(meta: dict, arch: str) -> int:
 
 
 ROPE_FREQS = ("rope_freqs.weight",)  # llama.cpp's per-frequency divisors: Llama 3's rope scaling
+# llama.cpp reads rope_freqs.weight in Llama files only: in a Qwen file it is an unexpected tensor
+ROPE_FREQS_ARCHITECTURES = ("llama",)
+FREQ_FACTORS = "rope_freq_factors"  # the GGUF config's key for them (not a transformers key: folders never set it)
 
 
-def _gguf_rope_scaling(meta: dict, stored: dict, arch: str, *, theta: float, head_dim: int) -> dict | None:
+def _rope_freq_factors(stored: dict, head_dim: int) -> list[float] | None:
+    """rope_freqs.weight's head_dim / 2 positive factors, each rotary frequency's divisor (llama.cpp's
+    freq_factors, which its converter computes from a Llama 3 rope scaling); None when the file has none."""
+    if ROPE_FREQS[0] not in stored:
+        return None
+    tensor = stored[ROPE_FREQS[0]]
+    shape = tuple(reversed(tensor.shape))
+    if shape != (head_dim // 2,):
+        raise GGUFError(f"tensor {ROPE_FREQS[0]} has shape {shape}, expected ({head_dim // 2},), a factor a frequency")
+    factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+    if not (np.isfinite(factors) & (factors > 0)).all():
+        raise GGUFError(f"tensor {ROPE_FREQS[0]} holds factors that are not positive finite numbers")
+    return factors.tolist()
+
+
+def _gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
     # llama.cpp reads a factor without a type (or under its older key) as linear scaling: so does this
     factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in meta), None)
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "linear" if factor_key else "none")
@@ -216,10 +220,9 @@ def _gguf_rope_scaling(meta: dict, stored: dict, arch: str, *, theta: float, hea
         factor = number(meta, factor_key or f"{arch}.rope.scaling.factor", kind=float)
         rope_scaling = {"rope_type": "linear", "factor": factor}
     elif scaling_type != "none":
-        raise GGUFError(f"rope scaling {scaling_type!r:.60} is not supported ('linear' and Llama 3's are)")
-    if ROPE_FREQS[0] in stored:
-        factors = np.asarray(dequantize(stored[ROPE_FREQS[0]].data, stored[ROPE_FREQS[0]].tensor_type))
-        rope_scaling = _llama3_scaling(factors.reshape(-1), theta=theta, head_dim=head_dim)
+        raise GGUFError(
+            f"rope scaling {scaling_type!r:.60} is not supported ('linear', and Llama 3's as rope_freqs.weight, are)"
+        )
     return rope_scaling
 
 
@@ -231,6 +234,7 @@ def gguf_config(meta: dict, stored: dict, vocab: int, *, arch: str, hf_class: st
         raise GGUFError(f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
     head_dim = _gguf_head_dim(meta, arch)
     theta = number(meta, f"{arch}.rope.freq_base", 10000.0, kind=float)
+    factors = _rope_freq_factors(stored, head_dim) if arch in ROPE_FREQS_ARCHITECTURES else None
     return {
         "architectures": [hf_class],
         "model_type": arch,
@@ -244,11 +248,11 @@ def gguf_config(meta: dict, stored: dict, vocab: int, *, arch: str, hf_class: st
         "max_position_embeddings": context_length(meta, f"{arch}.context_length"),
         "rms_norm_eps": number(meta, f"{arch}.attention.layer_norm_rms_epsilon", kind=float, below=MAX_NORM_EPSILON),
         "rope_theta": theta,
-        "rope_scaling": _gguf_rope_scaling(meta, stored, arch, theta=theta, head_dim=head_dim),
+        "rope_scaling": _gguf_rope_scaling(meta, arch),
         "tie_word_embeddings": "output.weight" not in stored,
         "attention_bias": "blk.0.attn_q.bias" in stored,
         "hidden_act": "silu",
-    }
+    } | ({FREQ_FACTORS: factors} if factors is not None else {})
 
 
 # GGUF block tensor -> HF name (`model.layers.N.` + this)
@@ -378,6 +382,7 @@ def details(model: Llama) -> dict:
         "n_inner": c.n_inner,
         "rope_theta": c.rope_theta,
         "rope_scaling": c.rope_scaling,
+        **({"rope_freq_factors": c.rope_freq_factors} if c.rope_freq_factors is not None else {}),
         "rms_norm_eps": c.rms_norm_eps,
         "attention_bias": c.attention_bias,
         "qk_norm": c.qk_norm,
@@ -406,7 +411,11 @@ LORA_LINEARS = tuple(
 
 
 def _build(hf: dict, state: dict) -> Llama:
-    return build_llama(config_from_hf(hf), state)
+    """The reference model of a GGUF file's config (its rope_freqs.weight factors too)."""
+    config = config_from_hf(hf)
+    if hf.get(FREQ_FACTORS) is not None:
+        config = dataclasses.replace(config, rope_freq_factors=hf[FREQ_FACTORS])
+    return build_llama(config, state)
 
 
 def _gguf(model_type: str, variant: Variant) -> GGUFLayout | None:
@@ -419,7 +428,8 @@ def _gguf(model_type: str, variant: Variant) -> GGUFLayout | None:
     def tensors(config: dict) -> dict[str, Entry]:
         return gguf_tensors(config, permuted=variant.permuted, qk_norm=variant.qk_norm)
 
-    return GGUFLayout(architecture=model_type, config=config, tensors=tensors, also_read=ROPE_FREQS)
+    also_read = ROPE_FREQS if model_type in ROPE_FREQS_ARCHITECTURES else ()
+    return GGUFLayout(architecture=model_type, config=config, tensors=tensors, also_read=also_read)
 
 
 ROWS = tuple(
