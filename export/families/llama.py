@@ -98,9 +98,15 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     model_type = hf.get("model_type")
     if model_type not in VARIANTS:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(VARIANTS)}")
+    fields = config_fields(hf, VARIANTS[model_type])
+    with config_errors():
+        return LlamaConfig(**fields)
+
+
+def config_fields(hf: dict, variant: Variant) -> dict:
+    """LlamaConfig's fields from a Llama-like config.json (the families made of Llama's parts start from them)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}: Llama-family models use 'silu'")
-    variant = VARIANTS[model_type]
     if not variant.qkv_bias and hf.get("attention_bias"):
         raise CheckpointError(
             "config.json sets attention_bias=true (an o_proj bias too), which edgelm does not implement"
@@ -118,7 +124,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
             window if capped else n_positions, "sliding_window" if capped else "max_position_embeddings"
         )
         n_head = config_number(hf, "num_attention_heads")
-        return LlamaConfig(
+        return dict(
             vocab_size=config_number(hf, "vocab_size"),
             n_positions=n_positions,
             n_embd=config_number(hf, "hidden_size"),
@@ -135,7 +141,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all four
             bos_token_id=first_id(hf.get("bos_token_id"), "bos_token_id"),
             eos_token_ids=token_ids(hf.get("eos_token_id"), "eos_token_id"),
-            model_type=model_type,
+            model_type=hf["model_type"],
         )
 
 
@@ -148,7 +154,8 @@ def build_llama(config: LlamaConfig, state: dict[str, torch.Tensor]) -> Llama:
     )  # fmt: skip
     model.inv_freq = rope_inv_freq(config)  # the buffers are not in the state dict; they were built on meta
     model.inv_freq_local = rope_inv_freq(config, local=True)
-    for freq in (model.inv_freq, model.inv_freq_local):
+    model.inv_freq_long = rope_inv_freq(config, long=True)
+    for freq in (model.inv_freq, model.inv_freq_local, model.inv_freq_long):
         if not torch.isfinite(freq).all():
             rope = f"rope_theta {config.rope_theta}, rope_scaling {config.rope_scaling}"
             raise CheckpointError(f"rotary frequencies are not finite ({rope})")
@@ -296,7 +303,11 @@ def gguf_tensors(
     return with_head(entries, config, vocab, hidden)
 
 
-def _layer(block: torch.nn.Module, c: LlamaConfig, blocks: Blocks | None, *, prefix: str) -> Layer:
+# the checkpoint tensors (in `model.layers.N.`) the packed linears' GGUF blocks are read from
+PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "up": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _layer(block: torch.nn.Module, c: LlamaConfig, blocks: Blocks | None, *, prefix: str, parts: dict) -> Layer:
     """One decoder layer; `prefix` names its tensors in `blocks` ("model.layers.3")."""
     a, mlp = block.self_attn, block.mlp
 
@@ -306,26 +317,31 @@ def _layer(block: torch.nn.Module, c: LlamaConfig, blocks: Blocks | None, *, pre
     sandwich = block.sandwich  # Gemma 3: post_attention_layernorm follows attention, pre_feedforward leads the MLP
     return Layer(
         attention_norm=norm(block.input_layernorm),
-        qkv=packed([a.q_proj, a.k_proj, a.v_proj], kept("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        qkv=packed([a.q_proj, a.k_proj, a.v_proj], kept(*parts["qkv"])),
         attention_out=linear(a.o_proj, kept("self_attn.o_proj")),
         mlp_norm=norm(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm),
-        up=packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
+        up=packed([mlp.gate_proj, mlp.up_proj], kept(*parts["up"])),  # gate first
         down=linear(mlp.down_proj, kept("mlp.down_proj")),
         q_norm=norm(a.q_norm) if c.qk_norm else None,
         k_norm=norm(a.k_norm) if c.qk_norm else None,
         attention_post_norm=norm(block.post_attention_layernorm) if sandwich else None,
         mlp_post_norm=norm(block.post_feedforward_layernorm) if sandwich else None,
         sliding_window=c.sliding_window if block.sliding else None,
+        rotary=block.rotary,
     )
 
 
-def decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
+def decoder(model: Llama, *, blocks: Blocks | None = None, parts: dict = PARTS) -> Decoder:
     """blocks: keep the checkpoint's own quantized blocks where it has them (a GGUF file's); a packed linear
-    keeps them when all its parts have blocks of the same bits."""
+    keeps them when all its parts have blocks of the same bits; parts: the checkpoint tensors they are read
+    from (Phi-3's are packed already)."""
     c, m = model.config, model.model
-    layers = [_layer(block, c, blocks, prefix=f"model.layers.{i}") for i, block in enumerate(m.layers)]
-    cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
+    layers = [_layer(block, c, blocks, prefix=f"model.layers.{i}", parts=parts) for i, block in enumerate(m.layers)]
+    cos, sin = rope_cos_sin(c, c.n_positions)  # (P, rotary_dim / 2): GroupQueryAttention's rotary caches
     local = rope_cos_sin(c, c.n_positions, local=True) if c.sliding_window else None
+    longrope = (c.rope_scaling or {}).get("rope_type") == "longrope"
+    long = rope_cos_sin(c, c.n_positions, long=True) if longrope else None
+    attention_scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
     return Decoder(
         family=c.model_type,
         vocab_size=c.vocab_size,
@@ -349,8 +365,13 @@ def decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         rotary_sin=array(sin),
         rotary_cos_local=None if local is None else array(local[0]),
         rotary_sin_local=None if local is None else array(local[1]),
-        embedding_scale=float(np.float32(c.n_embd**0.5)) if c.embedding_scale else None,
-        attention_scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
+        embedding_scale=float(np.float32(c.n_embd**0.5)) if c.embedding_scale else c.embedding_multiplier,
+        attention_scale=c.attention_multiplier or attention_scale,
+        residual_scale=c.residual_multiplier,
+        logits_divisor=c.logits_scaling,
+        rotary_cos_long=None if long is None else array(long[0]),
+        rotary_sin_long=None if long is None else array(long[1]),
+        rotary_long_after=c.rope_scaling["original_max_position_embeddings"] if longrope else None,
     )
 
 
