@@ -13,7 +13,6 @@ from typing import NoReturn
 import numpy as np
 
 from edgelm import __version__
-from edgelm.onnxfile import PROTOBUF_LIMIT
 
 from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime import PackageError, load
@@ -86,6 +85,7 @@ def _non_finite(report: dict) -> list[str]:
 
 def _refuse(package: Path, source, figures: list[str]) -> NoReturn:
     """Quantize never leaves a package whose logits are not finite; a source that already gives them is named."""
+    source = source if source is not None else load(package, provider="cpu")
     if any(figure.startswith("reference_") for figure in figures) or not _finite_logits(source):
         raise PackageError(f"{package} gives logits that are not finite (NaN or inf): it cannot generate; re-export it")
     raise RuntimeError(
@@ -106,8 +106,6 @@ def _read_source(package: Path):
     if spec.precision != "fp32":
         raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
     weights = sorted(set(external_data_locations(spec.model_path)))  # model.onnx.data; none in older packages
-    if sum((spec.model_path.parent / n).stat().st_size for n in [spec.model_path.name, *weights]) > PROTOBUF_LIMIT:
-        raise PackageError("quantizing models over 2 GB is not supported yet (the quantizers serialize whole models)")
     _check_weights(spec.model_path)
     return spec, weights
 
@@ -189,7 +187,9 @@ def quantize_package(
     package, out_dir = Path(package), Path(out_dir)
     staged = StagedOutput(out_dir, inputs=[package, calibration_text, eval_text], overwrite=overwrite)
     spec, weights = _read_source(package)
-    source = load(package, provider="cpu")
+    evaluated = evaluate and eval_text is not None and recipe.evaluated
+    # the fp32 package runs only to calibrate or to be compared with: loading it costs its size in memory
+    source = load(package, provider="cpu") if recipe.calibrated or evaluated else None
     options = Options(
         per_channel=True if per_channel is None else per_channel,
         block_size=block_size,
@@ -197,7 +197,6 @@ def quantize_package(
         calibration_method=calibration_method,
         calibration=_calibration(recipe, source, calibration_text, samples=calibration_samples),
     )
-    evaluated = evaluate and eval_text is not None and recipe.evaluated
     if evaluated:
         read_text(eval_text, "eval text")  # a file that is not UTF-8 text fails now, not after the work
 
