@@ -21,7 +21,7 @@ from ..runtime.files import read_text
 from ..runtime.onnx_external import external_data_locations
 from ..runtime.package import read_package
 from .calibration import DecoderCalibrationReader
-from .evaluate import evaluate_package
+from .evaluate import evaluate_package, text_chunks
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options
 
 MODES = tuple(RECIPES)
@@ -198,7 +198,8 @@ def quantize_package(
         calibration=_calibration(recipe, source, calibration_text, samples=calibration_samples),
     )
     if evaluated:
-        read_text(eval_text, "eval text")  # a file that is not UTF-8 text fails now, not after the work
+        for _ in text_chunks(eval_text, what="eval text"):  # text that is not UTF-8 fails now, not after the work
+            pass
 
     progress(f"quantizing {package} -> {out_dir} ({mode})")
     with staged as staging:
