@@ -88,9 +88,10 @@ def calibrated_ranges(source, reader: DecoderCalibrationReader, *, nodes: list[s
         lowest, highest = {}, {}
         for feed in reader.feeds():
             for name, value in zip(tensors, session.run(tensors, feed), strict=True):
-                low, high = np.nanmin(value), np.nanmax(value)  # onnxruntime's ReduceMin / ReduceMax
-                lowest[name] = low if name not in lowest else np.nanmin([lowest[name], low])
-                highest[name] = high if name not in highest else np.nanmax([highest[name], high])
+                # onnxruntime's ReduceMin / ReduceMax, reshaped to (1,), then nanmin / nanmax over the runs
+                low, high = np.nanmin(value).reshape(1), np.nanmax(value).reshape(1)
+                lowest[name] = low if name not in lowest else np.nanmin([lowest[name], low], axis=0)
+                highest[name] = high if name not in highest else np.nanmax([highest[name], high], axis=0)
         return TensorsData(CalibrationMethod.MinMax, {name: (lowest[name], highest[name]) for name in tensors})
     collector = HistogramCollector(method=method, symmetric=False, scenario="same", **HISTOGRAMS[method])
     for feed in reader.feeds():
@@ -107,6 +108,7 @@ def _session(source, tensors: list[str]) -> ort.InferenceSession:
     model.CopyFrom(source.model)  # the graph only: loaded without its weights
     model.graph.output.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in tensors)
     options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as onnxruntime's calibrators
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(source.path.parent))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 

@@ -53,22 +53,24 @@ def windows(n_tokens: int, context: int) -> list[tuple[int, int, int]]:
         start += stride
 
 
-def text_chunks(path: str | Path, chunk: int = TEXT_CHUNK, *, what: str = "text file") -> Iterator[str]:
-    """The UTF-8 text of the regular file at path, `chunk` bytes at a time; ValueError, one line naming the file,
-    where it is not UTF-8 text (the checks of runtime/files.read_text, made as the text is read)."""
+def text_chunks(path: str | Path, chunk: int | None = None, *, what: str = "text file") -> Iterator[str]:
+    """The UTF-8 text of the regular file at path, `chunk` bytes (default TEXT_CHUNK) at a time; ValueError, one
+    line naming the file, where it is not UTF-8 text (the checks of runtime/files.read_text, made as it is read)."""
     check_file(path, what)
+    chunk = chunk or TEXT_CHUNK
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     with open(path, "rb") as f:
         while True:
             data = f.read(chunk)
+            held = len(decoder.getstate()[0])  # bytes of a character the last chunk ended inside
             try:
                 text = decoder.decode(data, final=not data)
             except UnicodeDecodeError as e:
                 if offset == 0:  # its one-line error, naming a byte-order mark (UTF-16 text)
                     decode_utf8(data, path, what)
                 raise ValueError(
-                    f"{what} {path} is not UTF-8 text: bytes at offset {offset + e.start} cannot be decoded "
+                    f"{what} {path} is not UTF-8 text: bytes at offset {offset - held + e.start} cannot be decoded "
                     "(Latin-1 or another encoding?); save it as UTF-8"
                 ) from None
             if "\x00" in text:
@@ -84,9 +86,10 @@ def token_stream(tokenizer, chunks: Iterator[str]) -> Iterator[int]:
     """The ids of the concatenated chunks, as tokenizer.encode(whole text) gives them, tokenized a chunk at a time.
 
     The last TOKEN_MARGIN tokens of each tokenized piece are held back with their text (more text may merge
-    into them), and re-tokenized with the next chunk behind the text of the last CONTEXT_TOKENS committed ones,
-    so that the held-back text is not tokenized as the start of a text (a tokenizer may mark a text's first
-    word); the ids from the token that starts exactly where the held-back text starts on are the whole text's.
+    into them) and re-tokenized with the next chunk, behind some committed text that starts a word (at least
+    CONTEXT_TOKENS tokens of it): so the held-back text is tokenized as inside the text, not as its start (a
+    tokenizer may mark a text's first word). The ids from the token that starts where the held-back text starts
+    are the whole text's wherever tokenization is local to a few words, as BPE's pre-tokenizers make it.
     """
     context, pending = "", ""  # committed text before the cut; text after it, not yet committed
     chunks = iter(chunks)
@@ -96,7 +99,6 @@ def token_stream(tokenizer, chunks: Iterator[str]) -> Iterator[int]:
         text = context + pending + piece
         ids, offsets = tokenizer.encode_offsets(text)
         first = next((i for i, (begin, _) in enumerate(offsets) if begin >= len(context)), len(ids))
-        assert first == len(ids) or offsets[first][0] == len(context), "re-tokenized text moved a token boundary"
         if following is None:
             yield from ids[first:]
             return
@@ -105,9 +107,21 @@ def token_stream(tokenizer, chunks: Iterator[str]) -> Iterator[int]:
             pending, piece = pending + piece, following
             continue
         yield from ids[first:cut]
-        context_start = offsets[max(first, cut - CONTEXT_TOKENS)][0] if cut > first else 0
-        context = (text[context_start : offsets[cut][0]]) if cut > first else context
+        context = text[_word_start(text, offsets, cut - CONTEXT_TOKENS) : offsets[cut][0]]
         pending, piece = text[offsets[cut][0] :], following
+
+
+def _word_start(text: str, offsets: list[tuple[int, int]], last: int) -> int:
+    """Where committed text to re-tokenize may start: the latest token start at or before token `last` (within a
+    few hundred tokens) where whitespace follows a non-space; the text's start (itself such a place, or where the
+    whole input starts) when `last` is before the first token; else token `last`'s start."""
+    if last <= 0:
+        return 0
+    for i in range(last, max(0, last - 512) - 1, -1):
+        start = offsets[i][0]
+        if text[start].isspace() and (start == 0 or not text[start - 1].isspace()):
+            return start
+    return offsets[last][0]
 
 
 def _clean_cut(offsets: list[tuple[int, int]], first: int, last: int) -> int | None:
