@@ -23,6 +23,7 @@ from ..runtime.package import read_package
 from .calibration import DecoderCalibrationReader
 from .evaluate import evaluate_package, text_chunks
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options
+from .weights import SourceModel
 
 MODES = tuple(RECIPES)
 MIN_CALIBRATION_TOKENS = 256
@@ -54,28 +55,24 @@ def _finite_logits(model) -> bool:
 
 def _check_weights(model_path: Path) -> None:
     """Refuse NaN or inf in a float weight of the source, naming it: the package cannot generate, and ONNX
-    Runtime's quantizers stop on it with an assertion. Reads the weights file through a memory map."""
+    Runtime's quantizers stop on it with an assertion. Reads the weights file a slab at a time."""
     import onnx
-    from onnx import numpy_helper
 
-    for tensor in onnx.load(str(model_path), load_external_data=False).graph.initializer:
+    source = SourceModel(model_path)
+    for name, tensor in source.initializers.items():
         if tensor.data_type != onnx.TensorProto.FLOAT:
             continue
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # the location was checked by read_package
-            info = {entry.key: entry.value for entry in tensor.external_data}
-            count = int(np.prod(tensor.dims, dtype=np.int64))
-            path, offset = model_path.parent / info["location"], int(info.get("offset", 0))
-            values = np.memmap(path, dtype=np.float32, mode="r", offset=offset, shape=(count,)) if count else []
-        else:
-            values = numpy_helper.to_array(tensor)
-        # the sum is non-finite where a value is (and where it overflows: the mask confirms), at a tenth of its cost
-        with np.errstate(over="ignore"):
-            finite = np.isfinite(np.sum(values)) or np.isfinite(values).all()
-        if not finite:
-            raise PackageError(
-                f"weight {tensor.name!r} of {model_path.parent.name} holds NaN or inf values: the package cannot "
-                "generate; re-export it from a checkpoint without them"
-            )
+        for start, stop in source.slabs(name):
+            values = source.rows(name, start, stop)
+            # the sum is non-finite where a value is (and where it overflows: the mask confirms), at a tenth of
+            # its cost
+            with np.errstate(over="ignore"):
+                finite = np.isfinite(np.sum(values)) or np.isfinite(values).all()
+            if not finite:
+                raise PackageError(
+                    f"weight {name!r} of {model_path.parent.name} holds NaN or inf values: the package cannot "
+                    "generate; re-export it from a checkpoint without them"
+                )
 
 
 def _non_finite(report: dict) -> list[str]:

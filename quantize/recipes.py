@@ -251,20 +251,27 @@ def _check_block_size(model: onnx.ModelProto, block_size: int) -> None:
 
 def _blocks(source: SourceModel, name: str, *, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """A (K, N) weight as MatMulNBits' symmetric blocks: packed values (N, blocks, blob) and scales (N, blocks),
-    from onnxruntime's own kernels (what its MatMulNBitsQuantizer calls, DefaultWeightOnlyQuantizer)."""
+    from onnxruntime's own kernels (what its MatMulNBitsQuantizer calls, DefaultWeightOnlyQuantizer). Blocks
+    run along K and are quantized each on its own, so the weight is read a slab of rows at a time."""
     from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-    weight = source.array(name)
-    rows, cols = weight.shape
-    k_blocks = -(-rows // block_size)
-    if k_blocks * block_size != rows:
-        weight = np.pad(weight, ((0, k_blocks * block_size - rows), (0, 0)))
-    weight = np.ascontiguousarray(weight, dtype=np.float32)
-    packed = np.zeros((cols, k_blocks, block_size * bits // 8), dtype=np.uint8)
-    scales = np.zeros((cols, k_blocks), dtype=np.float32)
-    zero_points = np.zeros((cols, -(-k_blocks * bits // 8)), dtype=np.uint8)  # unused: symmetric
     quantize = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
-    quantize(packed, weight, scales, zero_points, block_size, cols, rows, True)
+    rows, cols = source.dims(name)
+    blob = block_size * bits // 8
+    packed = np.zeros((cols, -(-rows // block_size), blob), dtype=np.uint8)
+    scales = np.zeros((cols, -(-rows // block_size)), dtype=np.float32)
+    for start, stop in source.slabs(name, multiple=block_size):
+        weight = np.ascontiguousarray(source.rows(name, start, stop), dtype=np.float32)
+        k_blocks = -(-(stop - start) // block_size)
+        if k_blocks * block_size != stop - start:  # the last block of K, padded with zeros
+            weight = np.pad(weight, ((0, k_blocks * block_size - (stop - start)), (0, 0)))
+        slab_packed = np.zeros((cols, k_blocks, blob), dtype=np.uint8)
+        slab_scales = np.zeros((cols, k_blocks), dtype=np.float32)
+        zero_points = np.zeros((cols, -(-k_blocks * bits // 8)), dtype=np.uint8)  # unused: symmetric
+        quantize(slab_packed, weight, slab_scales, zero_points, block_size, cols, stop - start, True)
+        first = start // block_size
+        packed[:, first : first + k_blocks] = slab_packed
+        scales[:, first : first + k_blocks] = slab_scales
     return packed, scales
 
 
@@ -347,19 +354,15 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
     }
 
 
-FP16_CHUNK = 1 << 22  # values converted at a time: the conversion makes several temporaries of its input
-
-
 def _to_fp16(source: SourceModel, name: str) -> np.ndarray:
     """onnxruntime's float32 -> float16 conversion of one weight (it clamps to float16's finite range and keeps
-    tiny values from becoming 0), chunk by chunk: the conversion is per value."""
+    tiny values from becoming 0), a slab at a time: the conversion is per value."""
     from onnxruntime.transformers.float16 import convert_np_to_float16
 
-    values = source.array(name).reshape(-1)
-    out = np.empty(values.shape, dtype=np.float16)
-    for start in range(0, len(values), FP16_CHUNK):
-        out[start : start + FP16_CHUNK] = convert_np_to_float16(values[start : start + FP16_CHUNK])
-    return out.reshape(source.dims(name))
+    out = np.empty(source.dims(name), dtype=np.float16)
+    for start, stop in source.slabs(name):
+        out[start:stop] = convert_np_to_float16(np.asarray(source.rows(name, start, stop)))
+    return out
 
 
 def convert_fp16(src: Path, dst: Path) -> dict:

@@ -12,7 +12,7 @@ the model: the same code for a package of 20 MB or 20 GB, and none of ONNX's 2 G
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from edgelm.onnxfile import placeholder, save_model
+
+SLAB_BYTES = 64 << 20  # of a weight read at a time where a recipe can work slab by slab
 
 
 class Deferred:
@@ -80,6 +82,32 @@ class SourceModel:
 
     def dims(self, name: str) -> tuple[int, ...]:
         return tuple(self.initializers[name].dims)
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of initializer `name` along its first axis (a 1-D one: values), mapped alone: a
+        map's pages count as the process's memory until it is dropped, so a large weight is read a slab at a
+        time (`slabs`) rather than mapped whole."""
+        tensor = self.initializers[name]
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            inline = numpy_helper.to_array(tensor)
+            return inline if inline.ndim == 0 else inline[start:stop]
+        shape = self.dims(name)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        if stop <= start or not row:
+            return np.zeros((max(0, stop - start), *shape[1:]), dtype)
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        offset = int(info.get("offset", 0)) + start * row * np.dtype(dtype).itemsize
+        path = self.path.parent / info["location"]
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(stop - start, *shape[1:]))
+
+    def slabs(self, name: str, *, multiple: int = 1) -> Iterator[tuple[int, int]]:
+        """(start, stop) row ranges of about SLAB_BYTES each (a multiple of `multiple` rows) covering `name`."""
+        shape = self.dims(name) or (1,)
+        row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64))) * 4
+        step = max(multiple, SLAB_BYTES // row_bytes // multiple * multiple)
+        for start in range(0, shape[0], step):
+            yield start, min(start + step, shape[0])
 
 
 def _copy(tensor: onnx.TensorProto) -> onnx.TensorProto:

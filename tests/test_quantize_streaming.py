@@ -100,10 +100,17 @@ def _reference(mode: str, src: Path, scratch: Path) -> onnx.ModelProto:
     return quantized
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8-weight-only", "dynamic", "fp16"])
-def test_recipes_equal_onnxruntime_tools_on_the_whole_model(fp32_package, tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "slab"),
+    [("int4", None), ("int4", 1 << 16), ("int8-weight-only", None), ("dynamic", None), ("fp16", 1 << 16)],
+)
+def test_recipes_equal_onnxruntime_tools_on_the_whole_model(fp32_package, tmp_path, monkeypatch, mode, slab):
+    """slab: the weights read 64 KiB at a time (several slabs a weight), as a large model's are."""
+    from edgelm.quantize import weights
     from edgelm.quantize.recipes import RECIPES, Options
 
+    if slab is not None:
+        monkeypatch.setattr(weights, "SLAB_BYTES", slab)
     src = fp32_package / "model.onnx"
     RECIPES[mode].run(src, tmp_path / "model.onnx", Options())
     _assert_same(tmp_path / "model.onnx", _reference(mode, src, tmp_path / "scratch"))
