@@ -1,8 +1,13 @@
 """Accuracy of a package on text: perplexity, bits per byte, and agreement with a reference package.
 
 Runs through the runtime (edgelm.runtime), so what is measured is what users run. The text is cut
-into windows of the context length that overlap by half (a sliding window): each token is scored
-once, by the window that gives it the most context, as Hugging Face's perplexity guide does.
+into windows of the context length (at most EVAL_WINDOW tokens unless asked) that overlap by half (a
+sliding window): each token is scored once, by the window that gives it the most context, as Hugging
+Face's perplexity guide does.
+
+Memory is bounded whatever the text's length: the text is read and tokenized a chunk at a time, one
+window of ids is held, and each window is fed EVAL_CHUNK tokens at a time through the cache, its logits
+scored and dropped; the bound is docs/results.md's ("Scale": window x KV size, EVAL_CHUNK x vocabulary).
 
 - perplexity = exp(mean negative log-likelihood per token)
 - bits per byte = total negative log-likelihood in bits / UTF-8 bytes of the text (independent of
@@ -24,6 +29,7 @@ import numpy as np
 from ..runtime import InvalidInputError, Model, load
 from ..runtime.files import check_file, decode_utf8
 
+EVAL_WINDOW = 2048  # default window cap: the KV cache and the attention's work grow with the window
 EVAL_CHUNK = 256  # tokens a window is fed in at a time (with the cache of the ones before): logits (EVAL_CHUNK, V)
 SCORE_ROWS = 64  # positions scored at a time, in float64
 TEXT_CHUNK = 1 << 20  # characters of text read and tokenized at a time
@@ -172,12 +178,12 @@ def _pieces(model: Model, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         yield offset, logits[0]
 
 
-def _score(model: Model, ref: Model | None, ids: Iterator[int], text_path: Path) -> dict:
+def _score(model: Model, ref: Model | None, ids: Iterator[int], text_path: Path, *, window: int) -> dict:
     """Sums over every scored position: the package's (and the reference's) negative log-likelihood, the
     positions where both pick the same next token, and KL(reference || package). Each window's logits are
     made EVAL_CHUNK positions at a time and scored SCORE_ROWS at a time, then dropped."""
     sums = {"nll": 0.0, "ref_nll": 0.0, "agree": 0, "kl": 0.0, "count": 0}
-    plan = _windows(ids, model.context_length, text_path)
+    plan = _windows(ids, window, text_path)
     for window, first in _progress(plan, f"eval {Path(str(model.spec.folder)).name}"):
         inputs = window[:-1]  # the last id is only a target
         references = _pieces(ref, inputs) if ref is not None else None
@@ -195,6 +201,15 @@ def _score(model: Model, ref: Model | None, ids: Iterator[int], text_path: Path)
                     sums["agree"] += int((scored.argmax(-1) == ref_logprobs.argmax(-1)).sum())
                     sums["kl"] += float((np.exp(ref_logprobs) * (ref_logprobs - scored)).sum())
     return sums
+
+
+def _window(model: Model, ref: Model | None, window: int | None) -> int:
+    context = min(model.context_length, ref.context_length if ref is not None else model.context_length)
+    if window is None:
+        return min(context, EVAL_WINDOW)
+    if not 2 <= window <= context:
+        raise InvalidInputError(f"window must be 2 to the context length {context}, got {window}")
+    return window
 
 
 def _against_reference(report: dict, ref: Model, sums: dict) -> None:
@@ -217,7 +232,9 @@ def evaluate_package(
     provider: str = "cpu",
     threads: int | None = None,
     verify: bool = True,
+    window: int | None = None,
 ) -> dict:
+    """window: tokens a window scores with (default: the context length, at most EVAL_WINDOW)."""
     model = package if isinstance(package, Model) else load(package, provider=provider, threads=threads, verify=verify)
     ref = reference
     if reference is not None and not isinstance(reference, Model):
@@ -238,7 +255,8 @@ def evaluate_package(
     if max_tokens is not None:  # the bytes these cover: the decoded ids', as the text's first part
         kept = list(itertools.islice(ids, max_tokens + 1))
         ids = iter(kept)
-    sums = _score(model, ref, ids, text_path)
+    window = _window(model, ref, window)
+    sums = _score(model, ref, ids, text_path, window=window)
     n_bytes = read[0] if kept is None else len(model.tokenizer.decode(kept).encode("utf-8"))
     nll, count = sums["nll"], sums["count"]
     report = {
@@ -247,6 +265,7 @@ def evaluate_package(
         "text": text_path.name,
         "tokens": count,
         "bytes": n_bytes,
+        "window": window,
         "perplexity": math.exp(nll / count),
         "bits_per_byte": nll / math.log(2) / n_bytes,
         "size_bytes": model.info()["size_bytes"],

@@ -237,27 +237,40 @@ def _direct(model, ref, ids: np.ndarray, plan) -> dict:
     }
 
 
-@pytest.mark.parametrize(("characters", "eval_chunk"), [(300, 256), (3000, 48)])
+@pytest.mark.parametrize(("characters", "eval_chunk", "window"), [(300, 256, None), (3000, 48, None), (3000, 256, 40)])
 def test_eval_equals_a_direct_computation_on_full_logits(
-    fp32_package, int4_package, tmp_path, monkeypatch, characters, eval_chunk
+    fp32_package, int4_package, tmp_path, monkeypatch, characters, eval_chunk, window
 ):
-    """A text inside one window (one run per package, as before streaming), and one over several windows fed
-    48 tokens at a time through the cache (equal to float noise)."""
+    """A text inside one window (one run per package, as before streaming), one over several windows fed 48
+    tokens at a time through the cache (equal to float noise), and windows of 40 tokens asked for."""
     from edgelm.quantize import evaluate
 
     text = tmp_path / "text.txt"
     text.write_text(HELDOUT.read_text(encoding="utf-8")[:characters], encoding="utf-8")
     model, ref = load(int4_package), load(fp32_package)
     ids = np.array(model.tokenizer.encode(text.read_text(encoding="utf-8")), dtype=np.int64)
-    expected = _direct(model, ref, ids, evaluate.windows(len(ids), model.context_length))
+    expected = _direct(model, ref, ids, evaluate.windows(len(ids), window or model.context_length))
     monkeypatch.setattr(evaluate, "EVAL_CHUNK", eval_chunk)
-    report = evaluate.evaluate_package(model, text, reference=ref)
+    report = evaluate.evaluate_package(model, text, reference=ref, window=window)
     assert report["tokens"] == expected["tokens"] == len(ids) - 1
     assert report["bytes"] == len(text.read_bytes())
-    tolerance = 1e-12 if characters == 300 else 1e-5
+    assert report["window"] == (window or model.context_length)
+    tolerance = 1e-5 if eval_chunk < model.context_length else 1e-12
     for key in ("perplexity", "reference_perplexity", "mean_kl_nats"):
         assert report[key] == pytest.approx(expected[key], rel=tolerance), key
     assert report["top1_agreement"] == expected["top1_agreement"]
+
+
+def test_eval_window_defaults_to_the_context_length_at_most_eval_window(fp32_package, monkeypatch):
+    from edgelm.quantize import evaluate
+    from edgelm.runtime import InvalidInputError
+
+    model = load(fp32_package)
+    assert evaluate._window(model, None, None) == 128  # the bundled model's context
+    monkeypatch.setattr(evaluate, "EVAL_WINDOW", 100)
+    assert evaluate._window(model, model, None) == 100
+    with pytest.raises(InvalidInputError, match="window must be 2 to the context length 128"):
+        evaluate._window(model, None, 129)
 
 
 def test_eval_holds_a_piece_of_the_text_and_logits_at_a_time(fp32_package, tmp_path, monkeypatch):
