@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 def make_checkpoint(folder: Path) -> None:
     import torch
 
+    from edgelm.export.families.gpt2 import save_checkpoint
     from edgelm.export.gpt2 import GPT, PRESETS, GPTConfig
-    from edgelm.export.gpt2_checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     save_checkpoint(GPT(GPTConfig(**PRESETS["gpt2"])).eval(), folder)

@@ -27,19 +27,26 @@ value); docs/results.md has what that costs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from onnx import TensorProto
 
-from .gguf_blocks import Runs, pack
-
-if TYPE_CHECKING:
-    from .decoder import NBits
-    from .graph import _GraphBuilder
+from .decoder import NBits
+from .gguf_blocks import BLOCK_TYPES, Runs, pack
 
 # a value's bits -> its planes' widths, low bits first (a width divides 8, so a plane packs whole bytes)
-PLANES = {2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1), 6: (4, 2), 8: (8,)}
+PLANES = {row.value_bits: row.planes for row in BLOCK_TYPES.values()}
+
+
+class WeightNodes(Protocol):
+    """What the unpacking is written into (export/graph.py's builder): initializers and nodes of constants only."""
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        """An initializer named `name`; returns the name."""
+
+    def weight_op(self, op_type: str, inputs: list[str], output: str, **attributes) -> str:
+        """A node of constants only, which ONNX Runtime folds at load; returns its output's name."""
 
 
 class Plane(NamedTuple):
@@ -70,7 +77,7 @@ def plane_table(plane: Plane, *, bits: int, zero_point: int) -> np.ndarray:
     return (bits_in.sum(axis=-1) + zero_point * (0x11 if bits == 4 else 1)).astype(np.uint8)
 
 
-def _unpacked(g: _GraphBuilder, name: str, plane: Plane, *, slots: list[int], bits: int, zero_point: int) -> str:
+def _unpacked(g: WeightNodes, name: str, plane: Plane, *, slots: list[int], bits: int, zero_point: int) -> str:
     """The B bytes' share of one plane, (*slots, 2, ..., 2), one 2 for each doubling of the B bytes a plane byte
     makes: a 4-bit plane (two B bytes a byte) by shift and modulo, a narrower one by a lookup table that also
     places the bits and adds `zero_point` (the tables take an int32 copy of the plane's bytes, a quarter of the
@@ -88,7 +95,7 @@ def _unpacked(g: _GraphBuilder, name: str, plane: Plane, *, slots: list[int], bi
     return g.weight_op("Gather", [table, index], f"{name}/values", axis=0)
 
 
-def _part_values(g: _GraphBuilder, output: str, part: Runs) -> None:
+def _part_values(g: WeightNodes, output: str, part: Runs) -> None:
     """B's rows of one part (uint8 (N_part, K / block_size, blob)) as `output`: B itself where the values fill
     its bits, else computed from their bit planes. Every tensor ONNX Runtime folds at load stays in memory until
     constant folding ends, so each step costs a copy of B: this takes as few steps as it can."""
@@ -118,12 +125,12 @@ def _part_values(g: _GraphBuilder, output: str, part: Runs) -> None:
     g.weight_op("Reshape", [value, shape], output)
 
 
-def _float(g: _GraphBuilder, name: str, array: np.ndarray) -> str:
+def _float(g: WeightNodes, name: str, array: np.ndarray) -> str:
     """A float16 or integer factor as a float32 node output."""
     return g.weight_op("Cast", [g.constant(name, array)], f"{name}/float", to=TensorProto.FLOAT)
 
 
-def _part_scales(g: _GraphBuilder, scales_out: str, offsets_out: str | None, part: Runs) -> None:
+def _part_scales(g: WeightNodes, scales_out: str, offsets_out: str | None, part: Runs) -> None:
     """One part's float32 (N_part, runs) scales and offsets from its factors: scale = d * sc, offset = middle *
     scale - dmin * mn (gguf_blocks.scales_offsets, the same operations in the same order)."""
     f, p = part.factors, scales_out
@@ -145,7 +152,7 @@ def _part_scales(g: _GraphBuilder, scales_out: str, offsets_out: str | None, par
     g.weight_op("Reshape", [g.weight_op("Sub", [centred, low], f"{p}/offsets"), shape], offsets_out)
 
 
-def write_blocks(g: _GraphBuilder, nbits: NBits, *, packed: str, scales: str, offsets: str | None) -> None:
+def write_blocks(g: WeightNodes, nbits: NBits, *, packed: str, scales: str, offsets: str | None) -> None:
     """MatMulNBits' B and scales, and the (K / block_size, N) block offsets (given `offsets`), as node outputs of
     those names computed from the parts' planes and factors; the parts meet along the outputs (Concat)."""
     parts = nbits.parts

@@ -1,24 +1,23 @@
-"""A decoder-only transformer as the ONNX graph builder sees it: the differences between model
-families stated as data, and the weights in MatMul layout.
+"""A decoder-only transformer as the ONNX graph builder sees it: the differences between model families
+stated as data (fields named after what they do), and the weights in MatMul layout.
 
-GPT-2 and Llama are the same network with different parts:
-
-    part              GPT-2 (export/gpt2.py)           Llama / Qwen2 / Mistral (export/llama.py)
-    normalization     LayerNorm (weight + bias)        RMSNorm (weight only)
+    part              GPT-2 (export/gpt2.py)           Llama family (export/llama.py)
+    normalization     LayerNorm (weight + bias)        RMSNorm (weight only; Gemma's 1 + w folded in)
     positions         learned table added to tokens    rotary, applied to Q and K inside attention
-    attention heads   n_kv_head == n_head              n_kv_head < n_head (grouped-query)
+    attention heads   n_kv_head == n_head              n_kv_head <= n_head (grouped-query)
     Q/K/V biases      yes                              Qwen2 only
-    Q/K head norms    no                               Qwen3, Gemma 3 (RMSNorm per head, before the rotary)
-
-Gemma 3 adds, each a field below: an embedding scale, norms after attention and after the MLP, a GELU-tanh
-gate, its own attention scale, and sliding-window layers with their own rotary caches. Its RMSNorm's
-(1 + w) is folded into the Norm weights by the family adapter, so the graph's norms stay plain.
     output bias       yes                              no
-    MLP               GELU(x W_fc) W_proj              (SiLU(x W_gate) * x W_up) W_down
+    Q/K head norms    no                               Qwen3, Gemma 3 (RMSNorm per head, before the rotary)
+    MLP               GELU(x W_fc) W_proj              (act(x W_gate) * x W_up) W_down, act SiLU or GELU-tanh
     LM head           tied                             tied or untied
+    Gemma 3 also      -                                an embedding scale, norms after attention and the MLP,
+                                                       its attention scale, sliding-window layers with their
+                                                       own rotary caches
 
-Each family turns its reference model into a `Decoder` (export/families.py); export/graph.py builds the
-graph from a Decoder alone, so adding a family never touches the graph's steps.
+Each family module (export/families/) turns its reference model into a Decoder; export/graph.py builds the
+graph from a Decoder alone and never asks which family it has. A family made of mechanisms the Decoder has
+touches neither file; one that needs a new mechanism adds it here as a field named after what it does and to
+graph.py as one step that reads it (Qwen3's head norms and Gemma 3's parts came so).
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ class Layer:
 
 @dataclass
 class Decoder:
-    family: str  # the manifest's architecture.type (export/families.py FAMILIES)
+    family: str  # the manifest's architecture.type (a row of export/families/ FAMILIES)
     vocab_size: int
     context_length: int
     n_embd: int

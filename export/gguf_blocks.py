@@ -1,33 +1,24 @@
-"""llama.cpp's quantized blocks as ONNX Runtime MatMulNBits blocks, without requantizing.
+"""llama.cpp's quantized blocks as ONNX Runtime MatMulNBits blocks, without requantizing; BLOCK_TYPES has one
+row per block type, and every list of types (those kept, those read, the CLI's help) is derived from it.
 
 Every block type llama.cpp's presets write stores a weight as w = scale * c + offset over short runs of
 consecutive inputs, with c a small integer. MatMulNBits (com.microsoft, 4 or 8 bits, block_size a power of
-two >= 16) computes w = (q - zero_point) * scale per block, so each type maps onto it exactly:
-
-    type   its w                         here: bits  block  c (centred value)   offset
-    Q4_0   d (q - 8)                           4     32     q - 8               -
-    Q4_1   d q + m                             4     32     q - 8               m + 8 d
-    Q5_0   d (q - 16)                          8     32     q - 16              -
-    Q5_1   d q + m                             8     32     q - 16              m + 16 d
-    Q8_0   d q                                 8     32     q                   -
-    Q2_K   d sc q - dmin mn, 16-runs           4     16     q - 2               2 s - dmin mn
-    Q3_K   d (sc - 32) q, 16-runs              4     16     q (-4 .. 3)         -
-    Q4_K   d sc q - dmin mn, 32-runs           4     32     q - 8               8 s - dmin mn
-    Q5_K   d sc q - dmin mn, 32-runs           8     32     q - 16              16 s - dmin mn
-    Q6_K   d sc (q - 32), 16-runs              8     16     q - 32              -
-
-(s: the run's scale d * sc.) The stored value is c + 2^(bits - 1), so the zero point is always MatMulNBits'
-default and the graph needs no zero-point input; the offset is added beside the node as (block sums of x) @
-offsets (export/graph.py). 5- and 6-bit values take 8-bit blocks; 2- and 3-bit values 4-bit ones. Offsets
-are centred on the run's middle value, so its two terms cancel less than d q and m would. Each type also
-keeps the numbers its scales and offsets come from (`Factors`), which export/compact_blocks.py stores instead
-of the float32 results. Layouts:
+two >= 16) computes w = (q - zero_point) * scale per block, so each type maps onto it exactly: its row gives
+the MatMulNBits bits and block size that hold it, the bits of its values c, and the function that unpacks a
+block (whose docstring gives the type's w, its c and its offset; s is the run's scale d * sc). The stored
+value is c + 2^(bits - 1), so the zero point is always MatMulNBits' default and the graph needs no
+zero-point input; the offset is added beside the node as (block sums of x) @ offsets (export/graph.py).
+5- and 6-bit values take 8-bit blocks; 2- and 3-bit values 4-bit ones. Offsets are centred on the run's
+middle value, so its two terms cancel less than d q and m would. Each type also keeps the numbers its scales
+and offsets come from (`Factors`), which export/compact_blocks.py stores instead of the float32 results, its
+values as bit planes of the row's `planes` widths. Layouts:
 https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h (block_q4_0 ... block_q6_K).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -35,7 +26,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
 Q = GGMLQuantizationType
-K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 class Factors(NamedTuple):
@@ -91,22 +81,37 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _legacy(kind: Q, blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q4_0 .. Q8_0: (values (B, 32), factors) for B blocks of 32; Q4_1 and Q5_1 keep -m as dmin."""
-    d = _half(blocks[:, 0:2])  # (B, 1)
-    plain = Factors(d, None, None, None, 0)
-    if kind == Q.Q8_0:
-        return blocks[:, 2:].view(np.int8), plain
-    if kind == Q.Q4_0:
-        return _nibbles(blocks[:, 2:18]).astype(np.int8) - 8, plain
-    if kind == Q.Q4_1:
-        return _nibbles(blocks[:, 4:20]).astype(np.int8) - 8, Factors(d, None, -_half(blocks[:, 2:4]), None, 8)
-    start = 2 if kind == Q.Q5_0 else 4  # Q5_1 has m after d
-    high = _bits_of(blocks[:, start : start + 4], 32)  # bit j of the 32-bit qh is element j's fifth bit
-    q = _nibbles(blocks[:, start + 4 : start + 20]) | (high << 4)
-    if kind == Q.Q5_0:
-        return q.astype(np.int8) - 16, plain
-    return q.astype(np.int8) - 16, Factors(d, None, -_half(blocks[:, 2:4]), None, 16)
+def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q4_0, blocks of 32: w = d (q - 8); c = q - 8, no offset."""
+    return _nibbles(blocks[:, 2:18]).astype(np.int8) - 8, Factors(_half(blocks[:, 0:2]), None, None, None, 0)
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q4_1, blocks of 32: w = d q + m; c = q - 8, offset m + 8 d (-m kept as dmin)."""
+    d, m = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
+    return _nibbles(blocks[:, 4:20]).astype(np.int8) - 8, Factors(d, None, -m, None, 8)
+
+
+def _five_bits(blocks: np.ndarray, start: int) -> np.ndarray:
+    """Q5_0 / Q5_1's 32 values: the 32-bit qh at `start` (bit j is element j's fifth bit), then the nibbles."""
+    high = _bits_of(blocks[:, start : start + 4], 32)
+    return _nibbles(blocks[:, start + 4 : start + 20]) | (high << 4)
+
+
+def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q5_0, blocks of 32: w = d (q - 16); c = q - 16, no offset."""
+    return _five_bits(blocks, 2).astype(np.int8) - 16, Factors(_half(blocks[:, 0:2]), None, None, None, 0)
+
+
+def _q5_1(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q5_1, blocks of 32: w = d q + m; c = q - 16, offset m + 16 d (-m kept as dmin)."""
+    d, m = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
+    return _five_bits(blocks, 4).astype(np.int8) - 16, Factors(d, None, -m, None, 16)
+
+
+def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q8_0, blocks of 32: w = d q; c = q, no offset."""
+    return blocks[:, 2:].view(np.int8), Factors(_half(blocks[:, 0:2]), None, None, None, 0)
 
 
 def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
@@ -118,76 +123,111 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
     return (low | (high << 4)).astype(np.int16) - 32
 
 
-def _k_quant(kind: Q, blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q2_K .. Q6_K: (values (B, 256), factors) for B blocks of 256."""
+def _q2_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q2_K, super-blocks of 256, runs of 16: w = d sc q - dmin mn; c = q - 2, offset 2 s - dmin mn.
+    Layout: scales[16] | qs[64] | d | dmin."""
     n = blocks.shape[0]
-    if kind == Q.Q2_K:  # scales[16] | qs[64] | d | dmin
-        sc, qs, d, dmin = blocks[:, :16], blocks[:, 16:80], _half(blocks[:, 80:82]), _half(blocks[:, 82:84])
-        q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
-        return q.reshape(n, 256).astype(np.int8) - 2, Factors(d, sc & 0x0F, dmin, sc >> 4, 2)
-    if kind == Q.Q3_K:  # hmask[32] | qs[64] | scales[12] | d
-        hmask, qs, d = blocks[:, :32], blocks[:, 32:96], _half(blocks[:, 108:110])
-        low = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
-        high = (hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01  # (B, 1, 8, 32)
-        q = low.reshape(n, 256).astype(np.int8) - 4 * (1 - high.reshape(n, 256).astype(np.int8))  # set bit: no -4
-        return q, Factors(d, _q3_k_scales(blocks[:, 96:108]).astype(np.int8), None, None, 0)
-    if kind == Q.Q6_K:  # ql[128] | qh[64] | scales[16] int8 | d
-        ql, qh, d = blocks[:, :128], blocks[:, 128:192], _half(blocks[:, 208:210])
-        low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F  # (B, 2, 2, 64)
-        high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
-        q = low.reshape(n, 256) | (high.reshape(n, 256) << 4)
-        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
-        return q.astype(np.int8) - 32, Factors(d, sc, None, None, 0)
-    # Q4_K, Q5_K: d | dmin | scales[12] (6-bit scale and minimum of 8 runs of 32) | [qh[32]] | qs[128]
+    sc, qs, d, dmin = blocks[:, :16], blocks[:, 16:80], _half(blocks[:, 80:82]), _half(blocks[:, 82:84])
+    q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
+    return q.reshape(n, 256).astype(np.int8) - 2, Factors(d, sc & 0x0F, dmin, sc >> 4, 2)
+
+
+def _q3_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q3_K, super-blocks of 256, runs of 16: w = d (sc - 32) q; c = q (-4 .. 3), no offset.
+    Layout: hmask[32] | qs[64] | scales[12] | d."""
+    n = blocks.shape[0]
+    hmask, qs, d = blocks[:, :32], blocks[:, 32:96], _half(blocks[:, 108:110])
+    low = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
+    high = (hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01  # (B, 1, 8, 32)
+    q = low.reshape(n, 256).astype(np.int8) - 4 * (1 - high.reshape(n, 256).astype(np.int8))  # set bit: no -4
+    return q, Factors(d, _q3_k_scales(blocks[:, 96:108]).astype(np.int8), None, None, 0)
+
+
+def _q4_k_q5_k(blocks: np.ndarray, *, five: bool) -> tuple[np.ndarray, Factors]:
+    """Q4_K / Q5_K: d | dmin | scales[12] (6-bit scale and minimum of 8 runs of 32) | [qh[32]] | qs[128]."""
+    n = blocks.shape[0]
     d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
     sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])  # gguf-py's unpacking of the 12 scale bytes, (B, 8) each
     qs = blocks[:, -128:]
     q = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F).reshape(n, 256)
     middle = 8
-    if kind == Q.Q5_K:
+    if five:
         high = (blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01  # (B, 8, 32)
         q, middle = q | (high.reshape(n, 256) << 4), 16
     return q.astype(np.int8) - middle, Factors(d, sc.astype(np.uint8), dmin, mn.astype(np.uint8), middle)
 
 
-# type -> (bits, block_size) of the MatMulNBits blocks that hold it
-LAYOUT = {
-    Q.Q4_0: (4, 32),
-    Q.Q4_1: (4, 32),
-    Q.Q5_0: (8, 32),
-    Q.Q5_1: (8, 32),
-    Q.Q8_0: (8, 32),
-    Q.Q2_K: (4, 16),
-    Q.Q3_K: (4, 16),
-    Q.Q4_K: (4, 32),
-    Q.Q5_K: (8, 32),
-    Q.Q6_K: (8, 16),
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q4_K, super-blocks of 256, runs of 32: w = d sc q - dmin mn; c = q - 8, offset 8 s - dmin mn."""
+    return _q4_k_q5_k(blocks, five=False)
+
+
+def _q5_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q5_K, super-blocks of 256, runs of 32: w = d sc q - dmin mn; c = q - 16, offset 16 s - dmin mn."""
+    return _q4_k_q5_k(blocks, five=True)
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
+    """Q6_K, super-blocks of 256, runs of 16: w = d sc (q - 32); c = q - 32, no offset.
+    Layout: ql[128] | qh[64] | scales[16] int8 | d."""
+    n = blocks.shape[0]
+    ql, qh, d = blocks[:, :128], blocks[:, 128:192], _half(blocks[:, 208:210])
+    low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F  # (B, 2, 2, 64)
+    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
+    q = low.reshape(n, 256) | (high.reshape(n, 256) << 4)
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
+    return q.astype(np.int8) - 32, Factors(d, sc, None, None, 0)
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One llama.cpp block type kept as MatMulNBits blocks."""
+
+    kind: Q
+    bits: int  # MatMulNBits bits that hold its values: 4 or 8
+    block_size: int  # MatMulNBits block size: the type's run of one scale, 16 or 32
+    value_bits: int  # the bits of its values c, at most `bits` (5 for Q5_0)
+    unpack: Callable[[np.ndarray], tuple[np.ndarray, Factors]]  # uint8 (B, bytes a block) -> int8 values, factors
+
+    @property
+    def planes(self) -> tuple[int, ...]:
+        """export/compact_blocks.py's bit planes of a value, widest (lowest bits) first: its bits in powers of
+        two, so each plane packs whole bytes (5 bits: 4 + 1; 6: 4 + 2; 3: 2 + 1)."""
+        return tuple(1 << i for i in reversed(range(4)) if self.value_bits >> i & 1)
+
+
+BLOCK_TYPES: dict[Q, BlockType] = {
+    row.kind: row
+    for row in (
+        BlockType(Q.Q4_0, bits=4, block_size=32, value_bits=4, unpack=_q4_0),
+        BlockType(Q.Q4_1, bits=4, block_size=32, value_bits=4, unpack=_q4_1),
+        BlockType(Q.Q5_0, bits=8, block_size=32, value_bits=5, unpack=_q5_0),
+        BlockType(Q.Q5_1, bits=8, block_size=32, value_bits=5, unpack=_q5_1),
+        BlockType(Q.Q8_0, bits=8, block_size=32, value_bits=8, unpack=_q8_0),
+        BlockType(Q.Q2_K, bits=4, block_size=16, value_bits=2, unpack=_q2_k),
+        BlockType(Q.Q3_K, bits=4, block_size=16, value_bits=3, unpack=_q3_k),
+        BlockType(Q.Q4_K, bits=4, block_size=32, value_bits=4, unpack=_q4_k),
+        BlockType(Q.Q5_K, bits=8, block_size=32, value_bits=5, unpack=_q5_k),
+        BlockType(Q.Q6_K, bits=8, block_size=16, value_bits=6, unpack=_q6_k),
+    )
 }
-LAYOUT_NAMES = tuple(kind.name for kind in LAYOUT)  # "Q4_0", ...: the types kept as blocks
-# type -> the bits of its values (c above), which export/compact_blocks.py stores
-VALUE_BITS = {
-    Q.Q4_0: 4,
-    Q.Q4_1: 4,
-    Q.Q5_0: 5,
-    Q.Q5_1: 5,
-    Q.Q8_0: 8,
-    Q.Q2_K: 2,
-    Q.Q3_K: 3,
-    Q.Q4_K: 4,
-    Q.Q5_K: 5,
-    Q.Q6_K: 6,
-}
+KEPT_TYPE_NAMES = tuple(kind.name for kind in BLOCK_TYPES)  # "Q4_0", ...: the types kept as blocks
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+# codebook types (the IQ and TQ families): read, dequantized by gguf-py, but with no exact MatMulNBits form
+CODEBOOK_TYPES = tuple(kind for kind in Q if kind.name.startswith(("IQ", "TQ")))
+SUPPORTED_TYPES = frozenset((*FLOAT_TYPES, *BLOCK_TYPES, *CODEBOOK_TYPES))  # what export/gguf.py reads
 
 
 def to_runs(kind: Q, rows: np.ndarray, n_in: int) -> Runs | None:
     """A stored 2-D tensor (rows: uint8 (N, bytes per row)) as Runs; None for a type that has none (F32, F16,
     BF16: float already; the IQ and TQ families: their values come from a codebook, not from scale * c)."""
-    if kind not in LAYOUT:
+    row = BLOCK_TYPES.get(kind)
+    if row is None:
         return None
-    bits, block_size = LAYOUT[kind]
+    bits, block_size = row.bits, row.block_size
     n_out = rows.shape[0]
     blocks = np.asarray(rows).reshape(-1, GGML_QUANT_SIZES[kind][1])  # (B, bytes per block)
-    values, factors = _k_quant(kind, blocks) if kind in K_TYPES else _legacy(kind, blocks)
+    values, factors = row.unpack(blocks)
     factors = Factors(*(a.reshape(n_out, -1, a.shape[-1]) if isinstance(a, np.ndarray) else a for a in factors))
     scales, offsets = scales_offsets(factors)
     runs = n_in // block_size
@@ -197,7 +237,7 @@ def to_runs(kind: Q, rows: np.ndarray, n_in: int) -> Runs | None:
         np.ascontiguousarray(values.reshape(n_out, n_in).astype(np.int8)),
         np.ascontiguousarray(scales.reshape(n_out, runs)),
         None if offsets is None else np.ascontiguousarray(offsets.reshape(n_out, runs)),
-        VALUE_BITS[kind],
+        row.value_bits,
         factors,
     )
 

@@ -7,7 +7,7 @@ One PyTorch module that serves both the prompt (past length 0) and one-token dec
 Past keys/values go in as tensors and present keys/values come out as tensors, shaped
 (B, n_head, past + T, head_dim): exactly what the ONNX graph exposes. Parameter names follow
 Hugging Face's GPT-2 (`transformer.h.{i}.attn.c_attn`, ...) so a GPT-2 state dict maps onto this
-model with a short list of transposed weights (see checkpoint.py).
+model with a short list of transposed weights (export/families/gpt2.py).
 
 References: Vaswani et al. 2017 (attention, sinusoidal positions); Radford et al. 2019 (GPT-2:
 pre-LayerNorm blocks, learned positions, tied LM head); nanoGPT's model.py for the layout.
@@ -23,8 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .limits import check_table_memory
-
-Past = list[tuple[torch.Tensor, torch.Tensor]]
+from .reference import Past, ReferenceModel, attention_bias, forward_inputs
 
 
 @dataclass
@@ -151,7 +150,7 @@ class Block(nn.Module):
         return x, present
 
 
-class GPT(nn.Module):
+class GPT(ReferenceModel):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -185,9 +184,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -200,21 +196,10 @@ class GPT(nn.Module):
         """input_ids (B, T); attention_mask (B, past + T), 1 = real token, 0 = padding;
         position_ids (B, T); past_key_values: n_layer pairs of (B, nh, past, hs).
         Returns logits (B, T, vocab) (or (B, 1, vocab) with last_token_logits) and the present pairs."""
-        B, T = input_ids.shape
-        past_length = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        total = past_length + T
-        if attention_mask is None:
-            attention_mask = torch.ones(B, total, dtype=torch.long, device=input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(past_length, total, device=input_ids.device).unsqueeze(0).expand(B, T)
-
-        # Additive bias (B, 1, T, past + T): query i (absolute position past + i) may see key j when
-        # j <= past + i and key j is not padding.
-        query_pos = torch.arange(T, device=input_ids.device).unsqueeze(1) + past_length  # (T, 1)
-        key_pos = torch.arange(total, device=input_ids.device).unsqueeze(0)  # (1, past + T)
-        allowed = (key_pos <= query_pos).unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, T, past + T)
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=input_ids.device)
-        bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
+        past_length, attention_mask, position_ids = forward_inputs(
+            input_ids, attention_mask, position_ids, past_key_values
+        )
+        bias = attention_bias(attention_mask, past_length, input_ids.shape[1])  # (B, 1, T, past + T)
 
         x = self.transformer.wte(input_ids)  # (B, T, C)
         if self.config.positional == "learned":
@@ -231,17 +216,3 @@ class GPT(nn.Module):
         if last_token_logits:
             x = x[:, -1:, :]
         return self.lm_head(x), present
-
-    @torch.no_grad()
-    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding with the KV cache; the reference the runtime's tokens are checked against."""
-        logits, past = self(input_ids)
-        tokens = []
-        next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
-        for step in range(max_new_tokens):
-            tokens.append(next_token)
-            if step == max_new_tokens - 1:
-                break
-            logits, past = self(next_token, past_key_values=past)
-            next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
-        return torch.cat(tokens, dim=1) if tokens else input_ids[:, :0]

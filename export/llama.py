@@ -15,48 +15,31 @@ What differs from GPT-2, in one place:
 - no biases in the projections, except Q/K/V biases in Qwen2;
 - Qwen3 and Gemma 3: an RMSNorm over each query and key head (width head_dim, its own weight) before the rotary.
 
-Gemma 3 (fields off by default, so the others never see them): token embeddings times sqrt(n_embd); RMSNorm
-scaling by (1 + weight); a norm after attention and after the MLP as well as before each (its
+Gemma 3 (Gemma3Config's fields; off in LlamaConfig, so the others never see them): token embeddings times
+sqrt(n_embd); RMSNorm scaling by (1 + weight); a norm after attention and after the MLP as well as before each (its
 post_attention_layernorm is that post-attention norm, and pre_feedforward_layernorm the MLP's input norm);
 a GELU-tanh gate; attention scaled by query_pre_attn_scalar ** -0.5; and sliding-window layers
 (`layer_types`), whose queries see only the last `sliding_window` positions (their own included), with
 their own rotary base and no rope scaling.
 
 Parameter names are Hugging Face's (`model.layers.{i}.self_attn.q_proj`, ...), all `nn.Linear` in
-(out, in) layout, so a Hugging Face state dict loads with no renaming or transposing (hf_checkpoint.py).
+(out, in) layout, so a Hugging Face state dict loads with no renaming or transposing
+(export/families/llama.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .limits import check_table_memory
+from .reference import Past, ReferenceModel, attention_bias, forward_inputs
 
-Past = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What a model_type fixes that its config.json does not say (hf_checkpoint.py maps the rest)."""
-
-    qkv_bias: bool = False  # Q/K/V biases, always (Qwen2); the others refuse config.json's attention_bias
-    qk_norm: bool = False  # per-head query/key RMSNorm (Qwen3)
-    window_always: bool = False  # config.json's sliding_window applies without use_sliding_window (Mistral)
-
-
-VARIANTS = {
-    "llama": Variant(),
-    "mistral": Variant(window_always=True),
-    "qwen2": Variant(qkv_bias=True),
-    "qwen3": Variant(qk_norm=True),
-}
-MODEL_TYPES = tuple(VARIANTS)
-GEMMA_TYPES = ("gemma3_text",)  # hf_checkpoint.py gemma3_config_from_hf
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
@@ -82,21 +65,21 @@ class LlamaConfig:
     tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)  # generation stops at any of these
-    model_type: str = "llama"  # one of MODEL_TYPES or GEMMA_TYPES: the manifest's architecture.type
-    hidden_act: str = "silu"  # the gate's activation: "silu" or "gelu_pytorch_tanh" (Gemma 3)
-    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 in Gemma 3
-    embedding_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to fp32 (Gemma 3)
-    sandwich_norms: bool = False  # a norm after attention and after the MLP too (Gemma 3)
-    query_pre_attn_scalar: float | None = None  # attention scores times this ** -0.5; None: head_dim
-    layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: all full attention
-    sliding_window: int | None = None  # a sliding layer's query sees the last this many positions
-    rope_local_theta: float = 10000.0  # the sliding layers' rotary base (no scaling)
+    model_type: str = "llama"  # the manifest's architecture.type (export/families/ sets it)
+    # Parts that Gemma3Config (below) turns on: here class constants, off, so the other families' configs hold
+    # only the fields above; there fields. The model reads them the same way from either.
+    hidden_act: ClassVar[str] = "silu"  # the gate's activation: "silu" or "gelu_pytorch_tanh"
+    norm_offset: ClassVar[float] = 0.0  # RMSNorm scales by (norm_offset + weight)
+    embedding_scale: ClassVar[bool] = False  # token embeddings times sqrt(n_embd), rounded to fp32
+    sandwich_norms: ClassVar[bool] = False  # a norm after attention and after the MLP too
+    query_pre_attn_scalar: ClassVar[float | None] = None  # attention scores times this ** -0.5; None: head_dim
+    layer_types: ClassVar[list[str] | None] = None  # per layer, one of LAYER_TYPES; None: all full attention
+    sliding_window: ClassVar[int | None] = None  # a sliding layer's query sees the last this many positions
+    rope_local_theta: ClassVar[float] = 10000.0  # the sliding layers' rotary base (no scaling)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.n_embd // self.n_head  # the documented default, not an override
-        if self.model_type not in MODEL_TYPES + GEMMA_TYPES:
-            raise ValueError(f"model_type must be one of {MODEL_TYPES + GEMMA_TYPES}, got {self.model_type!r}")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {self.hidden_act!r}")
         if self.layer_types is not None:
@@ -120,6 +103,23 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Gemma3Config(LlamaConfig):
+    """Gemma 3's text model: a Llama with per-head norms and the parts below (LlamaConfig's comments say what
+    each does)."""
+
+    qk_norm: bool = True
+    model_type: str = "gemma3_text"
+    hidden_act: str = "gelu_pytorch_tanh"
+    norm_offset: float = 1.0
+    embedding_scale: bool = True
+    sandwich_norms: bool = True
+    query_pre_attn_scalar: float | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float = 10000.0
 
 
 # Named presets (the Hugging Face configs); parameter counts are for the model as built here.
@@ -200,29 +200,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated_half * sin
-
-
-def attention_bias(
-    attention_mask: torch.Tensor,
-    past_length: int,
-    T: int,
-    window: int | None = None,
-    position_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Additive bias (B, 1, T, past + T): 0 where query i (absolute position past + i) may see key j, that is
-    j <= past + i and key j is not padding; a large finite negative number elsewhere (so a fully padded row
-    gives a uniform softmax, not NaN). A sliding layer (window, position_ids (B, T)) also hides keys whose
-    position is `window` or more before the query's: positions, not slots, as a right-padded row's cache has
-    padding slots between its prompt and the tokens generated after it."""
-    device = attention_mask.device
-    query_pos = torch.arange(T, device=device).unsqueeze(1) + past_length  # (T, 1)
-    key_pos = torch.arange(past_length + T, device=device).unsqueeze(0)  # (1, past + T)
-    allowed = (key_pos <= query_pos).unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, T, past + T)
-    if window is not None:
-        key_positions = attention_mask.long().cumsum(-1) - 1  # (B, past + T): each real key's position
-        allowed = allowed & (key_positions.unsqueeze(1) > position_ids.unsqueeze(-1) - window)
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
-    return bias.masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
 
 
 class RMSNorm(nn.Module):
@@ -318,7 +295,7 @@ class Block(nn.Module):
         return x, present
 
 
-class Llama(nn.Module):
+class Llama(ReferenceModel):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
@@ -344,9 +321,6 @@ class Llama(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -359,13 +333,10 @@ class Llama(nn.Module):
         """input_ids (B, T); attention_mask (B, past + T), 1 = real token, 0 = padding;
         position_ids (B, T); past_key_values: n_layer pairs of (B, n_kv_head, past, head_dim).
         Returns logits (B, T, vocab) (or (B, 1, vocab) with last_token_logits) and the present pairs."""
-        B, T = input_ids.shape
-        past_length = 0 if past_key_values is None else past_key_values[0][0].shape[2]
-        total = past_length + T
-        if attention_mask is None:
-            attention_mask = torch.ones(B, total, dtype=torch.long, device=input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(past_length, total, device=input_ids.device).unsqueeze(0).expand(B, T)
+        past_length, attention_mask, position_ids = forward_inputs(
+            input_ids, attention_mask, position_ids, past_key_values
+        )
+        T = input_ids.shape[1]
         bias = attention_bias(attention_mask, past_length, T)
         sliding = "sliding_attention" in self.layer_types
         window = self.config.sliding_window
@@ -391,17 +362,3 @@ class Llama(nn.Module):
         if last_token_logits:
             x = x[:, -1:, :]
         return self.lm_head(x), present
-
-    @torch.no_grad()
-    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding with the KV cache; the reference the runtime's tokens are checked against."""
-        logits, past = self(input_ids)
-        tokens = []
-        next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
-        for step in range(max_new_tokens):
-            tokens.append(next_token)
-            if step == max_new_tokens - 1:
-                break
-            logits, past = self(next_token, past_key_values=past)
-            next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
-        return torch.cat(tokens, dim=1) if tokens else input_ids[:, :0]

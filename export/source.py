@@ -9,12 +9,20 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from ..runtime.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Sampling
 from ..runtime.files import check_file, kind_of
 from ..runtime.package import file_sha256
-from .checkpoint import CheckpointError, combined_hash, read_config, source_hashes, tokenizer_files
+from .checkpoint import (
+    CheckpointError,
+    combined_hash,
+    read_config,
+    read_extras,
+    read_sampling,
+    source_hashes,
+    tokenizer_files,
+)
 from .families import Blocks, Family, checked_tokens, family_for
-from .hf_checkpoint import read_extras
+from .gguf import read_gguf
 
 
 @dataclass
@@ -32,6 +40,7 @@ class Source:
     chat_template: str | None = None
     blocks: Blocks | None = None  # a GGUF file's own MatMulNBits blocks by tensor name (GGUFModel.matmul_nbits)
     quant_types: dict[str, str] = field(default_factory=dict)  # tensor name -> GGUF type ("Q4_1", "F32", ...)
+    sampling: Sampling | None = None  # what a folder's generation_config.json recommends
 
 
 def check_tokenizer_file(path: Path, vocab_size: int) -> None:
@@ -67,16 +76,15 @@ def open_folder(folder: Path) -> Source:
         # the package writes its own tokenizer_config.json (export/tokenizer_config.py)
         files={n: p for n, p in files.items() if n != TOKENIZER_CONFIG_FILE},
         chat_template=read_extras(folder)["chat_template"],
+        sampling=read_sampling(folder),
     )
 
 
 def open_gguf(path: Path) -> Source:
     """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
     tokenizer metadata, its chat template kept (export/gguf.py)."""
-    from .gguf import read_gguf
-
     gguf = read_gguf(path)
-    family = family_for(gguf.hf_config.get("model_type"))
+    family = gguf.family
     state = {name: torch.from_numpy(gguf.tensor(name)) for name in gguf.tensor_names}
     model = family.build(gguf.hf_config, state)
     del state

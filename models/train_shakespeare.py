@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from edgelm.export.families.gpt2 import save_checkpoint
 from edgelm.export.gpt2 import GPT, GPTConfig
-from edgelm.export.gpt2_checkpoint import save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "tinyshakespeare.txt"

@@ -15,9 +15,10 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field, fields
 
-from .errors import PackageError
+from .errors import InvalidParameterError, PackageError
 from .fields import choice, heads, integer, io_name, optional_id, optional_name, token_list
 from .lora_contract import parse_slots
+from .sampling import check_params
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -91,6 +92,50 @@ class Tokens:
 
 
 @dataclass
+class Sampling:
+    """The sampling a model's authors recommend: the keys of its Hugging Face generation_config.json, as they were
+    (absent ones None). Export records them; chat uses them when do_sample is true (runtime/chat_defaults.py)."""
+
+    do_sample: bool | None = None  # Hugging Face samples only when true; otherwise its generate() is greedy
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    # the range of every value is the sampler's own (runtime/sampling.py check_params), at these neutral values
+    NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+    @classmethod
+    def parse(cls, data: dict, where: str) -> Sampling:
+        """Validate a record (PackageError naming the key); unknown keys are refused, so a typo is not lost."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise PackageError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+        problem = cls.problem(data)
+        if problem:
+            raise PackageError(f"{where}: {problem}")
+        return cls(**data)
+
+    @classmethod
+    def problem(cls, data: dict) -> str | None:
+        """What is wrong with one record's values, or None: do_sample a boolean, the rest numbers in the sampler's
+        ranges (an int where an int belongs)."""
+        if data.get("do_sample") is not None and not isinstance(data["do_sample"], bool):
+            return f"do_sample must be true, false or null, got {data['do_sample']!r}"
+        for key, value in data.items():
+            if key == "do_sample" or value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int if key == "top_k" else (int, float)):
+                return f"{key} must be {'an integer' if key == 'top_k' else 'a number'} or null, got {value!r}"
+            try:
+                check_params(**(cls.NEUTRAL | {key: value}))
+            except InvalidParameterError as e:
+                return str(e)
+        return None
+
+
+@dataclass
 class Manifest:
     """edgelm.json. Export builds one, quantize derives one (`derive`), the runtime parses one (`parse`)."""
 
@@ -107,11 +152,13 @@ class Manifest:
     files: dict = field(default_factory=dict)  # name -> {"sha256", "bytes"} for every other file
     created_by: str = ""
     lora: dict | None = None  # LoRA adapters merged at export and run-time slots (runtime/lora_contract.py)
+    sampling: Sampling | None = None  # the source's generation_config.json sampling, when it had any
 
     def to_json(self) -> dict:
         data = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, **asdict(self)}
-        if data["lora"] is None:  # packages without LoRA keep the manifest they always had
-            del data["lora"]
+        for key in ("lora", "sampling"):  # packages without them keep the manifest they always had
+            if data[key] is None:
+                del data[key]
         return data
 
     def derive(self, **changes) -> Manifest:
@@ -137,6 +184,7 @@ class Manifest:
             raise PackageError(f"{where}: model_file must be a file name, got {model_file!r}")
         objects = _parse_records(data, where)
         parse_slots(objects["lora"], where)  # a malformed slot record fails at load, naming the field
+        sampling = objects["sampling"]
         return cls(
             architecture=architecture,
             io=io_names,
@@ -151,6 +199,7 @@ class Manifest:
             files=objects["files"] or {},
             created_by=str(data.get("created_by", "")),
             lora=objects["lora"],
+            sampling=Sampling.parse(sampling, f"{where} sampling") if sampling is not None else None,
         )
 
 
@@ -209,7 +258,7 @@ def _parse_io(io: dict, where: str) -> IONames:
 
 def _parse_records(data: dict, where: str) -> dict:
     """The records export and quantize keep for people (recipe, parity, ...): objects or absent."""
-    keys = ("recipe", "export", "source", "parity", "evaluation", "files", "lora")
+    keys = ("recipe", "export", "source", "parity", "evaluation", "files", "lora", "sampling")
     objects = {key: data.get(key) for key in keys}
     for key, value in objects.items():
         if value is not None and not isinstance(value, dict):
@@ -226,7 +275,7 @@ GRAPH_OPTIMIZATION_LEVEL = "ORT_ENABLE_ALL"
 
 def genai_config(manifest: Manifest) -> dict:
     """genai_config.json for a package, as onnxruntime-genai reads it. The model type is the one the package
-    records (its family's genai type, export/families.py): the contract holds no family's mapping."""
+    records (its family's genai type, export/families/): the contract holds no family's mapping."""
     arch, tok = manifest.architecture, manifest.tokenizer
     if arch.genai_type is None:
         raise ValueError(

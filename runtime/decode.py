@@ -13,76 +13,26 @@ token budget or a cancellation. It drives a KV cache (runtime/kvcache.py) made f
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import InvalidParameterError, non_finite_logits
-from .kvcache import check_generation_memory, make_cache
-from .sampling import SamplingParams, sample
-from .speculative import check_speculative, prepare_speculative, speculative_decode, supports_multi_token_steps
+from .constraints import GrammarMask, constraints_from
+from .errors import InvalidParameterError
+from .generation import OPTION_NAMES, TURN_OPTIONS, DecodeState, Ending, GenerationOptions
+from .kvcache import Cache, check_generation_memory, make_cache
+from .sampling import TokenPicker
+from .speculative import prepare_speculative, speculative_decode, supports_multi_token_steps
 from .text import TextAssembler
 
 if TYPE_CHECKING:
     from .runner import Runner
     from .text import Tokenizer
 
-
-@dataclass(frozen=True, kw_only=True)
-class GenerationOptions:
-    """Every option of a generation, validated when made (InvalidParameterError naming the bad one)."""
-
-    max_new_tokens: int = 64  # tokens to generate at most
-    temperature: float = 0.0  # 0 = greedy; see runtime/sampling.py for the rest of the sampling options
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None  # row r of a batch samples with seed + r; None = a fresh random state
-    stop: str | Sequence[str] | None = None  # text that ends the generation (not included in it)
-    cancel: threading.Event | None = None  # set from another thread to end the generation early
-    truncate_prompt: bool = False  # drop the oldest prompt tokens when the prompt does not fit the context
-    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
-    speculative: Any = None  # "lookup", a draft Model or package folder, or None (runtime/speculative.py)
-
-    def __post_init__(self) -> None:
-        self.sampling  # noqa: B018  (SamplingParams checks its own ranges)
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise InvalidParameterError(f"max_new_tokens must be an integer >= 0, got {n!r}")
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-            raise InvalidParameterError(f"seed must be a non-negative integer or None, got {seed!r}")
-        stop = self.stop
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        if any(not isinstance(s, str) or not s for s in self.stops):
-            raise InvalidParameterError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
-            raise InvalidParameterError(f"cancel must be a threading.Event or None, got {self.cancel!r}")
-        check_speculative(self.speculative)
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-        )
-
-    @property
-    def stops(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-
-OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions)) - {"max_new_tokens"}
-TURN_OPTIONS = OPTION_NAMES - {"truncate_prompt", "ignore_eos"}  # a chat turn fits its history itself
+__all__ = ["OPTION_NAMES", "TURN_OPTIONS", "DecodeState", "GenerationOptions", "decode", "generation_options"]
 
 
 def generation_options(
@@ -93,13 +43,23 @@ def generation_options(
     allowed: frozenset[str] = OPTION_NAMES,
     caller: str = "options()",
     runner: Runner | None = None,
+    rows: int | None = None,
 ) -> GenerationOptions:
     """Options from keyword arguments, checked once: TypeError for an unknown name, InvalidParameterError for a
     bad value. The result holds max_new_tokens as an int and stop as a tuple; with a `runner`, a speculative
-    draft folder is loaded and checked against it."""
+    draft folder is loaded and checked against it, and response_format / grammar / regex become the token_mask
+    (runtime/constraints.py; a batch of `rows` may give one per row)."""
     unknown = set(options) - allowed
     if unknown:
         raise TypeError(f"{caller} got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+    options = dict(options)
+    constraint = constraints_from(options, rows)  # compiled here: a bad schema raises before anything runs
+    if constraint is not None:
+        if options.get("token_mask") is not None:
+            raise InvalidParameterError("give a token_mask or response_format / grammar / regex, not both")
+        if runner is None:
+            raise InvalidParameterError("response_format, grammar and regex need the model: pass runner=")
+        options["token_mask"] = GrammarMask(runner, constraint)
     checked = GenerationOptions(max_new_tokens=max_new_tokens, **options)
     if checked.stops and tokenizer is None:
         raise InvalidParameterError("stop strings need a tokenizer, and this package has none")
@@ -107,66 +67,17 @@ def generation_options(
     return replace(checked, max_new_tokens=int(max_new_tokens), stop=checked.stops, speculative=speculative)
 
 
-@dataclass
-class DecodeState:
-    """What a decode leaves behind besides its tokens; the consumer may end a row by setting its finish."""
-
-    finish: list[str]  # per row: "" while running, then "eos", "stop", "length" or "cancelled"
-    first_token_time: float = 0.0  # time.perf_counter() when the first token was sampled
-    proposed_tokens: int = 0  # speculative decoding: tokens guessed ...
-    accepted_tokens: int = 0  # ... and of them, accepted
-
-    @classmethod
-    def start(cls, batch: int) -> DecodeState:
-        return cls(finish=[""] * batch)
-
-
 # ---- the loop ---------------------------------------------------------------------------------------
 
 
-def prefill(cache, feed: list[int] | None = None) -> np.ndarray:
+def prefill(cache: Cache, feed: list[int] | None = None) -> np.ndarray:
     """The first logits, (B, V): the whole prompt of a new cache, or `feed` after what a kept (batch-1) cache holds."""
     return cache.prompt() if feed is None else cache.extend(feed)[None, :]
 
 
-def decode_step(cache, next_ids: np.ndarray) -> np.ndarray:
+def decode_step(cache: Cache, next_ids: np.ndarray) -> np.ndarray:
     """Feed one token per row, next_ids (B, 1); the logits of each row's new position, (B, V)."""
     return cache.next(next_ids)
-
-
-class TokenPicker:
-    """Chooses each live row's next token from its logits: one seeded generator per row, the tokens seen so far
-    for a repetition penalty, and a single argmax pass when decoding is greedy without a penalty."""
-
-    def __init__(self, prompts: list[list[int]], params: SamplingParams, seed: int | None):
-        self.params = params
-        self.rngs = [np.random.default_rng(None if seed is None else seed + row) for row in range(len(prompts))]
-        self.penalize = params.repetition_penalty != 1.0
-        self.seen = [np.array(p, dtype=np.int64) for p in prompts] if self.penalize else []
-        self.argmax_only = params.greedy and not self.penalize  # then one pass over the logits is all a step needs
-
-    def pick(self, logits: np.ndarray, live: list[int]) -> list[int]:
-        """logits (B, V); the tokens of the rows in `live`, in order. PackageError for non-finite logits."""
-        rows = logits[live] if len(logits) > 1 else logits
-        if self.argmax_only:
-            # argmax returns a NaN's index if there is one, and +inf's before any finite value, so the chosen
-            # logits are finite exactly when the pick is sound (a -inf beside finite logits cannot change it);
-            # this replaces a second pass over the vocabulary for the check
-            picks = rows.argmax(axis=-1)
-            checked = rows[np.arange(len(rows)), picks]
-        else:
-            checked = rows
-        if not np.isfinite(checked).all():
-            raise non_finite_logits()
-        if self.argmax_only:
-            return [int(token) for token in picks]
-        return [
-            sample(logits[row], self.params, self.rngs[row], self.seen[row] if self.penalize else None) for row in live
-        ]
-
-    def append(self, row: int, token: int) -> None:
-        if self.penalize:
-            self.seen[row] = np.append(self.seen[row], token)
 
 
 def decode(
@@ -175,7 +86,7 @@ def decode(
     state: DecodeState,
     options: GenerationOptions,
     *,
-    cache=None,
+    cache: Cache | None = None,
     feed: list[int] | None = None,
 ) -> Iterator[tuple[int, int]]:
     """Batched decoding: yields (row, token id) for every new token of an unfinished row; state.finish[row]
@@ -190,29 +101,25 @@ def decode(
         cache = make_cache(runner, prompts, capacity=max(len(p) for p in prompts) + max_new_tokens)
     else:
         assert batch == 1 and feed, "a kept cache continues one row with at least one new token"
-    picker = TokenPicker(prompts, options.sampling, options.seed)
-    eos = set() if options.ignore_eos else set(runner.spec.tokens.eos_token_ids)
-    finish, next_ids = state.finish, np.empty((batch, 1), dtype=np.int64)
-    for step in range(max_new_tokens):
-        if options.cancel is not None and options.cancel.is_set():
-            finish[:] = [reason or "cancelled" for reason in finish]
-            break
-        logits = prefill(cache, feed) if step == 0 else decode_step(cache, next_ids)
-        live = [row for row in range(batch) if not finish[row]]
+    picker = TokenPicker(prompts, options.sampling, options.seed, mask=options.token_mask)
+    ending = Ending(state, options, runner.spec.tokens.eos_token_ids)
+    next_ids = np.empty((batch, 1), dtype=np.int64)
+    first = True
+    while not ending.done() and not ending.cancelled():
+        logits = prefill(cache, feed) if first else decode_step(cache, next_ids)
+        live = ending.live()
         tokens = picker.pick(logits, live)
-        if step == 0 and not state.first_token_time:
+        if first and not state.first_token_time:
             state.first_token_time = time.perf_counter()
+        first = False
         next_ids.fill(runner.spec.tokens.pad_token_id)  # rows that have ended feed padding
         for row, token in zip(live, tokens, strict=True):
-            if token in eos:
-                finish[row] = "eos"
+            if ending.is_end(row, token):
                 continue
             next_ids[row, 0] = token
             picker.append(row, token)
             yield row, token
-        if all(finish):
-            break
-    finish[:] = [reason or "length" for reason in finish]
+            ending.count(row)
 
 
 # ---- text and stop strings ----------------------------------------------------------------------------

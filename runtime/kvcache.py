@@ -1,6 +1,6 @@
 """The KV cache: how past keys and values move between decode steps, for the two kinds of graph.
 
-Both drivers have one interface (gpt-fast's KVCache has one job too):
+Both drivers implement the `Cache` protocol that the decode loops drive (gpt-fast's KVCache has one job too):
 
     cache = make_cache(model, prompts, capacity=...)
     logits = cache.prompt()          # (B, V): each row's last prompt position
@@ -8,6 +8,7 @@ Both drivers have one interface (gpt-fast's KVCache has one job too):
     cache.lengths                    # (B,) tokens held per row
     logits = cache.extend(ids)       # batch 1: feed several more tokens (a chat turn), (V,)
     logits = cache.extend(ids, all_logits=True)  # the same, logits of every fed position (T, V)
+    cache.rewind_point(length)       # batch 1: the longest length <= `length` that rewind can go back to
     cache.rewind(length)             # batch 1: forget everything after the first `length` tokens
 
 The cache never goes through numpy between steps and, with CUDA, stays on the device. `plain_feed`
@@ -19,7 +20,7 @@ anything is allocated, a generation whose cache and logits would not fit in the 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -27,6 +28,37 @@ import onnxruntime as ort
 if TYPE_CHECKING:
     from .package import PackageSpec
     from .runner import Runner
+
+
+class Cache(Protocol):
+    """A model's state for a batch of sequences, as the decode loops (runtime/decode.py, speculative.py) and a
+    Conversation (runtime/chat.py) drive it. A KV cache keeps every position, so it can rewind to any length it
+    holds; a state that does not (a recurrent or convolution state, which folds each token in) says through
+    `rewind_point` which lengths it kept a snapshot of (turn boundaries, each position of its last `extend`), and
+    its users rewind there and feed the rest again."""
+
+    lengths: np.ndarray  # (B,) tokens held per row
+
+    def prompt(self) -> np.ndarray:
+        """Feed the prompts the cache was made with; each row's last position's logits, (B, V)."""
+        ...
+
+    def next(self, next_ids: np.ndarray) -> np.ndarray:
+        """Feed one token per row, next_ids (B, 1); the logits of each row's new position, (B, V)."""
+        ...
+
+    def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
+        """Batch 1: feed several tokens after what the cache holds; the last position's logits (V,), or every fed
+        position's (T, V) with all_logits (speculative decoding checks its guesses with them)."""
+        ...
+
+    def rewind_point(self, length: int) -> int:
+        """Batch 1: the longest length <= `length` that rewind() can go back to."""
+        ...
+
+    def rewind(self, length: int) -> None:
+        """Batch 1: forget every token after the first `length` (a length rewind_point returned)."""
+        ...
 
 
 def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -> dict:
@@ -96,7 +128,7 @@ def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new
         )
 
 
-def make_cache(model: Runner, prompts: list[list[int]], *, capacity: int) -> ConcatCache | SharedCache:
+def make_cache(model: Runner, prompts: list[list[int]], *, capacity: int) -> Cache:
     """The driver the package's graph wants (its manifest's io.kv_cache)."""
     if model.spec.io.kv_cache == "shared_buffer":
         return SharedCache(model, prompts, capacity=capacity)
@@ -139,6 +171,9 @@ class ConcatCache:
         self.attention_mask = np.ones((1, int(self.lengths[0]) + len(ids)), dtype=np.int64)
         self.lengths += len(ids)
         return self._step(np.array([ids], dtype=np.int64), last=not all_logits)[0]
+
+    def rewind_point(self, length: int) -> int:
+        return max(0, min(length, int(self.lengths[0])))  # every position is kept
 
     def rewind(self, length: int) -> None:
         assert len(self.lengths) == 1 and 0 <= length <= self.lengths[0], f"cannot rewind to {length}"
@@ -239,6 +274,9 @@ class SharedCache:
         # no wider than the context: a decode step's mask is as wide as the buffer, and the graph's rotary
         # tables have context_length rows
         return min(2 * self.capacity, self.spec.arch.context_length)
+
+    def rewind_point(self, length: int) -> int:
+        return max(0, min(length, int(self.lengths[0])))  # every position is kept
 
     def rewind(self, length: int) -> None:
         assert len(self.lengths) == 1 and 0 <= length <= self.lengths[0], f"cannot rewind to {length}"

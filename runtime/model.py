@@ -1,4 +1,5 @@
-"""Load a model package and generate from it: onnxruntime + numpy + tokenizers, nothing else.
+"""Load a model package and generate from it: onnxruntime + numpy + tokenizers, nothing else (chat adds jinja2,
+imported by chat() and conversation() when first used).
 
     model = load("models/shakespeare-onnx")
     result = model.generate("ROMEO:", max_new_tokens=64, temperature=0.8, top_k=40, seed=0)
@@ -19,22 +20,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .adapters import AdapterMixin
-from .chat import Conversation
 from .decode import DecodeState, GenerationOptions, decode, decode_texts, generation_options, text_pieces
-from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
+from .errors import ContextLengthError, InvalidInputError, PackageError, ProviderError
 from .kvcache import plain_feed
 from .onnx_external import external_data_locations
 from .package import PackageSpec, read_package
 from .results import GenerationResult, Stream, Timings, make_timings
-from .session import PROVIDERS, check_io, open_session, ort_reason, resolve_providers
+from .session import PROVIDERS, check_io, check_threads, open_session, ort_reason, resolve_providers
 from .text import TextAssembler, Tokenizer
 
-MAX_THREADS = 1024
+if TYPE_CHECKING:
+    from .chat import Conversation
+
 __all__ = ["GenerationResult", "Model", "Stream", "Timings", "load", "resolve_providers"]
 
 
@@ -54,10 +56,7 @@ def model_bytes(model_path: Path) -> int:
 
 class Model(AdapterMixin):
     def __init__(self, path: str | Path, *, provider: str = "auto", threads: int | None = None, verify: bool = True):
-        if threads is not None and (
-            isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
-        ):
-            raise InvalidParameterError(f"threads must be an integer from 1 to {MAX_THREADS} or None, got {threads!r}")
+        check_threads(threads)
         started = time.perf_counter()
         providers = resolve_providers(provider)
         # the model file's sha256 is computed while ONNX Runtime builds the session (it releases the GIL);
@@ -155,14 +154,46 @@ class Model(AdapterMixin):
         self, messages: list[dict], max_new_tokens: int = 256, *, template=None, adapter=None, **options
     ) -> GenerationResult:
         """The assistant's reply to messages ([{"role": ..., "content": ...}]), rendered with the package's chat
-        template (or `template`, Jinja source). Options as generate's; ContextLengthError when they do not fit."""
-        conversation = Conversation(self, template=template, adapter=adapter)
-        return conversation.reply_to(messages, max_new_tokens=max_new_tokens, **options)
+        template (or `template`, Jinja source). Options as generate's, and tools, documents, enable_thinking,
+        template_vars, tool_choice (docs/apps.md); ContextLengthError when they do not fit. The result's content,
+        reasoning and tool_calls are the reply parsed by the template's convention (runtime/tool_calls.py)."""
+        return self.chat_stream(messages, max_new_tokens, template=template, adapter=adapter, **options).finish()
 
-    def conversation(self, system: str | None = None, *, template=None, adapter=None) -> Conversation:
-        """A multi-turn chat that keeps its KV cache between turns: .send(text), .stream(text), .undo(), .reset().
-        adapter: a loaded LoRA adapter's name; send/stream(..., adapter=) switches it (and re-prefills)."""
-        return Conversation(self, system=system, template=template, adapter=adapter)
+    def chat_stream(
+        self, messages: list[dict], max_new_tokens: int = 256, *, template=None, adapter=None, **options
+    ) -> Stream:
+        """chat as a Stream of pieces (each a str, with .content, .reasoning and .tool_calls); .result at the end."""
+        from .chat import Conversation  # the chat template machinery (jinja2) is imported when chat is first used
+
+        conversation = Conversation(self, template=template, adapter=adapter)
+        return conversation.stream_reply(messages, max_new_tokens=max_new_tokens, **options)
+
+    def conversation(
+        self,
+        system: str | None = None,
+        *,
+        template=None,
+        adapter=None,
+        tools=None,
+        documents=None,
+        enable_thinking=None,
+        template_vars=None,
+    ) -> Conversation:
+        """A multi-turn chat that keeps its KV cache between turns: .send(message), .stream(message), .undo(),
+        .reset(). adapter: a loaded LoRA adapter's name; send/stream(..., adapter=) switches it (and re-prefills).
+        tools, documents, enable_thinking, template_vars: the template variables of every turn (docs/apps.md)."""
+        from .chat import Conversation  # jinja2 is imported when chat is first used
+
+        return Conversation(
+            self,
+            system=system,
+            template=template,
+            adapter=adapter,
+            tools=tools,
+            documents=documents,
+            enable_thinking=enable_thinking,
+            template_vars=template_vars,
+        )
 
     # ---- input handling ------------------------------------------------------------------------
 
@@ -241,7 +272,7 @@ class Model(AdapterMixin):
         started = time.perf_counter()
         runner = self.runner(options.pop("adapter", None))
         checked = generation_options(
-            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self
+            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self, rows=len(prompts)
         )
         encoded = self._encode_all(prompts, checked)
         state = DecodeState.start(len(encoded))

@@ -1,4 +1,4 @@
-"""External data in model.onnx: every tensor that keeps its bytes in another file, found without `onnx`.
+"""External data and operators in model.onnx, found without `onnx`.
 
 An initializer (or a Constant's tensor, at any depth of subgraphs) may keep its bytes in another file:
 TensorProto.external_data is a list of key/value entries, one with key "location", a path relative to
@@ -8,6 +8,8 @@ absolute path or a symlink anywhere. So the runtime checks every location before
 the model. It cannot import `onnx`; it walks the protobuf wire format instead (onnx/onnx.proto's field
 numbers), descending only through the fields that can lead to a TensorProto and skipping everything
 else, weights included, by length. The file is memory-mapped: only the graph's structure is read.
+`operators` walks the same way to every node (op type, domain, integer attributes), which speculative
+decoding reads to know whether a step of several tokens computes what steps of one token compute.
 """
 
 from __future__ import annotations
@@ -56,19 +58,28 @@ def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
 
 def _length_delimited(buf: memoryview, start: int, end: int):
     """Yield (field number, start, end) of each length-delimited field of the message in buf[start:end]."""
+    for number, wire_type, value in _fields(buf, start, end):
+        if wire_type == 2:
+            yield number, *value
+
+
+def _fields(buf: memoryview, start: int, end: int):
+    """Yield (field number, wire type, value) of each varint field (value: the integer) and length-delimited field
+    (value: its (start, end)) of the message in buf[start:end]; fixed-width fields are skipped."""
     pos = start
     while pos < end:
         key, pos = _varint(buf, pos, end)
         wire_type = key & 7
         if wire_type == 0:  # varint
-            _, pos = _varint(buf, pos, end)
+            value, pos = _varint(buf, pos, end)
+            yield key >> 3, 0, value
         elif wire_type == 1:  # 64-bit
             pos += 8
         elif wire_type == 2:  # bytes, string, sub-message, packed repeated
             length, pos = _varint(buf, pos, end)
             if pos + length > end:
                 raise _Malformed
-            yield key >> 3, pos, pos + length
+            yield key >> 3, 2, (pos, pos + length)
             pos += length
         elif wire_type == 5:  # 32-bit
             pos += 4
@@ -117,6 +128,63 @@ def external_data(model_path: Path) -> list[ExternalData]:
                         if number in children:
                             stack.append((children[number], s, e))
             except (_Malformed, UnicodeDecodeError):
+                raise PackageError(f"{model_path.name} is not a valid ONNX file (corrupt or truncated)") from None
+    return found
+
+
+@dataclass(frozen=True)
+class Operator:
+    """One node of the graph (or of a subgraph or function): what it runs, and its integer attributes."""
+
+    op_type: str
+    domain: str  # "" for the standard ONNX domain, e.g. "com.microsoft"
+    ints: dict[str, int]  # integer attributes by name, e.g. {"accuracy_level": 4, "bits": 4}
+
+
+_NODE_PATHS = {  # message -> {field number: message type}: the fields that can lead to a NodeProto
+    "ModelProto": {7: "GraphProto", 25: "FunctionProto"},
+    "FunctionProto": {7: "NodeProto"},
+    "GraphProto": {1: "NodeProto"},
+    "AttributeProto": {6: "GraphProto", 11: "GraphProto"},  # g, graphs: an If's or a Loop's body
+}
+
+
+def operators(model_path: Path) -> list[Operator]:
+    """Every node of model.onnx, subgraphs and functions included, in no particular order."""
+    found = []
+    with open(model_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as buf:
+            try:
+                stack = [("ModelProto", 0, len(buf))]
+                while stack:
+                    message, start, end = stack.pop()
+                    if message == "NodeProto":  # op_type (4), attribute (5), domain (7)
+                        op_type, domain, ints = "", "", {}
+                        for number, wire_type, value in _fields(buf, start, end):
+                            if wire_type != 2:
+                                continue
+                            if number == 4:
+                                op_type = bytes(buf[value[0] : value[1]]).decode("utf-8")
+                            elif number == 7:
+                                domain = bytes(buf[value[0] : value[1]]).decode("utf-8")
+                            elif number == 5:  # an attribute: name (1), i (3), subgraphs g (6) and graphs (11)
+                                name, integer = "", None
+                                for n, w, v in _fields(buf, *value):
+                                    if n == 1 and w == 2:
+                                        name = bytes(buf[v[0] : v[1]]).decode("utf-8")
+                                    elif n == 3 and w == 0:
+                                        integer = v - (1 << 64) if v >= 1 << 63 else v  # int64, two's complement
+                                    elif n in (6, 11) and w == 2:
+                                        stack.append(("GraphProto", *v))
+                                if integer is not None:
+                                    ints[name] = integer
+                        found.append(Operator(op_type, domain, ints))
+                        continue
+                    children = _NODE_PATHS[message]
+                    for number, s, e in _length_delimited(buf, start, end):
+                        if number in children:
+                            stack.append((children[number], s, e))
+            except (_Malformed, UnicodeDecodeError, ValueError):  # ValueError: mmap of an empty file
                 raise PackageError(f"{model_path.name} is not a valid ONNX file (corrupt or truncated)") from None
     return found
 

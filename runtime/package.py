@@ -216,8 +216,12 @@ def read_package(path: str | Path, *, verify: bool = True, background_hashes: bo
     if not exists:
         raise PackageNotFoundError(f"package folder {folder} does not exist")
     if not is_dir:
-        raise PackageError(f"{folder} is not a folder (a package is a folder holding model.onnx and its JSON)")
+        raise PackageError(_not_a_folder(folder))
     manifest_path = folder / MANIFEST_FILE
+    if _is_checkpoint_folder(folder):
+        raise PackageError(
+            f"{folder} is a Hugging Face model folder, not a package: {_EXPORT_FIRST.format(path=str(folder))}"
+        )
     other_kind = (folder / GENAI_CONFIG_FILE).is_file() or (folder / HF_CONFIG_FILE).is_file()
     if verify and not manifest_path.is_file() and (other_kind or os.path.lexists(manifest_path)):
         raise PackageError(_unsigned_reason(folder, manifest_path))
@@ -242,6 +246,31 @@ def read_package(path: str | Path, *, verify: bool = True, background_hashes: bo
             f"and no {HF_CONFIG_FILE} + model.onnx"
         )
     return _check_files(folder, spec, verify=verify)
+
+
+# what to do with a GGUF file or a model folder, which edgelm.load (edgelm/cache.py, outside the runtime) runs
+_EXPORT_FIRST = (
+    "load it with edgelm.load, which exports it once into a cache of packages, or write a package with `edgelm "
+    "export {path} OUT`"
+)
+
+
+def _not_a_folder(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            gguf = f.read(4) == b"GGUF"
+    except OSError:
+        gguf = False
+    if gguf:
+        return f"{path} is a GGUF file, not a package: {_EXPORT_FIRST.format(path=str(path))}"
+    return f"{path} is a file, not a folder: a package is a folder holding model.onnx and its JSON"
+
+
+def _is_checkpoint_folder(folder: Path) -> bool:
+    """A folder with a Hugging Face config.json and neither a manifest, a genai config nor an ONNX model."""
+    return (folder / HF_CONFIG_FILE).is_file() and not any(
+        (folder / name).exists() for name in (MANIFEST_FILE, GENAI_CONFIG_FILE, MODEL_FILE)
+    )
 
 
 def _check_files(folder: Path, spec: PackageSpec, *, verify: bool) -> PackageSpec:

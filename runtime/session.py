@@ -5,6 +5,7 @@ Runtime failure in the middle of generation."""
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .contract import GENAI_CONFIG_FILE, GRAPH_OPTIMIZATION_LEVEL, MANIFEST_FILE
-from .errors import PackageError, ProviderError
+from .errors import InvalidParameterError, PackageError, ProviderError
 from .foreign import HF_CONFIG_FILE
 from .package import PackageSpec
 
@@ -45,6 +46,28 @@ def resolve_providers(provider: str) -> list[str]:
             f"{', '.join(available)}. For CUDA install onnxruntime-gpu instead of onnxruntime."
         )
     return [name] if provider == "cpu" else [name, PROVIDERS["cpu"]]
+
+
+def max_threads() -> int:
+    """The most intra-op threads a session may ask for: the CPUs this process may run on. A pool larger than that
+    only makes threads wait for each other, and each thread needs a stack: a thousand of them may fail to start
+    under a memory limit, where ONNX Runtime then hangs instead of failing."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not every OS has it
+        cpus = os.cpu_count() or 1
+    return max(1, cpus)
+
+
+def check_threads(threads: object) -> None:
+    """InvalidParameterError unless threads is None or an integer from 1 to max_threads()."""
+    if threads is None:
+        return
+    limit = max_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= limit:
+        raise InvalidParameterError(
+            f"threads must be an integer from 1 to {limit} (the CPUs this process may use) or None, got {threads!r}"
+        )
 
 
 def open_session(model_path: Path, providers: list[str], threads: int | None) -> ort.InferenceSession:

@@ -10,42 +10,36 @@ cache past the rest. Two ways to guess (speculative= in generate/stream/chat/con
 
 Greedy output is the plain greedy output, token for token. With sampling, a guess x is accepted with
 probability min(1, p(x)/q(x)) and a rejection draws from max(0, p - q), normalised (Leviathan et al. 2023,
-Chen et al. 2023), so every token is distributed as plain sampling's p; lookup's q is a point mass. p is the
-target's distribution after the same repetition penalty, temperature and top-k/top-p/min-p as plain sampling.
+Chen et al. 2023), so every token is distributed as plain sampling's p; lookup's q is a point mass. Every
+position is chosen by plain decoding's own picker (sampling.TokenPicker: its token mask, repetition penalty and
+transforms; p is its `probabilities`), and the loop ends as plain decoding's does (generation.Ending).
 k adapts: it grows while guesses are accepted and shrinks on a rejection; no guess makes a plain step.
-A batch of several prompts decodes plainly (runtime/decode.py).
+A batch of several prompts decodes plainly (runtime/decode.py), and so does a package whose graph computes a step
+of several tokens differently from steps of one (row_dependent_operator), with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import InvalidParameterError, non_finite_logits
-from .kvcache import make_cache
-from .sampling import (
-    SamplingParams,
-    apply_repetition_penalty,
-    finite_logits,
-    min_p_filter,
-    sample,
-    softmax,
-    top_k_filter,
-    top_p_filter,
-)
+from .errors import InvalidParameterError
+from .generation import LOOKUP, DecodeState, Ending, GenerationOptions, check_speculative, is_model
+from .kvcache import Cache, make_cache
+from .onnx_external import operators
+from .sampling import TokenPicker
 
 if TYPE_CHECKING:
     from .runner import Runner
 
-LOOKUP = "lookup"
 NGRAM_SIZES = (3, 2)  # prompt lookup matches the last 3 tokens, else the last 2 (one token matches too often)
 MAX_DRAFT = 10  # guesses per round at most
 FIRST_DRAFT = 4  # guesses in the first round
@@ -56,29 +50,13 @@ _same_vocabulary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tok
 _consistent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> supports_multi_token_steps
 
 
-def check_speculative(value: Any) -> None:
-    """InvalidParameterError unless value is None, "lookup", a loaded model or an existing package folder."""
-    if value is None or value == LOOKUP or _is_model(value):
-        return
-    if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
-        return
-    raise InvalidParameterError(
-        f"speculative must be 'lookup', a draft Model, a package folder or None, got {value!r}"
-        + (" (no such folder)" if isinstance(value, (str, os.PathLike)) else "")
-    )
-
-
-def _is_model(value: Any) -> bool:
-    return all(hasattr(value, name) for name in ("spec", "session", "tokenizer", "run"))
-
-
 def prepare_speculative(value: Any, runner: Runner) -> Any:
     """The speculative option ready to decode with: a folder is loaded (runner.load_draft, once per folder) and a
     draft's vocabulary is checked against the target's (InvalidParameterError on a mismatch)."""
     check_speculative(value)
     if value is None or value == LOOKUP:
         return value
-    if not _is_model(value):
+    if not is_model(value):
         load_draft = getattr(runner, "load_draft", None)
         if load_draft is None:
             raise InvalidParameterError("this runner cannot load a draft package: pass a loaded Model")
@@ -88,7 +66,7 @@ def prepare_speculative(value: Any, runner: Runner) -> Any:
 
 
 def check_same_vocabulary(target: Any, draft: Any) -> None:
-    """A draft must tokenize as the target does: the same token for every id."""
+    """A draft must tokenize as the target does (the same token for every id) and have as many vocabulary rows."""
     ours, theirs = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
     name = draft.spec.folder.name
     if ours is None or theirs is None:
@@ -101,8 +79,12 @@ def check_same_vocabulary(target: Any, draft: Any) -> None:
         _compare_tokens(ours, theirs, name)
         with contextlib.suppress(TypeError):
             checked.add(theirs)
-    if draft.spec.arch.vocab_size > target.spec.arch.vocab_size:
-        raise InvalidParameterError(f"the draft package {name} has a larger vocabulary than the model")
+    rows, theirs_rows = target.spec.arch.vocab_size, draft.spec.arch.vocab_size
+    if rows != theirs_rows:  # fewer: the draft cannot take the model's tokens; more: it guesses ids the model lacks
+        raise InvalidParameterError(
+            f"the draft package {name} has {theirs_rows} vocabulary rows, the model {rows}: a draft must have as "
+            "many (the same tokenizer and the same embedding size)"
+        )
 
 
 def _compare_tokens(ours: Any, theirs: Any, name: str) -> None:
@@ -120,25 +102,54 @@ def _compare_tokens(ours: Any, theirs: Any, name: str) -> None:
 
 
 def supports_multi_token_steps(runner: Runner) -> bool:
-    """Whether a step of several tokens gives each position the logits that steps of one token give (checked once
-    per model). A graph exported with last-token logits only cannot check guesses; and int4/int8 MatMulNBits with
-    accuracy_level 4 quantize activations differently for one row than for several (logits apart by ~0.5 on
-    SmolLM2), which would change greedy output: those packages decode plainly (README, "Speculative decoding")."""
+    """Whether a step of several tokens gives each position the logits that steps of one token give, so checking
+    guesses in one step keeps the plain output (decided once per model; a warning says why not)."""
     try:
         known = _consistent.get(runner.session)
     except TypeError:  # not weakly referable: check every time
         known = None
     if known is None:
-        known = not _last_token_only(runner) and _steps_agree(runner)
-        if not known:
+        reason = _why_not_exact(runner)
+        known = reason is None
+        if reason is not None:
             warnings.warn(
-                f"{runner.spec.folder.name}: speculative decoding is off (plain decoding): a step of several tokens "
-                "does not give the logits of single steps in this package (README, 'Speculative decoding')",
+                f"{runner.spec.folder.name}: speculative decoding is off (plain decoding): {reason} "
+                "(docs/speculative.md)",
                 stacklevel=4,
             )
         with contextlib.suppress(TypeError):  # a session that cannot be weakly referred to is checked every time
             _consistent[runner.session] = known
     return known
+
+
+def _why_not_exact(runner: Runner) -> str | None:
+    """Why a step of several tokens would not give single steps' logits, or None. Decided from the graph: its
+    logits output, and operators whose result for one row depends on how many rows a step feeds
+    (row_dependent_operator). A short step check then stands guard for kernels that rule does not know."""
+    if _last_token_only(runner):
+        return "the graph gives the last position's logits only (exported with --last-token-logits)"
+    operator = row_dependent_operator(runner.spec.model_path)
+    if operator is not None:
+        return f"{operator}, so a step of several tokens does not give the logits of single steps"
+    if not _steps_agree(runner):
+        return "a step of several tokens does not give the logits of single steps in this package"
+    return None
+
+
+def row_dependent_operator(model_path: Path) -> str | None:
+    """An operator of the graph whose result for one row depends on the rows fed with it, described, or None.
+    - MatMulNBits with accuracy_level >= 2 rounds activations below fp32 (4: to int8, per block) in the kernel: on
+      ONNX Runtime 1.32's CPU kernels a step of one row and a step of several round some rows differently (logits
+      0.01-0.8 apart, then the caches differ); at accuracy_level 0 (fp32 activations) they agree as fp32 MatMul
+      does (tests/test_speculative.py, on the bundled model quantized). Levels 2 and 3 are kept plain untested.
+    - DynamicQuantizeLinear / DynamicQuantizeMatMul take one activation scale over every row of a step."""
+    for operator in operators(model_path):
+        level = operator.ints.get("accuracy_level", 0)
+        if operator.op_type == "MatMulNBits" and level >= 2:
+            return f"its MatMulNBits kernels run at accuracy_level {level} (activations rounded per step's rows)"
+        if operator.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul"):
+            return f"its {operator.op_type} quantizes activations with one scale for every row of a step"
+    return None
 
 
 def _last_token_only(runner: Runner) -> bool:
@@ -164,78 +175,31 @@ def _steps_agree(runner: Runner) -> bool:
     return together.shape == singles.shape and float(np.abs(together - singles).max()) <= STEP_TOLERANCE * (1 + scale)
 
 
-# ---- choosing and checking tokens ------------------------------------------------------------------------
+# ---- checking guesses ------------------------------------------------------------------------------------
 
 
-def probabilities(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None) -> np.ndarray:
-    """The distribution plain sampling draws from (runtime/sampling.py's order of transforms), (V,) float64."""
-    logits = finite_logits(logits.astype(np.float64))
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    with np.errstate(over="ignore"):
-        logits = (logits - np.max(logits)) / params.temperature
-    logits = min_p_filter(top_p_filter(top_k_filter(logits, params.top_k), params.top_p), params.min_p)
-    return softmax(logits)
-
-
-def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from a distribution (probs need not sum to 1): an inverse-CDF draw with one uniform number."""
-    cumulative = np.cumsum(probs)
-    return min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(probs) - 1)
-
-
-class Chooser:
-    """The target's choices: plain sampling for a step without guesses, and the acceptance rule for a round."""
-
-    def __init__(self, params: SamplingParams, seed: int | None):
-        self.params = params
-        self.rng = np.random.default_rng(seed)  # row 0 of a batch: seed + 0
-        self.penalize = params.repetition_penalty != 1.0
-
-    def seen(self, history: list[int]) -> np.ndarray | None:
-        return np.array(history, dtype=np.int64) if self.penalize else None
-
-    def choose(self, logits: np.ndarray, history: list[int]) -> int:
-        """One token from one position's logits (V,), as plain decoding (decode.py's TokenPicker) picks it."""
-        if self.params.greedy and not self.penalize:
-            token = int(np.argmax(logits))
-            checked = logits[token : token + 1]  # finite exactly when the pick is sound (see TokenPicker.pick)
+def check_guesses(picker: TokenPicker, logits: np.ndarray, guesses: list[int], q) -> tuple[int, int]:
+    """logits (len(guesses) + 1, V) of a round; q: the draft's distributions, one per guess, or None (a point mass).
+    Returns how many guesses are accepted and the token after them. Every position is chosen by plain decoding's
+    picker (runtime/sampling.py), the guesses before it `ahead`: greedy keeps a guess that is the picker's choice;
+    sampling keeps it with probability min(1, p/q) and otherwise draws from max(0, p - q)."""
+    for i, guess in enumerate(guesses):
+        if picker.params.greedy:
+            token = picker.choose(logits[i], 0, guesses[:i])
+            if token != guess:
+                return i, token
+            continue
+        p = picker.probabilities(logits[i], 0, guesses[:i])
+        q_guess = 1.0 if q is None else q[i][guess]
+        if picker.coin() * q_guess < p[guess]:  # accepted with probability min(1, p/q)
+            continue
+        residual = p.copy()
+        if q is None:
+            residual[guess] = 0.0
         else:
-            token, checked = -1, logits
-        if not np.isfinite(checked).all():
-            raise non_finite_logits()
-        return token if token >= 0 else sample(logits, self.params, self.rng, self.seen(history))
-
-    def check(self, logits: np.ndarray, history: list[int], guesses: list[int], q) -> tuple[int, int]:
-        """logits (len(guesses) + 1, V) of a round; q: the draft's distributions, one per guess, or None (a
-        point mass). Returns how many guesses are accepted and the token after them."""
-        if self.params.greedy and not self.penalize:  # one argmax pass over every position
-            picks = logits.argmax(axis=-1)
-            agree = picks[: len(guesses)] == np.array(guesses, dtype=picks.dtype)
-            accepted = len(guesses) if agree.all() else int(np.argmin(agree))
-            if not np.isfinite(logits[np.arange(accepted + 1), picks[: accepted + 1]]).all():
-                raise non_finite_logits()
-            return accepted, int(picks[accepted])
-        for i, guess in enumerate(guesses):
-            seen = history + guesses[:i]
-            if self.params.greedy:
-                token = self.choose(logits[i], seen)
-                if token != guess:
-                    return i, token
-                continue
-            if not np.isfinite(logits[i]).all():
-                raise non_finite_logits()
-            p = probabilities(logits[i], self.params, self.seen(seen))
-            q_guess = 1.0 if q is None else q[i][guess]
-            if self.rng.random() * q_guess < p[guess]:  # accepted with probability min(1, p/q)
-                continue
-            residual = p.copy()
-            if q is None:
-                residual[guess] = 0.0
-            else:
-                residual = np.maximum(residual - q[i], 0.0)
-            return i, draw(residual, self.rng) if residual.sum() > 0 else draw(p, self.rng)
-        return len(guesses), self.choose(logits[len(guesses)], history + guesses)
+            residual = np.maximum(residual - q[i], 0.0)
+        return i, picker.draw(residual) if residual.sum() > 0 else picker.draw(p)
+    return len(guesses), picker.choose(logits[len(guesses)], 0, guesses)
 
 
 # ---- proposing guesses -------------------------------------------------------------------------------------
@@ -272,8 +236,8 @@ class Lookup:
 class Draft:
     """A draft model's guesses, from its own KV cache, kept between rounds and rewound past rejected guesses."""
 
-    def __init__(self, draft: Runner, chooser: Chooser, *, capacity: int):
-        self.draft, self.chooser = draft, chooser
+    def __init__(self, draft: Runner, picker: TokenPicker, *, capacity: int):
+        self.draft, self.picker = draft, picker
         self.cache = make_cache(draft, [[0]], capacity=min(capacity, draft.spec.arch.context_length))
         self.cache.rewind(0)
         self.held: list[int] = []  # the ids whose keys/values the draft's cache holds
@@ -286,17 +250,17 @@ class Draft:
         self.held = list(history)
         guesses: list[int] = []
         q: list[np.ndarray] = []
-        params = self.chooser.params
+        picker = self.picker  # the target's: the draft guesses as the target would choose (mask, penalty, seed)
         for i in range(k):
             if i:
                 logits = self.cache.next(np.array([[guesses[-1]]], dtype=np.int64))[0]
                 self.held.append(guesses[-1])
-            if params.greedy:
-                guesses.append(sample(logits, params, self.chooser.rng, self.chooser.seen(history + guesses)))
+            if picker.params.greedy:
+                guesses.append(picker.choose(logits, 0, guesses))
                 continue
-            probs = probabilities(logits, params, self.chooser.seen(history + guesses))
+            probs = picker.probabilities(logits, 0, guesses)
             q.append(probs)
-            guesses.append(draw(probs, self.chooser.rng))
+            guesses.append(picker.draw(probs))
         return guesses, (q if q else None)
 
     def rewind(self, kept: int) -> None:
@@ -307,8 +271,8 @@ class Draft:
 
 @dataclass
 class DraftLength:
-    """How many guesses the next round makes: one more after a round whose guesses were all accepted, one more
-    than were accepted after a rejection."""
+    """How many guesses the next round makes: two more (at most MAX_DRAFT) after a round whose guesses were all
+    accepted, one more than were accepted after a rejection; a round without guesses changes nothing."""
 
     k: int = FIRST_DRAFT
     last_proposed: int = 0  # guesses the last round made
@@ -323,55 +287,48 @@ class DraftLength:
 # ---- the loop ----------------------------------------------------------------------------------------------
 
 
-def _q_for(probs, vocab: int):
-    """A draft's distributions padded to the target's vocabulary (a draft may have a smaller one)."""
-    if probs is None:
-        return None
-    return [np.pad(p, (0, vocab - len(p))) if len(p) < vocab else p for p in probs]
-
-
 def speculative_decode(
-    runner: Runner, prompt: list[int], state, options, *, cache=None, feed=None
+    runner: Runner,
+    prompt: list[int],
+    state: DecodeState,
+    options: GenerationOptions,
+    *,
+    cache: Cache | None = None,
+    feed: list[int] | None = None,
 ) -> Iterator[tuple[int, int]]:
     """Batch-1 speculative decoding with decode()'s contract: yields (0, token id) for each new token;
-    state.finish[0] says why it ended, and the consumer may end it by setting state.finish[0]. On return the
-    cache holds at most the prompt and the tokens yielded."""
-    budget, cancel = options.max_new_tokens, options.cancel
+    state.finish[0] says why it ended (generation.Ending's rule, as plain decoding), and the consumer may end it by
+    setting state.finish[0]. On return the cache holds at most the prompt and the tokens yielded."""
+    budget = options.max_new_tokens
     speculative = prepare_speculative(options.speculative, runner)
     if cache is None:
         capacity = min(len(prompt) + budget + MAX_DRAFT, runner.spec.arch.context_length)
         cache = make_cache(runner, [prompt], capacity=capacity)
-    chooser = Chooser(options.sampling, options.seed)
+    picker = TokenPicker([prompt], options.sampling, options.seed, mask=options.token_mask)
     if speculative == LOOKUP:
         proposer = Lookup(prompt)
     else:
-        proposer = Draft(speculative, chooser, capacity=len(prompt) + budget + MAX_DRAFT)
-    eos = set() if options.ignore_eos else set(runner.spec.tokens.eos_token_ids)
+        proposer = Draft(speculative, picker, capacity=len(prompt) + budget + MAX_DRAFT)
+    ending = Ending(state, options, runner.spec.tokens.eos_token_ids)
     history, length = list(prompt), DraftLength()
     try:
-        if budget == 0 or (cancel is not None and cancel.is_set()):
-            state.finish[0] = "cancelled" if budget else "length"
+        if ending.done() or ending.cancelled():
             return
         first = cache.prompt()[0] if feed is None else cache.extend(feed)
-        queue = [chooser.choose(first, history)]
+        queue = [picker.choose(first)]
         state.first_token_time = state.first_token_time or time.perf_counter()
         while True:
             token = queue.pop(0)
-            if token in eos:
-                state.finish[0] = "eos"
+            if ending.is_end(0, token):
                 return
             history.append(token)
+            picker.append(0, token)
             yield 0, token
-            if state.finish[0]:
-                return
-            if len(history) - len(prompt) == budget:
-                state.finish[0] = "length"
-                return
-            if cancel is not None and cancel.is_set():
-                state.finish[0] = "cancelled"
+            ending.count(0)
+            if ending.done() or ending.cancelled():
                 return
             if not queue:
-                queue = _round(runner, cache, chooser, proposer, length, history, budget - len(history) + len(prompt))
+                queue = _round(runner, cache, picker, proposer, length, history, ending.left(0))
                 state.proposed_tokens += length.last_proposed
                 state.accepted_tokens += len(queue) - 1
     finally:
@@ -379,16 +336,18 @@ def speculative_decode(
             cache.rewind(len(history))
 
 
-def _round(runner, cache, chooser: Chooser, proposer, length: DraftLength, history: list[int], left: int) -> list[int]:
+def _round(
+    runner: Runner, cache: Cache, picker: TokenPicker, proposer, length: DraftLength, history: list[int], left: int
+) -> list[int]:
     """Feed the newest token and the guesses; the accepted guesses and the model's own next token."""
     room = runner.spec.arch.context_length - len(history)
     guesses, q = proposer.propose(history, min(length.k, left - 1, room))
     if not guesses:
         length.last_proposed = 0
         logits = cache.next(np.array([[history[-1]]], dtype=np.int64))
-        return [chooser.choose(logits[0], history)]
+        return [picker.choose(logits[0])]
     logits = cache.extend([history[-1], *guesses], all_logits=True)  # (len(guesses) + 1, V)
-    accepted, token = chooser.check(logits, history, guesses, _q_for(q, logits.shape[-1]))
+    accepted, token = check_guesses(picker, logits, guesses, q)
     if accepted < len(guesses):
         cache.rewind(len(history) + accepted)
     proposer.rewind(len(history) + accepted)

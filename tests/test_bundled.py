@@ -57,7 +57,7 @@ def test_heldout_bits_per_byte_reproduces_through_the_runtime(tmp_path):
 def test_loads_in_transformers_as_gpt2_with_the_same_logits():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from edgelm.export.gpt2_checkpoint import load_checkpoint
+    from edgelm.export.families.gpt2 import load_checkpoint
 
     hf = transformers.GPT2LMHeadModel.from_pretrained(BUNDLED).eval()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(BUNDLED / "tokenizer.json"))

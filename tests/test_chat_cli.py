@@ -45,7 +45,7 @@ def reply_of(child) -> str:
 
 def test_a_three_turn_chat_with_commands(package) -> None:
     conv = load(package, provider="cpu", threads=1).conversation(system=SYSTEM)
-    child = spawn(package, "--max-new-tokens", "16")
+    child = spawn(package, "--max-new-tokens", "16", "--greedy")  # the library's default: greedy
     expected = []
     for question in ["Hello there", "What is your name?", "Goodbye"]:
         child.sendline(question)
@@ -116,7 +116,7 @@ def test_ctrl_d_exits(package) -> None:
 def test_errors_are_one_line(package, tmp_path) -> None:
     child = spawn(package, "--max-new-tokens", "250")
     child.sendline("word " * 100)  # too long for the context with 250 new tokens: the chat goes on
-    child.expect(r"edgelm chat: error: the message alone is \d+ tokens, which with max_new_tokens \(250\) exceeds")
+    child.expect(r"edgelm chat: error: the message alone is \d+ tokens, which with --max-new-tokens \(250\) exceeds")
     child.expect("> ")  # the chat goes on
     child.sendline("/exit")
     child.expect(pexpect.EOF)
@@ -139,7 +139,7 @@ def test_errors_are_one_line(package, tmp_path) -> None:
         text=True,
         timeout=120,
     )
-    assert done.returncode == 1 and done.stderr.startswith("edgelm chat: error: temperature"), done.stderr
+    assert done.returncode == 1 and done.stderr.startswith("edgelm chat: error: argument --temperature"), done.stderr
 
 
 def test_a_template_that_fails_on_any_message_exits_at_start(tmp_path) -> None:

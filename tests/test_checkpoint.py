@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_hf_checkpoint
 from edgelm.export.checkpoint import CheckpointError
-from edgelm.export.gpt2_checkpoint import load_checkpoint
+from edgelm.export.families.gpt2 import load_checkpoint
 
 HF_TOLERANCE = 1e-5
 DECODE_STEPS = 4

@@ -9,8 +9,9 @@ import pytest
 
 from edgelm.cli import export as export_command
 from edgelm.cli import main
+from edgelm.export import defaults
 
-COMMANDS = ("export", "quantize", "eval", "generate", "chat", "info", "bench")
+COMMANDS = ("export", "quantize", "eval", "generate", "chat", "info", "bench", "serve")
 
 
 def help_text(capsys, *argv: str) -> str:
@@ -61,15 +62,28 @@ def test_export_help_names_what_export_takes(capsys):
     assert "keeps its own blocks" in text
 
 
-def test_export_tolerance_help_states_the_defaults_export_uses(capsys):
+def test_export_tolerance_help_states_the_defaults_export_uses(capsys, monkeypatch):
     onnx_export = pytest.importorskip("edgelm.export.onnx_export")  # needs torch: edgelm[export]
-    assert export_command.PARITY_TOLERANCE == onnx_export.PARITY_TOLERANCE
-    assert export_command.KEPT_FLOAT_TOLERANCE == onnx_export.KEPT_FLOAT_TOLERANCE
-    assert export_command.INT8_ACTIVATION_TOLERANCE == onnx_export.INT8_ACTIVATION_TOLERANCE
+    # the help is built from the one definition (export/defaults.py), which export_package reads too
+    monkeypatch.setattr(defaults, "KEPT_FLOAT_TOLERANCE", 0.25)
+    monkeypatch.setattr(onnx_export, "KEPT_FLOAT_TOLERANCE", 0.25)
     text = flat(option_help(help_text(capsys, "export"), "--tolerance"))
     assert f"default {onnx_export.PARITY_TOLERANCE:g};" in text
-    assert f"{onnx_export.KEPT_FLOAT_TOLERANCE:g} for kept GGUF blocks at accuracy level 0" in text
+    assert "0.25 for kept GGUF blocks at accuracy level 0" in text
     assert f"{onnx_export.INT8_ACTIVATION_TOLERANCE:g} at accuracy level 4" in text
+    assert not hasattr(export_command, "PARITY_TOLERANCE"), "the CLI keeps no copy of the tolerances"
+
+
+def test_export_help_lists_every_family_and_kept_block_type_from_their_tables(capsys):
+    families = pytest.importorskip("edgelm.export.families")  # needs torch: edgelm[export]
+    from edgelm.export.gguf_blocks import BLOCK_TYPES
+
+    text = flat(help_text(capsys, "export"))
+    for row in families.FAMILIES.values():
+        assert row.label in text and row.model_type in text, row.model_type
+        assert row.gguf is None or row.gguf.architecture in text, row.model_type
+    for kind in BLOCK_TYPES:
+        assert kind.name in text, kind.name
 
 
 @pytest.mark.parametrize("command", COMMANDS)

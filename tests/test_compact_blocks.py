@@ -21,13 +21,13 @@ from test_gguf_blocks import FIXTURES, MIXED, random_blocks, write_llama  # noqa
 
 from edgelm.export.compact_blocks import PLANES, bit_planes  # noqa: E402
 from edgelm.export.families import kept_blocks  # noqa: E402
-from edgelm.export.gguf_blocks import LAYOUT, VALUE_BITS, to_runs  # noqa: E402
+from edgelm.export.gguf_blocks import BLOCK_TYPES, to_runs  # noqa: E402
 from edgelm.export.graph import MS_DOMAIN, _GraphBuilder  # noqa: E402
 from edgelm.export.onnx_export import export_package  # noqa: E402
 from edgelm.runtime import load  # noqa: E402
 
 K = 512
-TYPES = sorted(LAYOUT, key=lambda kind: kind.name)
+TYPES = sorted(BLOCK_TYPES, key=lambda kind: kind.name)
 # packed linears of mixed types: 4 and 8 bits, runs of 16 and 32, with and without offsets
 MIXES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q2_K, Q.Q3_K, Q.Q4_1), (Q.Q5_0, Q.Q5_1, Q.Q8_0), (Q.Q4_0, Q.Q5_K, Q.Q6_K)]
 
@@ -108,7 +108,7 @@ def test_compact_stores_fewer_bytes_than_plain():
         assert sizes[0] < sizes[1] or kind in (Q.Q4_0,), kind  # Q4_0: 4 bits and an fp16 scale either way
         # within a bit of the file (Q2_K's 4-bit sc and mn take a byte each here)
         assert bits_a_weight <= 8 * size_a_block / weights_a_block + 1, (kind, bits_a_weight)
-        assert VALUE_BITS[kind] <= LAYOUT[kind][0]
+        assert BLOCK_TYPES[kind].value_bits <= BLOCK_TYPES[kind].bits
 
 
 def _graph_weights(nbits, *, compact: bool) -> dict[str, np.ndarray]:

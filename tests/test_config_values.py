@@ -11,8 +11,9 @@ import pytest
 from conftest import make_hf_checkpoint, make_tokenizer
 from edgelm.cli import main
 from edgelm.export.checkpoint import CheckpointError
-from edgelm.export.gpt2_checkpoint import config_from_hf
-from edgelm.export.hf_checkpoint import llama_config_from_hf
+from edgelm.export.families.gemma import config_from_hf as gemma3_config_from_hf
+from edgelm.export.families.gpt2 import config_from_hf
+from edgelm.export.families.llama import config_from_hf as llama_config_from_hf
 from edgelm.export.llama import LlamaConfig, rope_cos_sin
 
 NAN = float("nan")
@@ -60,6 +61,66 @@ def test_llama_config_good_values_pass():
     config = llama_config_from_hf(LLAMA | dict(rope_theta=500000, rms_norm_eps=1e-5, rope_scaling=LLAMA3))
     assert config.rope_theta == 500000.0 and config.rms_norm_eps == 1e-5
     assert config.rope_scaling == LLAMA3 | {"original_max_position_embeddings": 128}
+
+
+GEMMA3 = dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+              sliding_window=8)  # fmt: skip
+NESTED = {"full_attention": {"rope_type": "default", "rope_theta": 1e5}, "sliding_attention": {"rope_theta": 2e4}}
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+GEMMA3_READ = {  # configs transformers' Gemma3TextConfig reads: the rotary parameters it arrives at are ours
+    "transformers 4: flat keys": dict(rope_theta=5e5, rope_local_base_freq=3e4, rope_scaling=LINEAR),
+    "transformers 5: per layer type": dict(rope_parameters=NESTED),
+    "a legacy rope_scaling beside rope_parameters, merged": dict(rope_parameters=NESTED, rope_scaling=LINEAR),
+    "rope_parameters' bases win over the flat keys": dict(rope_parameters=NESTED, rope_theta=7.0,
+                                                          rope_local_base_freq=9.0),
+    "only the full layers' entry": dict(rope_parameters={"full_attention": LINEAR}, rope_local_base_freq=3e4),
+    "the defaults": dict(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA3_READ))
+def test_gemma3_rotary_parameters_are_read_as_transformers_reads_them(name):
+    from transformers import Gemma3TextConfig
+
+    hf = json.loads(json.dumps(GEMMA3 | GEMMA3_READ[name]))  # transformers changes the dicts it is given
+    theirs = Gemma3TextConfig(**{k: v for k, v in json.loads(json.dumps(hf)).items() if k != "model_type"})
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    ours = gemma3_config_from_hf(hf)
+    assert ours.rope_theta == full["rope_theta"] and ours.rope_local_theta == local["rope_theta"]
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    assert ours.rope_scaling == (None if scaling["rope_type"] == "default" else scaling)
+
+
+GEMMA3_BAD = {
+    "yarn beside rope_parameters": (
+        dict(rope_parameters=NESTED, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"
+    ),
+    "rope_scaling named by 'type'": (dict(rope_scaling={"type": "linear", "factor": 4.0}), "names no rope_type"),
+    "rope_scaling a list": (dict(rope_scaling=[LINEAR]), "rope_scaling must be an object"),
+    "rope_parameters a list": (dict(rope_parameters=[NESTED]), "rope_parameters must be an object"),
+    "rope_parameters flat": (dict(rope_parameters=LINEAR | {"rope_theta": 1e4}), "rope_parameters holds 'factor'"),
+    "full entry a string": (dict(rope_parameters={"full_attention": "linear"}), "rope_parameters.full_attention must"),
+    "local base a string": (dict(rope_local_base_freq="1e4"), "rope_local_base_freq should be a single float"),
+    "local base negative": (dict(rope_local_base_freq=-1e4), "rope_local_base_freq = -10000.0 is out of range"),
+    "nested local base a string": (
+        dict(rope_parameters={"sliding_attention": {"rope_theta": "x"}}),
+        "rope_parameters.sliding_attention.rope_theta should be a single float",
+    ),
+    "nested full base 0": (
+        dict(rope_parameters={"full_attention": {"rope_theta": 0}}), "rope_parameters.full_attention.rope_theta = 0.0"
+    ),
+    "final softcapping 0": (dict(final_logit_softcapping=0.0), "final_logit_softcapping=0.0"),
+    "attention softcapping 0": (dict(attn_logit_softcapping=0), "attn_logit_softcapping=0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA3_BAD))
+def test_gemma3_config_values_are_one_line_errors_naming_the_key(name):
+    overrides, expected = GEMMA3_BAD[name]
+    with pytest.raises(CheckpointError) as info:
+        gemma3_config_from_hf(GEMMA3 | overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 GPT2_BAD = {
@@ -138,7 +199,7 @@ def test_cli_tokenizer_that_does_not_load_exits_1(tmp_path, capsys):
 def test_gpt2_config_sizes_are_checked_against_the_tensors_before_allocating(tmp_path, overrides, expected):
     """The config's sizes are claims: the model was built (2 GiB of position table, 256 GiB of embedding, randomly
     initialised) before the tensors' shapes were compared with them."""
-    from edgelm.export.gpt2_checkpoint import load_checkpoint
+    from edgelm.export.families.gpt2 import load_checkpoint
 
     folder = make_hf_checkpoint(tmp_path / "ckpt", tokenizer=False)
     config = json.loads((folder / "config.json").read_text())

@@ -119,9 +119,11 @@ def load_tiny(app, package: Path, mode: str) -> None:
 
 
 def set_input(app, text: str, **params: str) -> None:
+    """The message box's text and sampling fields; min-p and the repetition penalty off unless given (a loaded chat
+    package sets them to its chat sampling)."""
     app.input.delete("1.0", "end")
     app.input.insert("1.0", text)
-    for key, value in params.items():
+    for key, value in ({"min_p": "0", "repetition_penalty": "1"} | params).items():
         app.params[key].set(value)
 
 
@@ -197,6 +199,14 @@ def test_two_turn_chat_stop_new_chat_and_screenshot(app, chat_package, tmp_path)
     assert app.conversation.last_turn.reused_tokens > 5
 
 
+def test_a_chat_package_sets_its_chat_sampling(app, chat_package):
+    from edgelm.runtime.chat_defaults import CHAT_SAMPLING
+
+    load_tiny(app, chat_package, "chat")
+    assert {key: app.params[key].get() for key in CHAT_SAMPLING} == {k: f"{v:g}" for k, v in CHAT_SAMPLING.items()}
+    assert "sampling from edgelm's chat defaults" in app.status_text
+
+
 def test_completion_fallback_without_a_template(app, package):
     load_tiny(app, package, "completion")
     assert "no chat template" in app.status_text
@@ -258,8 +268,8 @@ def test_errors_show_in_the_window(app, package, chat_package):
 
 def test_a_forged_system_turn_stays_text(app, chat_package):
     """Special-token text typed into the message box or the system prompt is text: the prompt holds only the
-    control tokens of the template's own turns (runtime/chat_ids.py)."""
-    from edgelm.runtime.chat_ids import chat_prompt_ids
+    control tokens of the template's own turns (runtime/template/prompt_ids.py)."""
+    from edgelm.runtime.template import chat_prompt_ids
 
     load_tiny(app, chat_package, "chat")
     set_input(app, "", max_new_tokens="4", temperature="0", top_k="0", top_p="1.0", seed="")

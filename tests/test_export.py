@@ -17,9 +17,9 @@ import torch
 from helpers import edgelm, genai_greedy, quiet
 
 from conftest import TINY, make_hf_checkpoint
-from edgelm.export.checkpoint import CheckpointError, checkpoint_hash
+from edgelm.export.checkpoint import CheckpointError, combined_hash, source_hashes
+from edgelm.export.families.gpt2 import load_checkpoint, save_checkpoint
 from edgelm.export.gpt2 import GPT, GPTConfig
-from edgelm.export.gpt2_checkpoint import load_checkpoint, save_checkpoint
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime.package import file_sha256, read_package
 
@@ -340,7 +340,7 @@ def test_manifest(package, hf_checkpoint):
     assert manifest["export"]["opset"] == 17
     assert manifest["export"]["external_data"] == "model.onnx.data"
     assert manifest["export"]["tied_embedding_bytes_saved"] == config.vocab_size * config.n_embd * 4
-    assert manifest["source"]["sha256"] == checkpoint_hash(hf_checkpoint)
+    assert manifest["source"]["sha256"] == combined_hash(source_hashes(hf_checkpoint))
     assert 0 <= manifest["parity"]["max_abs_logit_diff"] <= ONNX_TOLERANCE
 
     on_disk = {p.name for p in package.iterdir()}
@@ -365,10 +365,10 @@ def test_genai_config(package, hf_checkpoint):
 
 def test_source_hash_identifies_the_checkpoint(hf_checkpoint, tmp_path):
     copy = Path(shutil.copytree(hf_checkpoint, tmp_path / "copy"))
-    assert checkpoint_hash(copy) == checkpoint_hash(hf_checkpoint)
+    assert combined_hash(source_hashes(copy)) == combined_hash(source_hashes(hf_checkpoint))
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1e-6}))
-    assert checkpoint_hash(copy) != checkpoint_hash(hf_checkpoint)
+    assert combined_hash(source_hashes(copy)) != combined_hash(source_hashes(hf_checkpoint))
 
 
 # onnxruntime-genai runs the package as it is

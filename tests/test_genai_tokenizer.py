@@ -79,7 +79,7 @@ def add_spm_tokenizer(writer, *, add_bos: bool = True) -> None:
 def llama_folder(folder: Path) -> Path:
     """A tiny random Llama saved by transformers, with a SentencePiece-style tokenizer.json (BOS added by its
     post-processor) and a tokenizer_config.json of its own whose settings would change genai's decoding."""
-    from test_llama_export import SMALL
+    from family_cases import SMALL
 
     save_random_model(folder, ("LlamaConfig", "LlamaForCausalLM"), {**SMALL, "bos_token_id": 1, "eos_token_id": 2})
     spm = build_tokenizer_json(spm_metadata() | {"tokenizer.ggml.add_bos_token": True})
@@ -200,7 +200,7 @@ def test_source_tokenizer_config_is_not_carried(tmp_path):
 
 
 def test_smollm2_gguf_package(smollm2_gguf, tmp_path):
-    export_package(smollm2_gguf, tmp_path / "pkg", keep_gguf_quantization=True, progress=quiet)
+    export_package(smollm2_gguf, tmp_path / "pkg", progress=quiet)
     config = json.loads((tmp_path / "pkg" / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
     turn = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

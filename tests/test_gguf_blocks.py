@@ -23,7 +23,7 @@ from test_gguf import TOKENIZER, _add_tokenizer, _unpack, run_matmul_nbits  # no
 from edgelm.cli import main  # noqa: E402
 from edgelm.export.families import kept_blocks  # noqa: E402
 from edgelm.export.gguf import read_gguf  # noqa: E402
-from edgelm.export.gguf_blocks import LAYOUT, dequantized, to_runs  # noqa: E402
+from edgelm.export.gguf_blocks import BLOCK_TYPES, dequantized, to_runs  # noqa: E402
 from edgelm.export.onnx_export import export_package  # noqa: E402
 from edgelm.quantize.quantize import quantize_package  # noqa: E402
 from edgelm.runtime import PackageError, load  # noqa: E402
@@ -133,13 +133,13 @@ PACKED = {  # node -> its parts, in packing order
 }
 
 
-@pytest.mark.parametrize("kind", sorted(LAYOUT, key=lambda k: k.name), ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES, key=lambda k: k.name), ids=lambda k: k.name)
 def test_runs_equal_gguf_dequantize_and_run_in_onnxruntime(kind):
     rng = np.random.default_rng(int(kind))
     rows = random_blocks(kind, 48, 512, rng)
     expected = gguf.quants.dequantize(rows, kind).reshape(48, 512)
     runs = to_runs(kind, rows, 512)
-    assert (runs.bits, runs.block_size) == LAYOUT[kind]
+    assert (runs.bits, runs.block_size) == (BLOCK_TYPES[kind].bits, BLOCK_TYPES[kind].block_size)
     np.testing.assert_allclose(dequantized(runs), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
     x = rng.standard_normal((3, 512)).astype(np.float32)
     y = run_matmul_nbits(x, kept_blocks(lambda _: runs, ["w"]), accuracy_level=0)
@@ -192,7 +192,7 @@ def test_kept_weights_equal_gguf_dequantize(mixed, tmp_path):
             got, bits = _node_weights(graph, inits, f"layers.{layer}.{node}")
             expected = np.concatenate([weights.tensor(f"model.layers.{layer}.{part}.weight") for part in parts])
             kinds = [Q[weights.quant_type(f"model.layers.{layer}.{part}.weight")] for part in parts]
-            assert bits == max(LAYOUT[k][0] for k in kinds), (layer, node)
+            assert bits == max(BLOCK_TYPES[k].bits for k in kinds), (layer, node)
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max(), err_msg=node)
     head, bits = _node_weights(graph, inits, "logits")
     expected = weights.tensor("model.embed_tokens.weight")
@@ -269,7 +269,6 @@ def test_dequantize_gives_fp32_and_kept_refuses_requantizing(tmp_path, capsys):
         with pytest.raises(PackageError, match="keeps its GGUF file's own quantized blocks.*--dequantize"):
             quantize_package(tmp_path / "kept", tmp_path / f"q-{mode}", mode=mode, progress=quiet)
         assert not (tmp_path / f"q-{mode}").exists()
-    assert main(["export", str(path), str(tmp_path / "fp32"), "--dequantize", "--keep-gguf-quantization"]) == 1
     assert main(["export", str(path), str(tmp_path / "fp32"), "--dequantize"]) == 0
     assert json.loads((tmp_path / "fp32" / "edgelm.json").read_text())["precision"] == "fp32"
     quantize_package(tmp_path / "fp32", tmp_path / "int8", mode="dynamic", evaluate=False, progress=quiet)

@@ -1,5 +1,5 @@
 """`edgelm export model.gguf OUT`: small GGUF files written with llama.cpp's own writer (tests/test_gguf.py),
-exported, and run with the runtime against transformers' GGUF loader; --keep-gguf-quantization's
+exported, and run with the runtime against transformers' GGUF loader; the kept
 MatMulNBits blocks against the GGUF's own weights; a hostile file at the command line."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_gguf_export_greedy_equals_transformers(tmp_path, tied):
 def kept(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kept")
     path = write_gguf(folder, "llama", kinds=KEEP_KINDS, tied=True)
-    manifest = export_package(path, folder / "pkg", keep_gguf_quantization=True, accuracy_level=0, progress=quiet)
+    manifest = export_package(path, folder / "pkg", accuracy_level=0, progress=quiet)
     return path, folder / "pkg", manifest
 
 
@@ -109,7 +109,7 @@ def test_kept_package_greedy_equals_transformers(kept):
 
 def test_kept_at_accuracy_level_4_stays_close(tmp_path):
     path = write_gguf(tmp_path, "llama", kinds=KEEP_KINDS, tied=True)
-    manifest = export_package(path, tmp_path / "pkg", keep_gguf_quantization=True, progress=quiet)
+    manifest = export_package(path, tmp_path / "pkg", progress=quiet)
     assert manifest["parity"]["tolerance"] == 4.0 and "int8" in manifest["parity"]["activations"]
     assert manifest["parity"]["max_abs_logit_diff"] <= 1.0  # a tiny model: well inside the tolerance
 
@@ -124,8 +124,3 @@ def test_hostile_gguf_cli_one_line_error_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hostile.gguf" in err and "past the end" in err, err
     assert set(tmp_path.iterdir()) == before, "nothing written"
-
-
-def test_keep_quantization_needs_a_gguf_file(tmp_path, capsys):
-    assert main(["export", str(tmp_path / "no-such-folder"), str(tmp_path / "out"), "--keep-gguf-quantization"]) == 1
-    assert not (tmp_path / "out").exists()

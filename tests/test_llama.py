@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgelm.export.checkpoint import CheckpointError
-from edgelm.export.hf_checkpoint import llama_config_from_hf, load_llama, read_extras, read_safetensors_folder
+from edgelm.export.checkpoint import CheckpointError, read_extras, read_safetensors_folder
+from edgelm.export.families.llama import config_from_hf as llama_config_from_hf
+from edgelm.export.families.llama import load_llama
 from edgelm.export.llama import Llama, LlamaConfig, rope_cos_sin
 
 TOLERANCE = 1e-4

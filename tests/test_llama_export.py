@@ -1,8 +1,7 @@
-"""Llama-family packages against transformers: small random LlamaForCausalLM, Qwen2ForCausalLM and
-MistralForCausalLM folders (GQA ratio 3, rope_theta 1e5, llama3 rope scaling, tied and untied heads,
-Qwen2 biases) exported with both graphs give transformers' logits and greedy tokens in edgelm's runtime
-(batch 1 and a padded batch); onnxruntime-genai runs the fused package as it is; every quantization mode
-works on a Llama package; a genai-only folder with fewer KV heads loads; a folder written by
+"""Llama-family packages beyond parity with transformers (tests/test_families.py, on the same tiny models of
+tests/family_cases.py: GQA ratio 3, rope_theta 1e5, llama3 rope scaling, tied and untied heads, Qwen2 biases):
+onnxruntime-genai runs the standard graph too; every quantization mode works on a Llama package and a tied
+embedding stays one table; a genai-only folder with fewer KV heads loads; a folder written by
 onnxruntime-genai's own model builder runs in edgelm's runtime; bad folders fail cleanly."""
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import genai_greedy, hf_greedy, quiet, save_random_model
+from family_cases import EOS, NEW_TOKENS, PROMPTS, SMALL
+from helpers import genai_greedy, quiet
 
 from edgelm.export.checkpoint import CheckpointError
 from edgelm.export.onnx_export import export_package
@@ -27,111 +27,20 @@ REPO = Path(__file__).resolve().parent.parent
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 TOLERANCE = 1e-4
-NEW_TOKENS = 32
-EOS = 0
-# hidden 96 over 6 query heads and 2 KV heads: head_dim 16, GQA ratio 3
-SMALL = dict(
-    vocab_size=2048, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
-    intermediate_size=128, max_position_embeddings=128, rope_theta=1e5, rms_norm_eps=1e-5,
-    bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS,
-    initializer_range=0.15,  # the usual 0.02 gives near-uniform logits and a greedy run of one token
-)  # fmt: skip
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}  # fmt: skip
-CASES = {
-    # name: (transformers class prefix, config overrides)
-    "llama-llama3-tied": ("Llama", dict(rope_scaling=LLAMA3, tie_word_embeddings=True)),
-    "qwen2-biases-untied": ("Qwen2", dict(tie_word_embeddings=False)),
-    "mistral-untied": ("Mistral", dict(tie_word_embeddings=False, sliding_window=None)),
-}
-GRAPHS = ("fused", "standard")
-PROMPTS = [  # three lengths: the padded batch
-    [5, 99, 1200, 7, 640, 33, 1800, 412, 77],
-    [300, 12, 2001, 5],
-    [9, 8, 1500, 600, 44, 1024, 3, 17, 250, 21, 90],
-]
-
+LLAMA = "llama-llama3-tied"  # tests/family_cases.py; each row's parity with transformers: tests/test_families.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
-    root = tmp_path_factory.mktemp("llama-export")
-    out = {}
-    for case, (family, overrides) in CASES.items():
-        folder = root / case
-        classes = (f"{family}Config", f"{family}ForCausalLM")
-        out[case] = (save_random_model(folder, classes, {**SMALL, **overrides}), folder)
-    return out
-
-
-@pytest.fixture(scope="module")
-def packages(folders) -> dict[tuple[str, str], Path]:
-    out = {}
-    for case, (_, folder) in folders.items():
-        for graph in GRAPHS:
-            out[case, graph] = folder.parent / f"{case}-{graph}"
-            export_package(folder, out[case, graph], attention=graph, progress=quiet)
-    return out
-
-
-@pytest.fixture(scope="module")
-def expected(folders) -> dict[str, list[list[int]]]:
-    """transformers' greedy tokens for each prompt, per case."""
-    return {
-        case: [hf_greedy(hf, p, NEW_TOKENS, pad_token_id=EOS) for p in PROMPTS] for case, (hf, _) in folders.items()
-    }
-
-
-# ---- 1. edgelm's runtime against transformers, both graphs ----
-
-
-@pytest.mark.parametrize("graph", GRAPHS)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_equal_transformers(case, graph, folders, packages):
-    hf, _ = folders[case]
-    model = load(packages[case, graph], provider="cpu")
-    assert model.spec.arch.n_kv_head == 2 and model.spec.arch.n_head == 6
-    ids = np.array([PROMPTS[2]], dtype=np.int64)
-    logits, present = model.forward(ids)
-    with torch.no_grad():
-        reference = hf(torch.from_numpy(ids)).logits.numpy()
-    difference = float(np.abs(logits - reference).max())
-    print(f"{case} {graph}: max |logit difference| {difference:.2e}")
-    assert difference < TOLERANCE
-    assert present[0].shape[1] == 2  # the cache holds the KV heads only
-
-
-@pytest.mark.parametrize("graph", GRAPHS)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_equals_transformers_batch_1_and_padded(case, graph, packages, expected):
-    model = load(packages[case, graph], provider="cpu")
-    tokens = expected[case]
-    assert len(set(tokens[0])) > 4, tokens[0]  # a model repeating one token would make this test weak
-    alone = model.generate(PROMPTS[0], NEW_TOKENS, temperature=0, ignore_eos=True)
-    assert alone.token_ids == tokens[0]
-    batch = model.generate_batch(PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
-    assert [r.token_ids for r in batch] == tokens
-
-
-# ---- 2. onnxruntime-genai runs the fused package unchanged ----
-
-
-GENAI_RUNS = [(case, "fused") for case in sorted(CASES)] + [("llama-llama3-tied", "standard")]
-
-
-@pytest.mark.parametrize("case,graph", GENAI_RUNS)
-def test_onnxruntime_genai_runs_the_package(case, graph, packages, expected):
-    genai = json.loads((packages[case, graph] / "genai_config.json").read_text())
-    assert genai["model"]["type"] == case.split("-")[0]
-    assert genai["model"]["decoder"]["num_key_value_heads"] == 2
-    for prompt, tokens in zip(PROMPTS[:2], expected[case][:2], strict=True):
+def test_onnxruntime_genai_runs_the_standard_graph(families):
+    package = families.package(LLAMA, "standard")
+    assert json.loads((package / "genai_config.json").read_text())["model"]["decoder"]["num_key_value_heads"] == 2
+    for prompt, tokens in zip(PROMPTS[:2], families.expected(LLAMA)[:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
-        assert genai_greedy(packages[case, graph], prompt, NEW_TOKENS) == tokens
+        assert genai_greedy(package, prompt, NEW_TOKENS) == tokens
 
 
-# ---- 3. quantization of a Llama package ----
+# ---- quantization of a Llama package ----
 
 
 def vocab_tables(onnx_path: Path, *, vocab: int, width: int) -> list[str]:
@@ -144,13 +53,13 @@ def vocab_tables(onnx_path: Path, *, vocab: int, width: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def quantized(packages, tmp_path_factory) -> dict[str, Path]:
+def quantized(families, tmp_path_factory) -> dict[str, Path]:
     from edgelm.quantize.quantize import quantize_package
 
     root = tmp_path_factory.mktemp("llama-quant")
     excerpt = root / "heldout-excerpt.txt"  # about 1,500 tokens: the whole held-out text takes minutes here
     excerpt.write_text(HELDOUT.read_text(encoding="utf-8")[:EXCERPT_CHARS], encoding="utf-8")
-    source = packages["llama-llama3-tied", "fused"]
+    source = families.package(LLAMA, "fused")
     out = {}
     for mode in ("dynamic", "static", "int4", "fp16"):
         out[mode] = root / mode
@@ -171,14 +80,14 @@ EXCERPT_CHARS = 4000
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static", "int4", "fp16"])
-def test_quantized_llama_loads_generates_and_reports(mode, quantized, packages, expected):
+def test_quantized_llama_loads_generates_and_reports(mode, quantized, families):
     model = load(quantized[mode], provider="cpu")
     manifest = model.spec.manifest
     assert manifest.recipe["mode"] == mode and model.spec.arch.n_kv_head == 2
     result = model.generate(PROMPTS[0], NEW_TOKENS, temperature=0, ignore_eos=True)
     assert len(result.token_ids) == NEW_TOKENS
     if mode == "fp16":
-        same = sum(a == b for a, b in zip(result.token_ids, expected["llama-llama3-tied"][0], strict=True))
+        same = sum(a == b for a, b in zip(result.token_ids, families.expected(LLAMA)[0], strict=True))
         print(f"fp16: {same} of {NEW_TOKENS} greedy tokens equal fp32's")
         assert same >= NEW_TOKENS * 3 // 4, result.token_ids
         return
@@ -194,39 +103,41 @@ def test_quantized_llama_loads_generates_and_reports(mode, quantized, packages, 
 
 
 @pytest.mark.parametrize("mode", ["fp32", "dynamic", "static", "int4", "fp16"])
-def test_tied_embedding_is_stored_once(mode, quantized, packages):
-    folder = packages["llama-llama3-tied", "fused"] if mode == "fp32" else quantized[mode]
+def test_tied_embedding_is_stored_once(mode, quantized, families):
+    folder = families.package(LLAMA, "fused") if mode == "fp32" else quantized[mode]
     tables = vocab_tables(folder / "model.onnx", vocab=SMALL["vocab_size"], width=SMALL["hidden_size"])
     assert len(tables) == 1, tables
 
 
-def test_untied_head_is_a_second_table(packages):
+def test_untied_head_is_a_second_table(families):
     tables = vocab_tables(
-        packages["qwen2-biases-untied", "fused"] / "model.onnx", vocab=SMALL["vocab_size"], width=SMALL["hidden_size"]
+        families.package("qwen2-biases-untied", "fused") / "model.onnx",
+        vocab=SMALL["vocab_size"],
+        width=SMALL["hidden_size"],
     )
     assert len(tables) == 2, tables
 
 
-# ---- 4. a genai folder (no edgelm.json) with fewer KV heads than query heads ----
+# ---- a genai folder (no edgelm.json) with fewer KV heads than query heads ----
 
 
-def test_genai_only_folder_with_grouped_query_attention(packages, expected, tmp_path):
+def test_genai_only_folder_with_grouped_query_attention(families, tmp_path):
     genai_only = tmp_path / "genai-only"
-    shutil.copytree(packages["llama-llama3-tied", "fused"], genai_only)
+    shutil.copytree(families.package(LLAMA, "fused"), genai_only)
     (genai_only / "edgelm.json").unlink()
     model = load(genai_only, provider="cpu", verify=False)
     assert model.spec.kind == "genai"
     assert (model.spec.arch.n_head, model.spec.arch.n_kv_head) == (6, 2)
     batch = model.generate_batch(PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
-    assert [r.token_ids for r in batch] == expected["llama-llama3-tied"]
+    assert [r.token_ids for r in batch] == families.expected(LLAMA)
 
 
-# ---- 5. a folder written by onnxruntime-genai's own model builder ----
+# ---- a folder written by onnxruntime-genai's own model builder ----
 
 
-def test_onnxruntime_genai_builder_folder_runs(folders, expected, tmp_path):
+def test_onnxruntime_genai_builder_folder_runs(families, tmp_path):
     pytest.importorskip("onnxruntime_genai")
-    hf, folder = folders["llama-llama3-tied"]
+    hf, folder = families.model(LLAMA)
     out = tmp_path / "builder"
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out)]
     command += ["-p", "fp32", "-e", "cpu", "-c", str(tmp_path / "cache")]
@@ -243,11 +154,11 @@ def test_onnxruntime_genai_builder_folder_runs(folders, expected, tmp_path):
     print(f"onnxruntime-genai builder folder: max |logit difference| {difference:.2e}")
     assert difference < TOLERANCE
     batch = model.generate_batch(PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
-    assert [r.token_ids for r in batch] == expected["llama-llama3-tied"]
-    assert genai_greedy(out, PROMPTS[0], NEW_TOKENS) == expected["llama-llama3-tied"][0]
+    assert [r.token_ids for r in batch] == families.expected(LLAMA)
+    assert genai_greedy(out, PROMPTS[0], NEW_TOKENS) == families.expected(LLAMA)[0]
 
 
-# ---- 6. bad folders: one-line errors, nothing written ----
+# ---- bad folders: one-line errors, nothing written ----
 
 
 def _edit_config(folder: Path, **changes) -> None:
@@ -281,10 +192,10 @@ BAD_FOLDERS = {
 
 
 @pytest.mark.parametrize("problem", sorted(BAD_FOLDERS))
-def test_bad_folder_is_one_line_error_and_writes_nothing(problem, folders, tmp_path):
+def test_bad_folder_is_one_line_error_and_writes_nothing(problem, families, tmp_path):
     damage, error, message = BAD_FOLDERS[problem]
     folder = tmp_path / "checkpoint"
-    shutil.copytree(folders["llama-llama3-tied"][1], folder)
+    shutil.copytree(families.model(LLAMA)[1], folder)
     damage(folder)
     out = tmp_path / "pkg"
     with pytest.raises(error, match=message) as caught:

@@ -79,7 +79,7 @@ def test_greedy_tokens_match_the_pytorch_reference(long_checkpoint, graph, reque
 
     long_model = request.getfixturevalue(graph)
 
-    from edgelm.export.gpt2_checkpoint import load_checkpoint
+    from edgelm.export.families.gpt2 import load_checkpoint
 
     result = long_model.generate(PROMPT, 64, ignore_eos=True)
     reference = load_checkpoint(long_checkpoint).generate_greedy(torch.tensor([result.prompt_token_ids]), 64)
@@ -458,6 +458,9 @@ def test_unknown_provider(package):
         (dict(repetition_penalty=-1.2), "repetition_penalty"),
         (dict(seed=-1), "seed"),
         (dict(stop=[""]), "stop"),
+        (dict(truncate_prompt="no"), "truncate_prompt"),
+        (dict(truncate_prompt=1), "truncate_prompt"),
+        (dict(ignore_eos="no"), "ignore_eos"),
     ],
 )
 def test_bad_parameters_raise_before_generating(model, bad, name):
@@ -467,9 +470,24 @@ def test_bad_parameters_raise_before_generating(model, bad, name):
         model.stream("ROMEO:", **bad)  # a stream validates when it is created, not at the first piece
 
 
-def test_bad_thread_count(package):
+def test_bad_thread_count(package, monkeypatch):
+    from edgelm.runtime import session
+
     with pytest.raises(InvalidParameterError, match="threads"):
         load(package, provider="cpu", threads=0)
+    # more threads than the CPUs this process may use are refused before ONNX Runtime tries to start them (a
+    # thousand may not start under a memory limit, where it hangs); as many as there are CPUs are fine
+    limit = session.max_threads()
+    with pytest.raises(InvalidParameterError, match=f"threads must be an integer from 1 to {limit} "):
+        load(package, provider="cpu", threads=limit + 1)
+    monkeypatch.setattr(session, "max_threads", lambda: 3)
+    load(package, provider="cpu", threads=3)
+    with pytest.raises(InvalidParameterError, match="from 1 to 3 "):
+        load(package, provider="cpu", threads=4)
+    from helpers import edgelm
+
+    run = edgelm("generate", package, "x", "--threads", str(limit + 1))
+    assert run.returncode == 1 and len(run.stderr.splitlines()) == 1 and "--threads" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("prompt", [[-1], [320], [5, 6, 1000], [1.5], b"ROMEO:", None])

@@ -98,3 +98,15 @@ def test_runtime_only_install(venv_bin, package, hf_checkpoint, tmp_path):
     assert len(lines) == 1, f"expected a one-line error, got:\n{export.stderr}"
     assert "missing Python package" in lines[0] and "edgelm[export]" in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+
+    # a model folder runs directly only where export can make its package once: the error names the extra
+    direct = subprocess.run(
+        [str(venv_bin / "edgelm"), "generate", str(hf_checkpoint), "hi"],
+        cwd=tmp_path,
+        env=clean_env() | {"EDGELM_CACHE": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert direct.returncode == 1 and len(direct.stderr.strip().splitlines()) == 1, direct.stderr
+    assert "is a Hugging Face model folder" in direct.stderr and "pip install 'edgelm[export]'" in direct.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import quiet
 
-from edgelm.export.checkpoint import checkpoint_hash, source_files
+from edgelm.export.checkpoint import combined_hash, source_files, source_hashes
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime.package import file_sha256
 
@@ -51,21 +51,21 @@ def test_export_records_every_file_it_reads(sharded, tmp_path):
     files = manifest["source"]["files"]
     assert set(files) == expected
     assert all(files[name] == file_sha256(sharded / name) for name in expected)
-    assert manifest["source"]["sha256"] == checkpoint_hash(sharded)
+    assert manifest["source"]["sha256"] == combined_hash(source_hashes(sharded))
 
 
 def test_changing_any_one_file_changes_the_hash(sharded, tmp_path):
-    recorded = checkpoint_hash(sharded)
+    recorded = combined_hash(source_hashes(sharded))
     names = source_files(sharded)
     assert sum(name.startswith("model-") for name in names) > 1, "the shards are among the files"
     for name in names:
         copy = Path(shutil.copytree(sharded, tmp_path / name))
         change_one_byte(copy / name)
-        assert checkpoint_hash(copy) != recorded, name
+        assert combined_hash(source_hashes(copy)) != recorded, name
     copy = Path(shutil.copytree(sharded, tmp_path / "unread"))
     (copy / "README.md").write_text("not read by export")
     (copy / "pytorch_model.bin").write_bytes(b"not read: the safetensors index wins")
-    assert checkpoint_hash(copy) == recorded
+    assert combined_hash(source_hashes(copy)) == recorded
 
 
 def test_gguf_source_is_the_file(tmp_path):

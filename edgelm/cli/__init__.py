@@ -1,4 +1,4 @@
-"""The `edgelm` command: export, quantize, eval, generate, chat, info, bench, adapter.
+"""The `edgelm` command: export, quantize, eval, generate, chat, info, bench, adapter, serve, list, rm.
 
 Each command's options and handler live together in a module of this package (export.py, quantize.py for
 quantize and eval, generate.py, chat.py, info.py for info and bench); the option groups several commands share
@@ -20,16 +20,18 @@ import textwrap
 import threading
 import warnings
 
-from edgelm import __version__
+from edgelm.version import __version__
 
-from . import adapter, chat, export, generate, info, quantize
+from . import adapter, cache, chat, export, generate, info, quantize, serve
 from .options import HELP_WIDTH, Parser
 from .quantize import QUANTIZE_MODES
 from .text import printable
+from .words import in_flags
 
 __all__ = ["QUANTIZE_MODES", "build_parser", "main"]
 
 EXAMPLES = """examples:
+  edgelm chat SmolLM2-135M-Instruct.Q4_K_M.gguf      (exported into the cache once: edgelm list, edgelm rm)
   edgelm export models/shakespeare out/fp32
   edgelm quantize out/fp32 out/int8 --mode dynamic --eval-text data/shakespeare-heldout.txt
   edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1
@@ -49,17 +51,19 @@ ADD_PARSERS = (
     info.add_parser,
     info.add_bench_parser,
     adapter.add_parser,
+    serve.add_parser,
+    cache.add_parser,
 )
-EXTRA_FOR = {"export": "export", "quantize": "export", "eval": "export", "adapter": "export"}
-WRITES_STDOUT = {"generate", "info", "bench", "eval"}  # commands whose product is their standard output
+EXTRA_FOR = {"export": "export", "quantize": "export", "eval": "export", "adapter": "export", "serve": "serve"}
+WRITES_STDOUT = {"generate", "info", "bench", "eval", "list"}  # commands whose product is their standard output
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="edgelm",
         description=textwrap.fill(
-            "Language models (GPT-2, Llama, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma 3) from a Hugging Face folder "
-            "or a GGUF file to a small, fast ONNX package, and a runtime for it.",
+            "Language models from a Hugging Face folder or a GGUF file to a small, fast ONNX package, and a runtime "
+            "for it (`edgelm export --help` lists the model families).",
             HELP_WIDTH,
         ),
         epilog=EXAMPLES,
@@ -69,12 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser in ADD_PARSERS:
         add_parser(sub)
+    parser.commands = sub.choices  # each command's parser, for the hints of Parser.parse_args
     return parser
 
 
 def _say(command: str, kind: str, message: str) -> None:
     """One line on stderr: `edgelm CMD: error: ...` or `edgelm CMD: warning: ...`."""
-    message = printable(" ".join(str(message).split()))
+    message = printable(" ".join(in_flags(str(message)).split()))
     try:
         print(f"edgelm {command}: {kind}: {message}", file=sys.stderr)
     except (OSError, ValueError, AttributeError):  # stderr closed too: the exit status says it

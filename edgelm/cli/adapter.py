@@ -40,6 +40,7 @@ def add_adapter_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None, metavar="FILE", help="a LoRA .onnx_adapter for this package's slots")
 
 
-def load_adapter(model, path: str | None) -> str | None:
-    """The adapter's name once loaded into the model, or None (the base) without --adapter."""
-    return None if path is None else model.load_adapter(path)
+def load_adapter(model, path: str | None, *, verify: bool = True) -> str | None:
+    """The adapter's name once loaded into the model, or None (the base) without --adapter; verify: False with
+    --no-verify (an adapter without its record)."""
+    return None if path is None else model.load_adapter(path, verify=verify)

@@ -8,7 +8,10 @@ import sys
 import threading
 
 from .adapter import add_adapter_option, load_adapter
-from .options import add_command, add_runtime, add_sampling, add_speculative, sampling_options
+from .apps import add_chat_inputs, add_structured, chat_inputs, show_tool_calls, structured_options
+from .cache import add_model_argument, open_model
+from .options import add_command, add_runtime, add_sampling, add_speculative, describe_sampling, sampling_options
+from .words import in_flags
 
 CHAT_COMMANDS = "/reset, /undo, /stats, /exit; Ctrl-C stops a reply"
 
@@ -17,40 +20,64 @@ def add_parser(sub) -> None:
     p = add_command(
         sub,
         "chat",
-        help="chat in the terminal with a package that has a chat template",
-        description="An interactive chat, streamed. Commands: /reset (new conversation), /undo (remove the last "
+        help="chat in the terminal with an instruct model (a package, GGUF file or model folder)",
+        description="An interactive chat, streamed, with a model that has a chat template; a GGUF file or Hugging "
+        "Face model folder is exported into the cache on first use (edgelm list). Commands: /reset (new "
+        "conversation), /undo (remove the last "
         "exchange), /stats (tokens/s after each reply, on or off), /exit. Ctrl-C stops a reply; at the prompt "
         "it exits, as does Ctrl-D. When the context fills, the oldest exchanges are dropped.",
         example='edgelm chat out/smol-int4 --system "You are brief." --temperature 0.7 --stats',
     )
-    p.add_argument("package")
+    add_model_argument(p)
     p.add_argument("--system", default=None, help="the system message (default: the template's own, if any)")
-    add_sampling(p, max_new_tokens=256, truncate=False)
+    add_sampling(
+        p,
+        max_new_tokens=256,
+        truncate=False,
+        defaults="the sampling of the model's generation_config.json when it was exported from a folder whose "
+        "file sets do_sample: true, else temperature 0.7, top-p 0.9, min-p 0.05, repetition-penalty 1.1 (a flag "
+        "given replaces its one value; --greedy for exact runs)",
+    )
     add_speculative(p)
     p.add_argument("--stats", action="store_true", help="print tokens/s and the tokens prefilled after each reply")
+    add_chat_inputs(p)
+    add_structured(p)
     add_runtime(p)
     add_adapter_option(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgelm.runtime import ContextLengthError, load
+    from edgelm.runtime import ChatTemplateError, ContextLengthError
+    from edgelm.runtime.chat_defaults import model_chat_sampling
 
     try:
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
     except ImportError:
         pass
-    model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
-    conv = model.conversation(system=args.system, adapter=load_adapter(model, args.adapter))
+    model = open_model(args)
+    if model.tokenizer is not None and model.spec.chat_template_path is None:
+        raise ChatTemplateError(
+            f"the package {model.spec.folder.name} has no chat template, so it cannot chat (a base model?); "
+            f'`edgelm generate {args.package} "PROMPT"` continues a text instead'
+        )
+    adapter = load_adapter(model, args.adapter, verify=not args.no_verify)
+    conv = model.conversation(system=args.system, adapter=adapter, **chat_inputs(args))
     conv.prompt_ids("Hello")  # a template that fails on an ordinary message fails here, not on every turn
-    options = sampling_options(args)
+    defaults, origin = model_chat_sampling(model)
+    options = sampling_options(args, defaults) | structured_options(args)
     model.options(args.max_new_tokens, **options)  # bad options end here, not per message
     if args.max_new_tokens >= model.context_length:  # else every turn would fail the same way
         raise ContextLengthError(
             f"--max-new-tokens ({args.max_new_tokens}) must be below the context length {model.context_length}"
         )
     show_stats = args.stats
-    print(f"[{model.spec.folder.name}, context {model.context_length} tokens. {CHAT_COMMANDS}]", file=sys.stderr)
+    origin = "" if args.greedy else f" ({origin}; --greedy for exact runs)"
+    print(
+        f"[{model.spec.folder.name}, context {model.context_length} tokens; sampling: {describe_sampling(options)}"
+        f"{origin}. {CHAT_COMMANDS}]",
+        file=sys.stderr,
+    )
     while True:
         try:
             text = input("> ").strip()
@@ -104,11 +131,12 @@ def _reply(conv, text: str, max_new_tokens: int, options: dict):
             sys.stdout.write(piece)
             sys.stdout.flush()
     except EdgelmError as e:  # a message too long, say: the conversation goes on
-        print(f"edgelm chat: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"edgelm chat: error: {' '.join(in_flags(str(e)).split())}", file=sys.stderr)
         return None
     finally:
         signal.signal(signal.SIGINT, previous)
     print()
+    show_tool_calls(stream.result, sys.stderr)
     if stream.result.finish_reason == "cancelled":
         print("[stopped]", file=sys.stderr)
     return stream.result

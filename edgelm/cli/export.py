@@ -4,28 +4,35 @@ from __future__ import annotations
 
 import argparse
 
+from edgelm.export import defaults  # export's defaults, importable without torch
+
 from .options import add_command, add_overwrite, finite_at_least, int_in
 
 OPSETS = (14, 21)  # opsets export is tested with (the fused graph's com.microsoft ops need >= 14)
-# export/onnx_export.py's parity tolerances, written here because importing that module needs torch:
-# tests/test_cli_help.py checks that they are the same numbers.
-PARITY_TOLERANCE = 1e-4
-KEPT_FLOAT_TOLERANCE = 1e-3
-INT8_ACTIVATION_TOLERANCE = 4.0
 
-DESCRIPTION = (
-    "Export a model to a new package folder: an ONNX graph with KV-cache I/O, its weights, genai_config.json, "
-    "tokenizer.json and tokenizer_config.json, the chat template and edgelm.json (the sha256 of every package file "
-    "and of every source file read). Sources: a Hugging Face folder of GPT-2, Llama (SmolLM2 among them), "
-    "Mistral, Qwen2/Qwen2.5, Qwen3 or Gemma 3 (config.json's model_type gpt2, llama, mistral, qwen2, qwen3, "
-    "gemma3_text or gemma3; model.safetensors, sharded safetensors with their index, or pytorch_model.bin; "
-    "tokenizer.json; generation_config.json; chat template), or a GGUF file of architecture llama, qwen2, qwen3, "
-    "gemma3 or gpt2, whose tokenizer.json is built from its metadata. A quantized GGUF file keeps its own blocks "
-    "(Q4_0 .. Q8_0, Q2_K .. Q6_K as MatMulNBits) by default; --dequantize gives an fp32 package. Export then runs "
-    "ONNX Runtime against PyTorch (prompt + decode steps) and fails above the tolerance or on any NaN/inf. The "
-    "package is written beside out_dir and moved into place at the end; out_dir must not exist, or be an edgelm "
-    "package (or empty folder) and --overwrite given."
-)
+
+def describe() -> str:
+    """The command's description, naming the sources from the family table and the kept GGUF block types from
+    the block-type table (export/families/, export/gguf_blocks.py: both need edgelm[export])."""
+    try:
+        from edgelm.export.families import supported_sources
+        from edgelm.export.gguf_blocks import KEPT_TYPE_NAMES
+    except ModuleNotFoundError:
+        sources = "a Hugging Face folder or a GGUF file of a supported family (install edgelm[export] to list them)"
+        kept = "the types with an exact MatMulNBits form"
+    else:
+        sources, kept = supported_sources(), ", ".join(KEPT_TYPE_NAMES)
+    return (
+        "Export a model to a new package folder: an ONNX graph with KV-cache I/O, its weights, genai_config.json, "
+        "tokenizer.json and tokenizer_config.json, the chat template and edgelm.json (the sha256 of every package "
+        f"file and of every source file read). Sources: {sources}. A folder holds model.safetensors, sharded "
+        "safetensors with their index, or pytorch_model.bin, and tokenizer.json, generation_config.json and a chat "
+        "template where it has them; a GGUF file's tokenizer.json is built from its metadata. A quantized GGUF file "
+        f"keeps its own blocks as MatMulNBits ({kept}) by default; --dequantize gives an fp32 package. Export then "
+        "runs ONNX Runtime against PyTorch (prompt + decode steps) and fails above the tolerance or on any NaN/inf. "
+        "The package is written beside out_dir and moved into place at the end; out_dir must not exist, or be an "
+        "edgelm package (or empty folder) and --overwrite given."
+    )
 
 
 def add_parser(sub) -> None:
@@ -33,21 +40,23 @@ def add_parser(sub) -> None:
         sub,
         "export",
         help="Hugging Face folder or GGUF file -> ONNX model package (needs edgelm[export])",
-        description=DESCRIPTION,
+        description=describe,
         example="edgelm export models/SmolLM2-135M-Instruct out/smol-fp32",
     )
     p.add_argument(
         "checkpoint",
-        help="a Hugging Face model folder (gpt2, llama, mistral, qwen2, qwen3, gemma3) or a .gguf file (llama, "
-        "qwen2, qwen3, gemma3, gpt2)",
+        help="a Hugging Face model folder or a .gguf file of a family the description names",
     )
     p.add_argument("out_dir", help="package folder to write (must not be, contain or lie inside the checkpoint)")
     p.add_argument(
-        "--opset", type=int_in(*OPSETS), default=17, help=f"ONNX opset, {OPSETS[0]} to {OPSETS[1]} (default 17)"
+        "--opset",
+        type=int_in(*OPSETS),
+        default=defaults.DEFAULT_OPSET,
+        help=f"ONNX opset, {OPSETS[0]} to {OPSETS[1]} (default {defaults.DEFAULT_OPSET})",
     )
     p.add_argument(
         "--attention",
-        choices=("fused", "standard"),
+        choices=defaults.ATTENTION_KINDS,
         default="fused",
         help="fused (default): ONNX Runtime's GroupQueryAttention with a KV buffer updated in place, the fast "
         "graph; standard: standard ONNX ops only, for other ONNX runtimes",
@@ -65,9 +74,9 @@ def add_parser(sub) -> None:
         "--tolerance",
         type=finite_at_least(0.0),
         default=None,
-        help=f"max |logit difference| allowed (default {PARITY_TOLERANCE:g}; {KEPT_FLOAT_TOLERANCE:g} for kept "
-        f"GGUF blocks at accuracy level 0, {INT8_ACTIVATION_TOLERANCE:g} at accuracy level 4, whose activations "
-        "are int8)",
+        help=f"max |logit difference| allowed (default {defaults.PARITY_TOLERANCE:g}; "
+        f"{defaults.KEPT_FLOAT_TOLERANCE:g} for kept GGUF blocks at accuracy level 0, "
+        f"{defaults.INT8_ACTIVATION_TOLERANCE:g} at accuracy level 4, whose activations are int8)",
     )
     add_overwrite(p)
     p.set_defaults(run=run)
@@ -78,12 +87,8 @@ def _add_gguf_options(p: argparse.ArgumentParser) -> None:
         "--dequantize",
         action="store_true",
         help="GGUF files: dequantize every weight to fp32 (a package about 4x the file). By default a GGUF "
-        "file's quantized weights (Q4_0 .. Q8_0, Q2_K .. Q6_K) stay in their own blocks as MatMulNBits, exactly",
-    )
-    p.add_argument(
-        "--keep-gguf-quantization",
-        action="store_true",
-        help="accepted for old scripts: keeping a GGUF file's blocks is now the default (fails for a folder)",
+        "file's quantized weights of the types the description names stay in their own blocks as MatMulNBits, "
+        "exactly",
     )
     p.add_argument(
         "--accuracy-level",
@@ -134,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
         last_token_logits=args.last_token_logits,
         untie=args.untied,
         dequantize=args.dequantize,
-        keep_gguf_quantization=args.keep_gguf_quantization,
         accuracy_level=args.accuracy_level,
         tolerance=args.tolerance,
         overwrite=args.overwrite,

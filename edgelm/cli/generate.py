@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from .adapter import add_adapter_option, load_adapter
+from .apps import add_structured, structured_options
+from .cache import add_model_argument, open_model
 from .options import add_command, add_json, add_runtime, add_sampling, add_speculative, sampling_options
 from .text import printable, to_json
 
@@ -14,14 +16,17 @@ def add_parser(sub) -> None:
     p = add_command(
         sub,
         "generate",
-        help="generate text from a package, streaming to stdout",
-        description="Generate from a prompt, streaming the text to stdout and a timing line to stderr.",
+        help="generate text from a package, GGUF file or model folder, streaming to stdout",
+        description="Generate from a prompt, streaming the text to stdout and a timing line to stderr. Greedy "
+        "(exact, reproducible) unless a sampling flag is given. A GGUF file or Hugging Face model folder is "
+        "exported into the cache on first use (edgelm list).",
         example='edgelm generate out/int8 "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40 --seed 1',
     )
-    p.add_argument("package")
+    add_model_argument(p)
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
     add_sampling(p)
     add_speculative(p)
+    add_structured(p)
     add_runtime(p)
     add_adapter_option(p)
     add_json(p, " (text, ids, finish reason, timings)")
@@ -29,10 +34,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgelm.runtime import load
-
-    model = load(args.package, provider=args.provider, threads=args.threads, verify=not args.no_verify)
-    options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter)}
+    model = open_model(args)
+    adapter = load_adapter(model, args.adapter, verify=not args.no_verify)
+    options = sampling_options(args) | structured_options(args) | {"adapter": adapter}
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(to_json(result.to_dict(), ensure_ascii=False))

@@ -28,15 +28,20 @@ import tkinter as tk
 from tkinter import filedialog, ttk
 
 from edgelm.runtime import EdgelmError, GenerationResult, Model, load
+from edgelm.runtime.chat_defaults import CHAT_SAMPLING, model_chat_sampling
 
 POLL_MS = 30  # how often the UI thread drains the worker's queue: fast enough to look live
 
-# (runtime keyword, label, parser, default). An empty seed means a different sample every run.
+# (runtime keyword, label, parser, default). An empty seed means a different sample every run. A loaded chat
+# package sets the sampling fields to what its model recommends, else to edgelm's chat defaults
+# (runtime/chat_defaults.py); temperature 0 is greedy.
 PARAMETERS = [
     ("max_new_tokens", "Max tokens", int, "200"),
-    ("temperature", "Temperature", float, "0.7"),
-    ("top_k", "Top-k", int, "40"),
-    ("top_p", "Top-p", float, "0.95"),
+    ("temperature", "Temperature", float, f"{CHAT_SAMPLING['temperature']:g}"),
+    ("top_k", "Top-k", int, "0"),
+    ("top_p", "Top-p", float, f"{CHAT_SAMPLING['top_p']:g}"),
+    ("min_p", "Min-p", float, f"{CHAT_SAMPLING['min_p']:g}"),
+    ("repetition_penalty", "Repeat penalty", float, f"{CHAT_SAMPLING['repetition_penalty']:g}"),
     ("seed", "Seed", int, ""),
 ]
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -369,7 +374,10 @@ class ChatApp:
                 self.load_adapter(path)
             try:
                 self.conversation = value.conversation(system=self.system_prompt.get().strip() or None)
-                mode = "chat"
+                sampling, origin = model_chat_sampling(value)
+                for key, number in sampling.items():
+                    self.params[key].set(f"{number:g}")
+                mode = f"chat, sampling from {origin}"
             except EdgelmError:  # no chat template: text completion, as for a base model
                 self.conversation, mode = None, "completion (the package has no chat template)"
             self._clear_history()

@@ -1,0 +1,15 @@
+"""export_package's defaults that the CLI states in its help, defined once and importable without torch or onnx
+(a runtime-only install still prints `edgelm export --help`)."""
+
+PARITY_TOLERANCE = 1e-4  # max |logit difference| of a float package against PyTorch (float64 reference)
+# Kept GGUF blocks with float activations: ONNX Runtime's 4-bit kernel sums in its own order, a few times
+# further from float64 than a float MatMul (1.1e-4 on SmolLM2-135M).
+KEPT_FLOAT_TOLERANCE = 1e-3
+# MatMulNBits at accuracy_level 4 quantizes each block of activations to int8 at run time, which PyTorch does
+# not: on SmolLM2-135M (logits up to ~35) that moved logits by up to about 2. The check then
+# guards against a wrong graph (a wrong weight scrambles the logits), not against rounding.
+INT8_ACTIVATION_TOLERANCE = 4.0
+DEFAULT_OPSET = 17
+# "fused": ONNX Runtime's GroupQueryAttention and a shared KV buffer (export/graph.py), the fast graph;
+# "standard": the traced graph of standard ONNX ops only, for runtimes other than ONNX Runtime.
+ATTENTION_KINDS = ("fused", "standard")

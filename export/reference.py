@@ -1,0 +1,77 @@
+"""What the reference models (export/gpt2.py, export/llama.py) share: one call,
+
+    logits, present = model(input_ids, attention_mask, position_ids, past_key_values)
+
+its inputs' defaults, the additive attention bias, and greedy generation, the reference the runtime's tokens
+are checked against. Past keys/values go in and present keys/values come out as tensors, (B, kv heads,
+past + T, head_dim) per layer: exactly what the ONNX graph exposes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+Past = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def forward_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    past_key_values: Past | None,
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(past length, attention_mask (B, past + T), position_ids (B, T)): the mask all ones and the positions
+    past .. past + T - 1 where they are not given."""
+    B, T = input_ids.shape
+    past_length = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+    total = past_length + T
+    if attention_mask is None:
+        attention_mask = torch.ones(B, total, dtype=torch.long, device=input_ids.device)
+    if position_ids is None:
+        position_ids = torch.arange(past_length, total, device=input_ids.device).unsqueeze(0).expand(B, T)
+    return past_length, attention_mask, position_ids
+
+
+def attention_bias(
+    attention_mask: torch.Tensor,
+    past_length: int,
+    T: int,
+    window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Additive bias (B, 1, T, past + T): 0 where query i (absolute position past + i) may see key j, that is
+    j <= past + i and key j is not padding; a large finite negative number elsewhere (so a fully padded row
+    gives a uniform softmax, not NaN). A sliding layer (window, position_ids (B, T)) also hides keys whose
+    position is `window` or more before the query's: positions, not slots, as a right-padded row's cache has
+    padding slots between its prompt and the tokens generated after it."""
+    device = attention_mask.device
+    query_pos = torch.arange(T, device=device).unsqueeze(1) + past_length  # (T, 1)
+    key_pos = torch.arange(past_length + T, device=device).unsqueeze(0)  # (1, past + T)
+    allowed = (key_pos <= query_pos).unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (B, T, past + T)
+    if window is not None:
+        key_positions = attention_mask.long().cumsum(-1) - 1  # (B, past + T): each real key's position
+        allowed = allowed & (key_positions.unsqueeze(1) > position_ids.unsqueeze(-1) - window)
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+    return bias.masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
+
+
+class ReferenceModel(nn.Module):
+    """The base of the reference models: the parameter count and greedy generation over `forward`."""
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with the KV cache; the reference the runtime's tokens are checked against."""
+        logits, past = self(input_ids)
+        tokens = []
+        next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)  # (B, 1)
+        for step in range(max_new_tokens):
+            tokens.append(next_token)
+            if step == max_new_tokens - 1:
+                break
+            logits, past = self(next_token, past_key_values=past)
+            next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        return torch.cat(tokens, dim=1) if tokens else input_ids[:, :0]

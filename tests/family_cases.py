@@ -1,0 +1,254 @@
+"""The tiny transformers models every family row is tested on (tests/test_families.py), shared by the test files
+that need a family's folder, GGUF file or package (tests/test_llama_export.py, tests/test_qwen3_gemma3.py):
+each made once per session, when first asked for.
+
+A case is a random transformers model of one row's model_type, saved with save_pretrained; where the row reads
+GGUF files, the same weights as llama.cpp's converter writes them (its names, Llama's permuted Q/K rows,
+GPT-2's Conv1D weights as (out, in), Gemma's norms as 1 + w, a tied head left out)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from helpers import hf_greedy, quiet, save_random_model
+
+NEW_TOKENS = 32
+EOS = 0
+WINDOW = 3  # Gemma 3's sliding window: shorter than every prompt, so the local mask and rotary both count
+# hidden 96 over 6 query heads and 2 KV heads: head_dim 16, GQA ratio 3
+SMALL = dict(
+    vocab_size=2048, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
+    intermediate_size=128, max_position_embeddings=128, rope_theta=1e5, rms_norm_eps=1e-5,
+    bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS,
+    initializer_range=0.15,  # the usual 0.02 gives near-uniform logits and a greedy run of one token
+)  # fmt: skip
+GPT2 = dict(vocab_size=2048, n_embd=96, n_head=6, n_layer=2, n_positions=128, bos_token_id=EOS, eos_token_id=EOS,
+            pad_token_id=EOS, initializer_range=0.15)  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}  # fmt: skip
+PROMPTS = [  # three lengths: the padded batch
+    [5, 99, 1200, 7, 640, 33, 1800, 412, 77],
+    [300, 12, 2001, 5],
+    [9, 8, 1500, 600, 44, 1024, 3, 17, 250, 21, 90],
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    model_type: str  # the family row it exercises (export/families/ FAMILIES)
+    classes: tuple[str, str]  # transformers' config and model classes
+    config: dict
+    gguf: bool = False  # also exported from a GGUF file of the same weights
+    image_text_of: str | None = None  # Gemma 3's image-and-text folder holding this case's text model
+
+
+CASES = {
+    "gpt2": Case("gpt2", ("GPT2Config", "GPT2LMHeadModel"), GPT2, gguf=True),
+    # llama3 scaling with original context 32: no GGUF (llama.cpp keeps Llama 3's usual parameters only;
+    # Llama GGUF files: tests/test_gguf_export.py)
+    "llama-llama3-tied": Case("llama", ("LlamaConfig", "LlamaForCausalLM"), SMALL | dict(rope_scaling=LLAMA3,
+                              tie_word_embeddings=True)),  # fmt: skip
+    "qwen2-biases-untied": Case("qwen2", ("Qwen2Config", "Qwen2ForCausalLM"), SMALL | dict(tie_word_embeddings=False),
+                                gguf=True),  # fmt: skip
+    "mistral-untied": Case("mistral", ("MistralConfig", "MistralForCausalLM"), SMALL | dict(tie_word_embeddings=False,
+                           sliding_window=None)),  # fmt: skip
+    # head_dim 32 is not hidden / heads (16)
+    "qwen3": Case("qwen3", ("Qwen3Config", "Qwen3ForCausalLM"), SMALL | dict(head_dim=32, tie_word_embeddings=True),
+                  gguf=True),  # fmt: skip
+    # llama.cpp's Gemma 3 layout: layers 0-4 sliding (local rotary base 10000), layer 5 full, with rope_theta
+    # and linear scaling (as the 1B's full layers), query_pre_attn_scalar = head_dim (what llama.cpp assumes)
+    "gemma3_text": Case(
+        "gemma3_text",
+        ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        SMALL | dict(
+            head_dim=32, num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=32,
+            initializer_range=0.05,  # with the sqrt(hidden) embedding scale, 0.15 gives a greedy run of one token
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        gguf=True,
+    ),
+    # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
+    # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
+    "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
+}  # fmt: skip
+
+
+@dataclass
+class Families:
+    """Each case's transformers model and folder, GGUF file, packages and greedy tokens, made when first asked."""
+
+    root: Path
+    _models: dict = field(default_factory=dict)
+    _packages: dict = field(default_factory=dict)
+    _expected: dict = field(default_factory=dict)
+
+    def model(self, case: str) -> tuple[torch.nn.Module, Path]:
+        """(the transformers model, its folder)."""
+        if case not in self._models:
+            spec = CASES[case]
+            if spec.image_text_of:
+                hf, text_folder = self.model(spec.image_text_of)
+                self._models[case] = (hf, write_image_text_folder(text_folder, self.root / case))
+            else:
+                self._models[case] = (save_random_model(self.root / case, spec.classes, spec.config), self.root / case)
+        return self._models[case]
+
+    def gguf(self, case: str) -> Path:
+        path = self.root / f"{case}.gguf"
+        if not path.exists():
+            write_gguf(self.model(case)[0], path)
+        return path
+
+    def package(self, case: str, source: str) -> Path:
+        """The package of `source`: "fused" or "standard" (from the folder) or "gguf" (the fused graph)."""
+        from edgelm.export.onnx_export import export_package
+
+        if (case, source) not in self._packages:
+            out = self.root / f"{case}-{source}"
+            if source == "gguf":
+                export_package(self.gguf(case), out, progress=quiet)
+            else:
+                export_package(self.model(case)[1], out, attention=source, progress=quiet)
+            self._packages[case, source] = out
+        return self._packages[case, source]
+
+    def expected(self, case: str) -> list[list[int]]:
+        """transformers' greedy tokens for each prompt."""
+        if case not in self._expected:
+            hf = self.model(case)[0]
+            self._expected[case] = [hf_greedy(hf, p, NEW_TOKENS, pad_token_id=EOS) for p in PROMPTS]
+        return self._expected[case]
+
+
+def write_image_text_folder(text_folder: Path, folder: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    text = json.loads((text_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text, "eos_token_id": EOS}))
+    state = {
+        "model.language_model." + k.removeprefix("model."): v
+        for k, v in load_file(text_folder / "model.safetensors").items()
+    }
+    state["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    save_file(state, folder / "model.safetensors")
+    (folder / "tokenizer.json").write_bytes((text_folder / "tokenizer.json").read_bytes())
+    return folder
+
+
+# HF name in a layer -> llama.cpp's
+LLAMA_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GEMMA_NAMES = LLAMA_NAMES | {  # Gemma's norms around attention and the MLP
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+GPT2_NAMES = {
+    "ln_1.weight": "attn_norm.weight", "ln_1.bias": "attn_norm.bias", "attn.c_attn.weight": "attn_qkv.weight",
+    "attn.c_attn.bias": "attn_qkv.bias", "attn.c_proj.weight": "attn_output.weight",
+    "attn.c_proj.bias": "attn_output.bias", "ln_2.weight": "ffn_norm.weight", "ln_2.bias": "ffn_norm.bias",
+    "mlp.c_fc.weight": "ffn_up.weight", "mlp.c_fc.bias": "ffn_up.bias", "mlp.c_proj.weight": "ffn_down.weight",
+    "mlp.c_proj.bias": "ffn_down.bias",
+}  # fmt: skip
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
+    "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
+    "lm_head.weight": "output.weight",
+}  # fmt: skip
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order for rotary rows: each head's (2, hd/2) halves become (hd/2, 2) pairs."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _gguf_name(name: str, names: dict) -> str:
+    for prefix in ("model.layers.", "transformer.h."):
+        if name.startswith(prefix):
+            layer, rest = name.removeprefix(prefix).split(".", 1)
+            return f"blk.{layer}.{names[rest]}"
+    return GLOBAL_NAMES[name]
+
+
+def _write_metadata(writer, c, arch: str) -> None:
+    """What llama.cpp's converter writes for a Llama-family model (the window but no layer pattern or local
+    rotary base for Gemma 3)."""
+    writer.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", c.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", c.intermediate_size)
+    writer.add_uint32(f"{arch}.block_count", c.num_hidden_layers)
+    writer.add_uint32(f"{arch}.attention.head_count", c.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", head_dim)
+    rope = c.rope_parameters["full_attention"] if arch == "gemma3" else c.rope_parameters
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    if arch == "gemma3":
+        writer.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+
+
+def _write_gpt2_metadata(writer, c) -> None:
+    writer.add_uint32("gpt2.context_length", c.n_positions)
+    writer.add_uint32("gpt2.embedding_length", c.n_embd)
+    writer.add_uint32("gpt2.feed_forward_length", c.n_inner or 4 * c.n_embd)
+    writer.add_uint32("gpt2.block_count", c.n_layer)
+    writer.add_uint32("gpt2.attention.head_count", c.n_head)
+    writer.add_float32("gpt2.attention.layer_norm_epsilon", c.layer_norm_epsilon)
+
+
+def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
+    """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys)."""
+    import gguf
+    from test_gguf import _add_tokenizer  # pytest puts tests/ on the path
+
+    c = hf.config
+    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
+    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES}.get(arch, LLAMA_NAMES)
+    writer = gguf.GGUFWriter(path, arch)
+    _write_gpt2_metadata(writer, c) if arch == "gpt2" else _write_metadata(writer, c, arch)
+    for name, tensor in hf.state_dict().items():
+        tied_head = name == "lm_head.weight" and c.tie_word_embeddings
+        mask_buffer = name.endswith(("attn.bias", "attn.masked_bias")) and not name.endswith("c_attn.bias")
+        if tied_head or mask_buffer:
+            continue
+        weight = tensor.float().numpy()
+        if arch == "gpt2" and weight.ndim == 2 and ".h." in name:
+            weight = weight.T  # Conv1D (in, out), stored (out, in)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            weight = _permute(weight, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
+        shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
+        writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(weight) + np.float32(shift))
+    _add_tokenizer(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
