@@ -1,0 +1,143 @@
+"""LFM2 / LFM2.5 (model_type lfm2): short gated convolutions and grouped-query attention layers, its folder read
+into the reference model (export/lfm2.py), and its row.
+
+Its convolution layers keep a state, not a KV cache, so its package's manifest says which layer holds what
+(architecture.layer_types, architecture.conv_state) and names the state `past.%d.conv` / `present.%d.conv` as
+onnxruntime-genai's LFM2 builder does. Only the standard graph (export/traced.py) is built: the fused graph
+(export/graph.py) has no convolution step yet, and a GGUF file of it is not read yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import (
+    CheckpointError,
+    config_context_length,
+    config_errors,
+    config_number,
+    load_weights,
+    read_config,
+    read_extras,
+    read_safetensors_folder,
+)
+from ..decoder import Decoder
+from ..lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
+from ..limits import MAX_NORM_EPSILON
+from .family import Blocks, Family, checked_tokens
+
+
+def intermediate_size(hf: dict) -> int:
+    """The MLP's width as transformers' Lfm2MLP computes it (block_auto_adjust_ff_dim: 2/3, the multiplier, then
+    up to a multiple of block_multiple_of)."""
+    size = config_number(hf, "intermediate_size")
+    if hf.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            size = int(config_number(hf, "block_ffn_dim_multiplier", kind=float, positive=True) * size)
+            multiple = config_number(hf, "block_multiple_of", 256)
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+def layer_types(hf: dict, n_layer: int) -> list[str]:
+    """config.json's layer_types, or the older full_attn_idxs (the attention layers' indices)."""
+    kinds = hf.get("layer_types")
+    if kinds is None and isinstance(hf.get("full_attn_idxs"), list):
+        kinds = [ATTENTION if i in hf["full_attn_idxs"] else CONV for i in range(n_layer)]
+    if not isinstance(kinds, list) or len(kinds) != n_layer or not set(kinds) <= {ATTENTION, CONV}:
+        raise CheckpointError(
+            f"config.json's layer_types must list {n_layer} of {ATTENTION!r} and {CONV!r}, got {kinds!r:.80}"
+        )
+    if ATTENTION not in kinds:
+        raise CheckpointError("config.json's layer_types has no full_attention layer, which edgelm's LFM2 needs")
+    return kinds
+
+
+def config_from_hf(hf: dict) -> Lfm2Config:
+    rope = hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise CheckpointError(f"LFM2 with rope scaling {rope or hf.get('rope_scaling')!r:.80} is not implemented")
+    with config_errors():
+        n_layer = config_number(hf, "num_hidden_layers")
+        hidden, heads = config_number(hf, "hidden_size"), config_number(hf, "num_attention_heads")
+        if hidden % heads:
+            raise CheckpointError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        kv_heads = config_number(hf, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise CheckpointError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
+        return Lfm2Config(
+            vocab_size=config_number(hf, "vocab_size"),
+            n_embd=hidden,
+            n_layer=n_layer,
+            n_head=heads,
+            n_kv_head=kv_heads,
+            n_inner=intermediate_size(hf),
+            layer_types=layer_types(hf, n_layer),
+            n_positions=config_context_length(config_number(hf, "max_position_embeddings", 128000), "max_position_embeddings"),
+            conv_kernel=config_number(hf, "conv_L_cache", 3, below=64),
+            conv_bias=bool(hf.get("conv_bias", False)),
+            norm_eps=config_number(hf, "norm_eps", 1e-5, kind=float, below=MAX_NORM_EPSILON),
+            rope_theta=config_number({"rope_theta": theta}, "rope_theta", kind=float, positive=True),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("tie_embedding", True))),
+        )
+
+
+def build(config: Lfm2Config, state: dict[str, torch.Tensor]) -> Lfm2:
+    model = load_weights(
+        lambda: Lfm2(config), state, prefix="model.", embedding="model.embed_tokens.weight",
+        tied=config.tie_word_embeddings, what="LFM2",
+    )  # fmt: skip
+    model.inv_freq = rope_inv_freq(config)  # a buffer: built on meta, not in the state dict
+    return model.eval()
+
+
+def load(folder: str | Path) -> Lfm2:
+    folder = Path(folder)
+    return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder))
+
+
+def decoder(model: Lfm2, *, blocks: Blocks | None = None) -> Decoder:
+    raise CheckpointError(
+        "LFM2's fused graph is not built yet (its convolution layers have no fused step); export it with "
+        "attention='standard' (--attention standard)"
+    )
+
+
+def details(model: Lfm2) -> dict:
+    c = model.config
+    return {
+        "n_embd": c.n_embd,
+        "n_inner": c.n_inner,
+        "rope_theta": c.rope_theta,
+        "norm_eps": c.norm_eps,
+        "conv_kernel": c.conv_kernel,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "parameters": model.num_parameters(),
+    }
+
+
+def tokens(folder: Path, model: Lfm2) -> dict:
+    extras = read_extras(folder)
+    return checked_tokens(
+        model.config.vocab_size, extras["bos_token_id"], extras["eos_token_ids"], extras["pad_token_id"]
+    )
+
+
+ROWS = (
+    Family(
+        model_type="lfm2",
+        name="lfm2",
+        label="LFM2/LFM2.5",
+        genai_type="lfm2",
+        load=load,
+        build=lambda hf, state: build(config_from_hf(hf), state),
+        decoder=decoder,
+        details=details,
+        tokens=tokens,
+    ),
+)
