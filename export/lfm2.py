@@ -158,6 +158,10 @@ class Lfm2(ReferenceModel):
             for kind in c.layer_types
         ]
 
+    def state_layout(self) -> dict:
+        """What the package's manifest says each layer keeps (runtime/contract.py Architecture)."""
+        return {"layer_types": list(self.config.layer_types), "conv_state": [self.config.n_embd, self.config.conv_kernel - 1]}
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 
 from ..runtime.contract import IONames
 from .checkpoint import CheckpointError
+from .traced import state_layout
 
 
 def _worst(worst: float, ort_logits: np.ndarray, torch_logits: np.ndarray) -> float:
@@ -80,12 +81,17 @@ def check_parity(
     attention_mask[1, :2] = 0  # second row left-padded by two
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
+    layer_types = state_layout(model).get("layer_types")
+
     def ort_feed(ids, mask, positions, past):
         feed = {io.input_ids: ids.numpy(), io.attention_mask: mask.numpy(), io.position_ids: positions.numpy()}
-        return feed | dict(zip(io.past_names(config.n_layer), past, strict=True))
+        return feed | dict(zip(io.past_names(config.n_layer, layer_types), past, strict=True))
 
-    empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
-    ort_past = [empty] * (2 * config.n_layer)
+    if layer_types is None:
+        empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
+        ort_past = [empty] * (2 * config.n_layer)
+    else:  # a hybrid model's own empty state, flattened in the graph's order
+        ort_past = [t.numpy() for layer in model.empty_state(2) for t in layer]
     torch_past = None
     worst = 0.0
     with _one_thread():

@@ -66,7 +66,8 @@ def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -
     run, in present_names order, or None for an empty cache). Every row is unpadded."""
     spec = model.spec
     batch, length = input_ids.shape
-    past_length = 0 if past is None else past[0].shape[2]
+    kinds = spec.arch.cache_kinds()
+    past_length = 0 if past is None else past[kinds.index("key")].shape[2]
     feed = {
         spec.io.input_ids: input_ids.astype(np.int64),
         spec.io.attention_mask: np.ones((batch, past_length + length), dtype=np.int64),
@@ -75,9 +76,8 @@ def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -
         positions = np.arange(past_length, past_length + length, dtype=np.int64)
         feed[spec.io.position_ids] = np.broadcast_to(positions, (batch, length)).copy()
     if past is None:
-        empty = np.zeros((batch, spec.arch.n_kv_head, 0, spec.arch.head_dim), dtype=model.kv_dtype)
-        past = [empty] * (2 * spec.arch.n_layer)
-    feed.update(zip(spec.io.past_names(spec.arch.n_layer), past, strict=True))
+        past = [np.zeros(spec.arch.cache_shape(kind, batch), dtype=model.kv_dtype) for kind in kinds]
+    feed.update(zip(spec.io.past_names(spec.arch.n_layer, spec.arch.layer_types), past, strict=True))
     return feed
 
 
@@ -129,7 +129,9 @@ def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new
 
 
 def make_cache(model: Runner, prompts: list[list[int]], *, capacity: int) -> Cache:
-    """The driver the package's graph wants (its manifest's io.kv_cache)."""
+    """The driver the package's graph wants (its manifest's io.kv_cache; a hybrid model's layer states)."""
+    if model.spec.arch.has_state:
+        return StateCache(model, prompts)
     if model.spec.io.kv_cache == "shared_buffer":
         return SharedCache(model, prompts, capacity=capacity)
     return ConcatCache(model, prompts)
@@ -153,9 +155,9 @@ class ConcatCache:
         self.binding = model.session.io_binding()
 
     def _empty(self, batch: int) -> list[ort.OrtValue]:
-        arch = self.spec.arch
-        empty = np.zeros((batch, arch.n_kv_head, 0, arch.head_dim), dtype=self.model.kv_dtype)
-        return [ort.OrtValue.ortvalue_from_numpy(empty, self.model.device) for _ in range(2 * arch.n_layer)]
+        arch, device = self.spec.arch, self.model.device
+        shapes = [arch.cache_shape(kind, batch) for kind in arch.cache_kinds()]
+        return [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.model.kv_dtype), device) for shape in shapes]
 
     def prompt(self) -> np.ndarray:
         self.lengths += self.attention_mask.sum(axis=1)
@@ -195,15 +197,82 @@ class ConcatCache:
             # positions count real tokens only, so a left-padded row starts at 0 like an unpadded one
             positions = np.cumsum(self.attention_mask, axis=1)[:, -input_ids.shape[1] :] - 1
             binding.bind_cpu_input(io.position_ids, np.maximum(positions, 0).astype(np.int64))
-        for name, value in zip(io.past_names(self.spec.arch.n_layer), self.past, strict=True):
+        arch = self.spec.arch
+        for name, value in zip(io.past_names(arch.n_layer, arch.layer_types), self.past, strict=True):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output(io.logits, "cpu")
-        for name in io.present_names(self.spec.arch.n_layer):
+        for name in io.present_names(arch.n_layer, arch.layer_types):
             binding.bind_output(name, device)
         self.model.run(binding)
         outputs = binding.get_outputs()
         self.past = outputs[1:]
         return outputs[0].numpy()[:, -1, :] if last else outputs[0].numpy()  # (B, V) or (B, T, V)
+
+
+class StateCache(ConcatCache):
+    """A hybrid model's cache (the standard graph's, with left padding): KV for attention layers, and for the
+    others a convolution or recurrent state that folds every token in, so it cannot be cut back. A left-padded
+    row's state is exact: the graph zeroes a padded position's input, which leaves an empty state empty.
+
+    Batch 1 keeps snapshots of its states at the lengths where a turn or a multi-token step began or ended
+    (the prompt's end, before and after each `extend`; the latest MAX_SNAPSHOTS, and the empty state always), and
+    the ids it holds. `rewind_point(length)` is the longest snapshot <= length: a Conversation rewinds there and
+    feeds the rest itself. `rewind(length)` to any other length restores the snapshot before it and feeds the
+    ids between again, so speculative decoding's rollback of rejected guesses is exact too (one more run)."""
+
+    MAX_SNAPSHOTS = 16
+
+    def __init__(self, model: Runner, prompts: list[list[int]]):
+        super().__init__(model, prompts)
+        kinds = self.spec.arch.cache_kinds()
+        self.states = [i for i, kind in enumerate(kinds) if kind in ("conv", "recurrent")]  # indices into past
+        self.ids: list[int] = []  # batch 1: the ids the cache holds
+        self._prompt = list(prompts[0]) if len(prompts) == 1 else []
+        self.snapshots: dict[int, list[np.ndarray]] = {0: [np.asarray(self.past[i].numpy()) for i in self.states]}
+
+    def _snapshot(self) -> None:
+        if len(self.lengths) != 1:
+            return
+        length = int(self.lengths[0])
+        self.snapshots[length] = [np.array(self.past[i].numpy()) for i in self.states]
+        while len(self.snapshots) > self.MAX_SNAPSHOTS + 1:  # the oldest beyond the empty state goes first
+            del self.snapshots[min(k for k in self.snapshots if k)]
+
+    def prompt(self) -> np.ndarray:
+        logits = super().prompt()
+        self.ids = self._prompt
+        self._snapshot()
+        return logits
+
+    def next(self, next_ids: np.ndarray) -> np.ndarray:
+        if len(self.lengths) == 1:
+            self.ids.append(int(next_ids[0, 0]))
+        return super().next(next_ids)
+
+    def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
+        self._snapshot()
+        logits = super().extend(ids, all_logits=all_logits)
+        self.ids += ids
+        self._snapshot()
+        return logits
+
+    def rewind_point(self, length: int) -> int:
+        length = max(0, min(length, int(self.lengths[0])))
+        return max(k for k in self.snapshots if k <= length)
+
+    def rewind(self, length: int) -> None:
+        assert len(self.lengths) == 1 and 0 <= length <= self.lengths[0], f"cannot rewind to {length}"
+        if length == self.lengths[0]:
+            return
+        point, device = self.rewind_point(length), self.model.device
+        ids = self.ids[point:length]
+        super().rewind(point)  # cuts every past tensor on its length axis: the states are put back below
+        for i, array in zip(self.states, self.snapshots[point], strict=True):
+            self.past[i] = ort.OrtValue.ortvalue_from_numpy(np.array(array), device)
+        self.ids = self.ids[:point]
+        self.snapshots = {k: v for k, v in self.snapshots.items() if k <= point}
+        if ids:
+            self.extend(ids)
 
 
 class SharedCache:
