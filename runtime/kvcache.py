@@ -228,7 +228,8 @@ class StateCache(ConcatCache):
         self.states = [i for i, kind in enumerate(kinds) if kind in ("conv", "recurrent")]  # indices into past
         self.ids: list[int] = []  # batch 1: the ids the cache holds
         self._prompt = list(prompts[0]) if len(prompts) == 1 else []
-        self.snapshots: dict[int, list[np.ndarray]] = {0: [np.asarray(self.past[i].numpy()) for i in self.states]}
+        # copies, never views: OrtValue.numpy() may share a buffer that goes when the OrtValue does
+        self.snapshots: dict[int, list[np.ndarray]] = {0: [np.array(self.past[i].numpy()) for i in self.states]}
 
     def _snapshot(self) -> None:
         if len(self.lengths) != 1:

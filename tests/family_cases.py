@@ -28,6 +28,11 @@ SMALL = dict(
 )  # fmt: skip
 GPT2 = dict(vocab_size=2048, n_embd=96, n_head=6, n_layer=2, n_positions=128, bos_token_id=EOS, eos_token_id=EOS,
             pad_token_id=EOS, initializer_range=0.15)  # fmt: skip
+LFM2 = dict(
+    vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+    intermediate_size=128, max_position_embeddings=128, layer_types=["conv", "full_attention", "conv", "full_attention"],
+    bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
+)  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}  # fmt: skip
 PROMPTS = [  # three lengths: the padded batch
@@ -44,6 +49,7 @@ class Case:
     config: dict
     gguf: bool = False  # also exported from a GGUF file of the same weights
     image_text_of: str | None = None  # Gemma 3's image-and-text folder holding this case's text model
+    graphs: tuple[str, ...] = ("fused", "standard")  # the graphs its row builds
 
 
 CASES = {
@@ -77,6 +83,8 @@ CASES = {
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
     # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
+    # short convolutions (kernel 3: a state of 2 columns) and attention layers; the standard graph only
+    "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, graphs=("standard",)),
 }  # fmt: skip
 
 

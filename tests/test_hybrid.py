@@ -1,0 +1,147 @@
+"""Hybrid models: LFM2 (short gated convolutions beside attention layers) against transformers, and its state as a
+cache kind (runtime/kvcache.py StateCache): prompts shorter than the convolution's kernel, a padded batch, the
+manifest's layer record, snapshots and replayed rewinds, conversations with undo and a re-rendering template, and
+prompt lookup decoding, each equal to a fresh run. tests/test_families.py holds the family's transformers and
+onnxruntime-genai checks on the longer prompts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from chat_package import make_chat_package
+from family_cases import EOS, NEW_TOKENS, PROMPTS
+from helpers import genai_greedy, hf_greedy
+from test_chat import REWRITE
+
+from edgelm.export.checkpoint import CheckpointError
+from edgelm.runtime import load
+from edgelm.runtime.contract import Manifest
+from edgelm.runtime.errors import PackageError
+from edgelm.runtime.kvcache import StateCache, make_cache
+
+TOLERANCE = 1e-4
+# one token, two (shorter than the kernel of 3, so the state still holds its zeros), and eleven
+EDGE_PROMPTS = [[7], [300, 12], PROMPTS[2]]
+SYSTEM = "You are a terse assistant."
+QUESTIONS = ["What is the moon made of?", "And the sun?", "Say it again, shorter."]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def lfm2(families):
+    hf, _ = families.model("lfm2")
+    return hf, families.package("lfm2", "standard"), load(families.package("lfm2", "standard"), provider="cpu")
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hybrid") / "lfm2-chat"
+    return load(make_chat_package(out, family="lfm2", attention="standard", layers=4), provider="cpu", threads=1)
+
+
+def test_short_prompts_alone_and_in_a_padded_batch_equal_transformers(lfm2):
+    hf, package, model = lfm2
+    expected = [hf_greedy(hf, prompt, NEW_TOKENS, pad_token_id=EOS) for prompt in EDGE_PROMPTS]
+    for prompt, tokens in zip(EDGE_PROMPTS, expected, strict=True):
+        with torch.no_grad():
+            reference = hf(torch.tensor([prompt])).logits.numpy()
+        assert np.abs(model.forward(np.array([prompt]))[0] - reference).max() < TOLERANCE
+        assert model.generate(prompt, NEW_TOKENS, temperature=0, ignore_eos=True).token_ids == tokens
+    batch = model.generate_batch(EDGE_PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
+    assert [r.token_ids for r in batch] == expected  # left padding: the short rows' states saw no padding
+    assert genai_greedy(package, EDGE_PROMPTS[1], NEW_TOKENS) == expected[1]
+
+
+def test_the_manifest_says_which_layer_holds_what(lfm2):
+    _, package, model = lfm2
+    arch = model.spec.arch
+    assert arch.layer_types == ["conv", "full_attention", "conv", "full_attention"]
+    assert arch.conv_state == [64, 2] and arch.has_state  # (hidden, kernel - 1), as genai keeps it
+    assert model.spec.io.past_names(4, arch.layer_types) == [
+        "past.0.conv", "past_key_values.1.key", "past_key_values.1.value", "past.2.conv", "past_key_values.3.key",
+        "past_key_values.3.value",
+    ]  # fmt: skip
+    decoder = json.loads((package / "genai_config.json").read_text())["model"]["decoder"]
+    assert decoder["layer_types"] == arch.layer_types and decoder["conv_cache_size"] == 2
+    assert decoder["inputs"]["past_conv_names"] == "past.%d.conv"
+    data = json.loads((package / "edgelm.json").read_text())
+    assert Manifest.parse(data).architecture.layer_types == arch.layer_types
+    for bad in (["conv"] * 4, ["conv", "mamba", "conv", "full_attention"], ["conv"]):
+        broken = json.loads(json.dumps(data))
+        broken["architecture"]["layer_types"] = bad
+        with pytest.raises(PackageError, match="layer_types"):
+            Manifest.parse(broken)
+    del data["architecture"]["conv_state"]
+    with pytest.raises(PackageError, match="conv_state"):
+        Manifest.parse(data)
+
+
+def test_the_fused_graph_is_refused_in_one_line(families, tmp_path):
+    from edgelm.export.onnx_export import export_package
+
+    with pytest.raises(CheckpointError, match="attention='standard'"):
+        export_package(families.model("lfm2")[1], tmp_path / "fused", progress=lambda _: None)
+
+
+def test_state_cache_snapshots_and_replayed_rewinds(lfm2):
+    model = lfm2[2]
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 2000, size=30)]
+    whole = lambda tokens: model.forward(np.array([tokens]))[0][0, -1]  # noqa: E731
+    cache = make_cache(model, [ids[:10]], capacity=40)
+    assert isinstance(cache, StateCache)
+    cache.prompt()
+    cache.extend(ids[10:20])
+    assert np.abs(cache.extend(ids[20:]) - whole(ids)).max() < TOLERANCE
+    assert [cache.rewind_point(n) for n in (30, 25, 20, 15, 9)] == [30, 20, 20, 10, 0]
+    cache.rewind(15)  # between snapshots: the one at 10 and five ids fed again
+    assert int(cache.lengths[0]) == 15
+    assert np.abs(cache.extend([1, 2, 3]) - whole([*ids[:15], 1, 2, 3])).max() < TOLERANCE
+    assert np.abs(cache.next(np.array([[5]]))[0] - whole([*ids[:15], 1, 2, 3, 5])).max() < TOLERANCE
+    cache.rewind(0)
+    assert np.abs(cache.extend(ids[:4]) - whole(ids[:4])).max() < TOLERANCE
+
+
+def check_turns(model, conv, questions: list[str]) -> list:
+    """Each reply equals a fresh generation from the whole history's rendering."""
+    turns = []
+    for question in questions:
+        before = conv.messages + [{"role": "user", "content": question}]
+        reply = conv.send(question, 12)
+        expected_ids = model.encode(conv.template.render(before, add_generation_prompt=True))
+        assert reply.prompt_token_ids == expected_ids
+        assert reply.token_ids == model.generate(expected_ids, 12).token_ids, "the kept state diverged"
+        turns.append((reply, conv.last_turn))
+    return turns
+
+
+def test_a_conversation_keeps_its_state_and_undo_equals_a_fresh_chat(chat):
+    conv = chat.conversation(system=SYSTEM)
+    turns = check_turns(chat, conv, QUESTIONS)
+    assert [turn.path for _, turn in turns][0] == "full"
+    assert all(turn.reused_tokens >= len(reply.prompt_token_ids) for (reply, _), (_, turn) in zip(turns, turns[1:]))
+    conv.undo()
+    again = conv.send(QUESTIONS[2], 12)
+    assert again.token_ids == turns[2][0].token_ids
+    assert conv.last_turn.reused_tokens == turns[2][1].reused_tokens  # the turn's start was a snapshot
+
+
+def test_a_re_rendering_template_falls_back_to_a_prefix_snapshot(chat):
+    conv = chat.conversation(system=SYSTEM, template=REWRITE)
+    turns = check_turns(chat, conv, QUESTIONS)
+    for (previous, _), (_, turn) in zip(turns, turns[1:]):
+        # the earlier reply is rendered shorter: the state goes back to where that turn's prompt began
+        assert turn.path == "rewind" and 0 < turn.reused_tokens <= len(previous.prompt_token_ids)
+
+
+def test_prompt_lookup_gives_the_plain_greedy_ids(chat):
+    proposed = accepted = 0
+    for prompt in (PROMPTS[1] * 3, PROMPTS[2], [9]):  # 100 tokens: the random model falls into a loop lookup finds
+        plain = chat.generate(prompt, 100, ignore_eos=True)
+        fast = chat.generate(prompt, 100, ignore_eos=True, speculative="lookup")
+        assert fast.token_ids == plain.token_ids
+        proposed, accepted = proposed + fast.timings.proposed_tokens, accepted + fast.timings.accepted_tokens
+    assert 0 < accepted < proposed, "both accepted and rejected guesses (a replayed rewind) are exercised"
