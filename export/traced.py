@@ -87,6 +87,31 @@ def _share_tied_embedding(model: onnx.ModelProto) -> None:
             return
 
 
+# Placeholder nodes a reference model's torch.autograd.Function emits (its `symbolic`, domain "edgelm") for what
+# has no practical standard form, and ONNX Runtime's contrib op each becomes: op name -> (its attributes, the
+# positions of the optional inputs the placeholder leaves out). export/qwen35.py's gated delta rule.
+MICROSOFT_OPS = {"GatedDeltaNet": ({"update_rule": "gated_delta"}, (3,))}  # 3: cu_seqlens (uniform batches)
+
+
+def _microsoft_ops(model: onnx.ModelProto) -> None:
+    """The placeholders as com.microsoft nodes, the skipped optional inputs given as empty names."""
+    found = False
+    for node in model.graph.node:
+        if node.domain == "edgelm" and node.op_type in MICROSOFT_OPS:
+            attributes, skipped = MICROSOFT_OPS[node.op_type]
+            inputs = list(node.input)
+            for position in skipped:
+                inputs.insert(position, "")
+            del node.input[:]
+            node.input.extend(inputs)
+            node.domain = "com.microsoft"
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
+            found = True
+    imports = [o for o in model.opset_import if o.domain != "edgelm"]
+    del model.opset_import[:]
+    model.opset_import.extend(imports + ([helper.make_opsetid("com.microsoft", 1)] if found else []))
+
+
 def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_logits: bool = False) -> onnx.ModelProto:
     """The reference model traced to ONNX with the manifest's I/O names (`io`); a tied embedding is stored once
     (see _share_tied_embedding)."""
@@ -131,9 +156,11 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
             opset_version=opset,
             do_constant_folding=True,
             dynamo=False,
+            custom_opsets={"edgelm": 1},
         )
         onnx_model = onnx.load(str(traced_path))  # loads external data too, if the exporter wrote any
 
+    _microsoft_ops(onnx_model)
     if config.tie_word_embeddings:
         _share_tied_embedding(onnx_model)
     return onnx_model

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from ..checkpoint import CheckpointError
 from ..gguf_metadata import GGUFError
-from . import gemma, gpt2, lfm2, llama
+from . import gemma, gpt2, lfm2, llama, qwen35
 from .family import Blocks, Family, GGUFLayout, checked_tokens, kept_blocks
 
 __all__ = ["FAMILIES", "Blocks", "Family", "GGUFLayout", "checked_tokens", "family_for", "gguf_family", "kept_blocks"]
 
-MODULES = (gpt2, llama, gemma, lfm2)
+MODULES = (gpt2, llama, gemma, lfm2, qwen35)
 FAMILIES: dict[str, Family] = {row.model_type: row for module in MODULES for row in module.ROWS}
 GGUF_FAMILIES: dict[str, Family] = {row.gguf.architecture: row for row in FAMILIES.values() if row.gguf}
 
