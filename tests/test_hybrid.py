@@ -1,5 +1,5 @@
-"""Hybrid models: LFM2 (short gated convolutions beside attention layers) against transformers, and its state as a
-cache kind (runtime/kvcache.py StateCache): prompts shorter than the convolution's kernel, a padded batch, the
+"""Hybrid models: LFM2 (short gated convolutions beside attention layers) and Qwen3.5 (Gated DeltaNet beside gated
+attention) against transformers, and their state as a cache kind (runtime/kvcache.py StateCache): prompts shorter than the convolution's kernel, a padded batch, the
 manifest's layer record, snapshots and replayed rewinds, conversations with undo and a re-rendering template, and
 prompt lookup decoding, each equal to a fresh run. tests/test_families.py holds the family's transformers and
 onnxruntime-genai checks on the longer prompts."""
@@ -31,10 +31,11 @@ QUESTIONS = ["What is the moon made of?", "And the sun?", "Say it again, shorter
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def lfm2(families):
-    hf, _ = families.model("lfm2")
-    return hf, families.package("lfm2", "standard"), load(families.package("lfm2", "standard"), provider="cpu")
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text"])
+def hybrid(request, families):
+    hf, _ = families.model(request.param)
+    package = families.package(request.param, "standard")
+    return hf, package, load(package, provider="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,8 @@ def chat(tmp_path_factory):
     return load(make_chat_package(out, family="lfm2", attention="standard", layers=4), provider="cpu", threads=1)
 
 
-def test_short_prompts_alone_and_in_a_padded_batch_equal_transformers(lfm2):
-    hf, package, model = lfm2
+def test_short_prompts_alone_and_in_a_padded_batch_equal_transformers(hybrid):
+    hf, package, model = hybrid
     expected = [hf_greedy(hf, prompt, NEW_TOKENS, pad_token_id=EOS) for prompt in EDGE_PROMPTS]
     for prompt, tokens in zip(EDGE_PROMPTS, expected, strict=True):
         with torch.no_grad():
@@ -56,18 +57,22 @@ def test_short_prompts_alone_and_in_a_padded_batch_equal_transformers(lfm2):
     assert genai_greedy(package, EDGE_PROMPTS[1], NEW_TOKENS) == expected[1]
 
 
-def test_the_manifest_says_which_layer_holds_what(lfm2):
-    _, package, model = lfm2
-    arch = model.spec.arch
+def test_the_manifest_says_which_layer_holds_what(families):
+    package = families.package("lfm2", "standard")
+    arch = load(package, provider="cpu").spec.arch
     assert arch.layer_types == ["conv", "full_attention", "conv", "full_attention"]
     assert arch.conv_state == [64, 2] and arch.has_state  # (hidden, kernel - 1), as genai keeps it
-    assert model.spec.io.past_names(4, arch.layer_types) == [
-        "past.0.conv", "past_key_values.1.key", "past_key_values.1.value", "past.2.conv", "past_key_values.3.key",
-        "past_key_values.3.value",
-    ]  # fmt: skip
+    assert arch.recurrent_state is None
     decoder = json.loads((package / "genai_config.json").read_text())["model"]["decoder"]
     assert decoder["layer_types"] == arch.layer_types and decoder["conv_cache_size"] == 2
-    assert decoder["inputs"]["past_conv_names"] == "past.%d.conv"
+    assert decoder["inputs"]["past_conv_names"] == "past.%d.conv" and "past_recurrent_names" not in decoder["inputs"]
+    qwen = load(families.package("qwen3_5_text", "standard"), provider="cpu")
+    # conv over q, k and v (2 * 2 * 16 + 4 * 8 channels, kernel 4); the recurrent state value-major (4, 8, 16)
+    assert qwen.spec.arch.conv_state == [96, 3] and qwen.spec.arch.recurrent_state == [4, 8, 16]
+    assert qwen.spec.io.past_names(4, qwen.spec.arch.layer_types) == [
+        "past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value", "past.2.conv",
+        "past.2.recurrent", "past_key_values.3.key", "past_key_values.3.value",
+    ]  # fmt: skip
     data = json.loads((package / "edgelm.json").read_text())
     assert Manifest.parse(data).architecture.layer_types == arch.layer_types
     for bad in (["conv"] * 4, ["conv", "mamba", "conv", "full_attention"], ["conv"]):
@@ -80,15 +85,16 @@ def test_the_manifest_says_which_layer_holds_what(lfm2):
         Manifest.parse(data)
 
 
-def test_the_fused_graph_is_refused_in_one_line(families, tmp_path):
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5_text"])
+def test_the_fused_graph_is_refused_in_one_line(families, tmp_path, case):
     from edgelm.export.onnx_export import export_package
 
     with pytest.raises(CheckpointError, match="attention='standard'"):
-        export_package(families.model("lfm2")[1], tmp_path / "fused", progress=lambda _: None)
+        export_package(families.model(case)[1], tmp_path / "fused", progress=lambda _: None)
 
 
-def test_state_cache_snapshots_and_replayed_rewinds(lfm2):
-    model = lfm2[2]
+def test_state_cache_snapshots_and_replayed_rewinds(hybrid):
+    model = hybrid[2]
     ids = [int(i) for i in np.random.default_rng(0).integers(3, 2000, size=30)]
     whole = lambda tokens: model.forward(np.array([tokens]))[0][0, -1]  # noqa: E731
     cache = make_cache(model, [ids[:10]], capacity=40)
