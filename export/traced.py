@@ -156,7 +156,8 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
             opset_version=opset,
             do_constant_folding=True,
             dynamo=False,
-            custom_opsets={"edgelm": 1},
+            # the placeholders' domain, where a layer has one (a recurrent state's rule); torch warns of it otherwise
+            custom_opsets={"edgelm": 1} if "recurrent_state" in layout else None,
         )
         onnx_model = onnx.load(str(traced_path))  # loads external data too, if the exporter wrote any
 

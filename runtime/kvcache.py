@@ -89,9 +89,15 @@ MAX_GENERATION_BYTES = 64 << 30
 
 
 def kv_cache_bytes(spec: PackageSpec, *, batch: int, capacity: int, itemsize: int = 4) -> int:
-    """Bytes of a (batch, n_kv_head, capacity, head_dim) key and value buffer for every layer."""
+    """Bytes of a (batch, n_kv_head, capacity, head_dim) key and value buffer for every attention layer, plus a
+    hybrid model's fixed-size states (which do not grow with the context)."""
     arch = spec.arch
-    return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
+    if arch.layer_types is None:
+        return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
+    kinds = arch.cache_kinds()
+    kv = kinds.count("key") * 2 * batch * arch.n_kv_head * capacity * arch.head_dim
+    states = sum(int(np.prod(arch.cache_shape(kind, batch))) for kind in kinds if kind in ("conv", "recurrent"))
+    return (kv + states) * itemsize
 
 
 def available_memory_bytes() -> int:

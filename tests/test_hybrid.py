@@ -20,7 +20,7 @@ from edgelm.export.checkpoint import CheckpointError
 from edgelm.runtime import load
 from edgelm.runtime.contract import Manifest
 from edgelm.runtime.errors import PackageError
-from edgelm.runtime.kvcache import StateCache, make_cache
+from edgelm.runtime.kvcache import StateCache, kv_cache_bytes, make_cache
 
 TOLERANCE = 1e-4
 # one token, two (shorter than the kernel of 3, so the state still holds its zeros), and eleven
@@ -80,6 +80,9 @@ def test_the_manifest_says_which_layer_holds_what(families):
         broken["architecture"]["layer_types"] = bad
         with pytest.raises(PackageError, match="layer_types"):
             Manifest.parse(broken)
+    # the memory check counts the attention layers' KV and the fixed states: 2 layers x K, V (2 heads x 16) per
+    # position, 2 conv states of 64 x 2
+    assert kv_cache_bytes(load(package, provider="cpu").spec, batch=1, capacity=100) == 4 * (2 * 2 * 2 * 16 * 100 + 2 * 128)
     del data["architecture"]["conv_state"]
     with pytest.raises(PackageError, match="conv_state"):
         Manifest.parse(data)
