@@ -90,10 +90,25 @@ class Norm:
 
 
 @dataclass
+class ShortConv:
+    """A short gated convolution in place of attention (LFM2): B, C, x = in_proj(h) split in three (channels
+    first), y = depthwise causal conv of B * x with a state of the last kernel - 1 inputs, out = out_proj(C * y)."""
+
+    in_proj: Linear  # out = 3 * n_embd: B, C, x
+    weight: np.ndarray  # (n_embd, 1, kernel): the depthwise kernel
+    bias: np.ndarray | None
+    out_proj: Linear
+
+    @property
+    def kernel(self) -> int:
+        return self.weight.shape[-1]
+
+
+@dataclass
 class Layer:
-    attention_norm: Norm
-    qkv: Linear  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim
-    attention_out: Linear
+    attention_norm: Norm  # the norm before attention, or before the layer's convolution
+    qkv: Linear | None  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim; None in a convolution layer
+    attention_out: Linear | None
     mlp_norm: Norm
     up: Linear  # gated MLP: gate and up packed, out = 2 * inner (gate first); else out = inner
     down: Linear
@@ -103,6 +118,15 @@ class Layer:
     mlp_post_norm: Norm | None = None  # on the MLP output, before the residual Add (Gemma 3)
     sliding_window: int | None = None  # queries see the last this many positions (theirs included), with
     # the Decoder's local rotary caches; None: full causal attention
+    conv: ShortConv | None = None  # a convolution layer (its state is past.%d.conv): no attention
+
+    def __post_init__(self) -> None:
+        assert (self.conv is None) == (self.qkv is not None), "a layer has attention or a convolution"
+
+    @property
+    def linears(self) -> list[Linear]:
+        mixer = [self.qkv, self.attention_out] if self.conv is None else [self.conv.in_proj, self.conv.out_proj]
+        return [*mixer, self.up, self.down]
 
 
 @dataclass

@@ -43,7 +43,7 @@ from edgelm.onnxfile import placeholder
 
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
-from .decoder import Decoder, Layer, Linear, NBits, Norm
+from .decoder import Decoder, Layer, Linear, NBits, Norm, ShortConv
 
 MS_DOMAIN = "com.microsoft"
 
@@ -248,6 +248,23 @@ class _GraphBuilder:
         )
         return self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
 
+    def short_conv(self, h: str, prefix: str, conv: ShortConv, d: Decoder, past: str, present: str) -> str:
+        """A convolution layer (LFM2): in_proj, B * x through com.microsoft CausalConvWithState (its state
+        `past` -> `present`, (B, n_embd, kernel - 1)), times C, out_proj. Returns its (B, T, n_embd) output."""
+        gates = self.linear(h, f"{prefix}.conv.in_proj", conv.in_proj)  # (B, T, 3C)
+        channels = self.op("Transpose", [gates], f"{prefix}/conv/Transpose", perm=[0, 2, 1])  # (B, 3C, T)
+        sizes = self.small_constant(f"{prefix}/conv/sizes", np.array([d.n_embd] * 3, dtype=np.int64))
+        b, c, x = (f"{prefix}/conv/{name}" for name in "bcx")
+        self.nodes.append(helper.make_node("Split", [channels, sizes], [b, c, x], name=f"{prefix}/conv/Split", axis=1))
+        gated = self.op("Mul", [b, x], f"{prefix}/conv/gated")
+        bias = "" if conv.bias is None else self.constant(f"{prefix}.conv.bias", conv.bias)
+        inputs = [gated, self.constant(f"{prefix}.conv.weight", conv.weight), bias, past]
+        y = f"{prefix}/conv/CausalConvWithState"
+        self.nodes.append(helper.make_node("CausalConvWithState", inputs, [y, present], name=y, domain=MS_DOMAIN))
+        self.float_output(y, ["batch_size", d.n_embd, "sequence_length"])
+        out = self.op("Transpose", [self.op("Mul", [c, y], f"{prefix}/conv/out")], f"{prefix}/conv/back", perm=[0, 2, 1])
+        return self.linear(out, f"{prefix}.conv.out_proj", conv.out_proj)
+
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
         it: two MatMulNBits showed no clear win)."""
@@ -293,9 +310,12 @@ def build_fused_graph(
     h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
         p = f"layers.{i}"
-        caches = local_rotary if layer.sliding_window is not None else rotary
-        attention = g.attention(h, p, layer, d, io.past(i), io.present(i), [*lengths, *caches])
-        out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+        if layer.conv is not None:
+            out = g.short_conv(h, p, layer.conv, d, io.past_conv % i, io.present_conv % i)
+        else:
+            caches = local_rotary if layer.sliding_window is not None else rotary
+            attention = g.attention(h, p, layer, d, io.past(i), io.present(i), [*lengths, *caches])
+            out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
         if layer.attention_post_norm is not None:
             out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
         h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
@@ -391,7 +411,12 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
     outputs = [
         helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, ["batch_size", "logits_length", d.vocab_size])
     ]
-    for i in range(d.n_layer):
+    for i, layer in enumerate(d.layers):
+        if layer.conv is not None:  # a convolution layer's state, (B, n_embd, kernel - 1)
+            state = ["batch_size", d.n_embd, layer.conv.kernel - 1]
+            inputs.append(helper.make_tensor_value_info(io.past_conv % i, TensorProto.FLOAT, state))
+            outputs.append(helper.make_tensor_value_info(io.present_conv % i, TensorProto.FLOAT, state))
+            continue
         for past_name, present_name in zip(io.past(i), io.present(i), strict=True):
             inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, present_shape))

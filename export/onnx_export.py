@@ -88,7 +88,7 @@ def gguf_types(quant_types: dict[str, str]) -> dict[str, dict[str, int]]:
 
 def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tuple[str, dict]:
     """(precision, recipe) of a package whose linears keep the GGUF file's own blocks where they can."""
-    linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.attention_out, layer.up, layer.down)]
+    linears = [linear for layer in decoder.layers for linear in layer.linears]
     kept = [linear.nbits for linear in linears if linear.nbits is not None]
     head = decoder.head_nbits
     types: dict[str, int] = {}

@@ -134,9 +134,14 @@ def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new
         )
 
 
+STATE_KINDS = ("conv", "recurrent")  # cache tensors that hold a state, not keys or values
+
+
 def make_cache(model: Runner, prompts: list[list[int]], *, capacity: int) -> Cache:
     """The driver the package's graph wants (its manifest's io.kv_cache; a hybrid model's layer states)."""
     if model.spec.arch.has_state:
+        if model.spec.io.kv_cache == "shared_buffer":
+            return SharedStateCache(model, prompts, capacity=capacity)
         return StateCache(model, prompts)
     if model.spec.io.kv_cache == "shared_buffer":
         return SharedCache(model, prompts, capacity=capacity)
@@ -215,33 +220,35 @@ class ConcatCache:
         return outputs[0].numpy()[:, -1, :] if last else outputs[0].numpy()  # (B, V) or (B, T, V)
 
 
-class StateCache(ConcatCache):
-    """A hybrid model's cache (the standard graph's, with left padding): KV for attention layers, and for the
-    others a convolution or recurrent state that folds every token in, so it cannot be cut back. A left-padded
-    row's state is exact: the graph zeroes a padded position's input, which leaves an empty state empty.
-
-    Batch 1 keeps snapshots of its states at the lengths where a turn or a multi-token step began or ended
-    (the prompt's end, before and after each `extend`; the latest MAX_SNAPSHOTS, and the empty state always), and
-    the ids it holds. `rewind_point(length)` is the longest snapshot <= length: a Conversation rewinds there and
-    feeds the rest itself. `rewind(length)` to any other length restores the snapshot before it and feeds the
-    ids between again, so speculative decoding's rollback of rejected guesses is exact too (one more run)."""
+class _Snapshots:
+    """Rewinding a cache whose states fold every token in (a hybrid model's convolution and recurrent states),
+    for batch 1: snapshots of the states at the lengths where a turn or a multi-token step began or ended (the
+    prompt's end, before and after each `extend`; the latest MAX_SNAPSHOTS, and the empty state always), and the
+    ids the cache holds. `rewind_point(length)` is the longest snapshot <= length: a Conversation rewinds there
+    and feeds the rest itself. `rewind(length)` to any other length restores the snapshot before it and feeds
+    the ids between again, so speculative decoding's rollback of rejected guesses is exact too (one more run).
+    The attention layers' keys and values are cut as a KV cache's are. A driver supplies _read_states and
+    _write_states; the rest of the protocol is the KV driver it is mixed into."""
 
     MAX_SNAPSHOTS = 16
+    lengths: np.ndarray
 
-    def __init__(self, model: Runner, prompts: list[list[int]]):
-        super().__init__(model, prompts)
-        kinds = self.spec.arch.cache_kinds()
-        self.states = [i for i, kind in enumerate(kinds) if kind in ("conv", "recurrent")]  # indices into past
+    def _start_snapshots(self, prompts: list[list[int]]) -> None:
         self.ids: list[int] = []  # batch 1: the ids the cache holds
         self._prompt = list(prompts[0]) if len(prompts) == 1 else []
-        # copies, never views: OrtValue.numpy() may share a buffer that goes when the OrtValue does
-        self.snapshots: dict[int, list[np.ndarray]] = {0: [np.array(self.past[i].numpy()) for i in self.states]}
+        self.snapshots: dict[int, list[np.ndarray]] = {0: self._read_states()}
+
+    def _read_states(self) -> list[np.ndarray]:
+        """Copies of the states, never views (OrtValue.numpy() may share a buffer that goes with the OrtValue)."""
+        raise NotImplementedError
+
+    def _write_states(self, arrays: list[np.ndarray]) -> None:
+        raise NotImplementedError
 
     def _snapshot(self) -> None:
         if len(self.lengths) != 1:
             return
-        length = int(self.lengths[0])
-        self.snapshots[length] = [np.array(self.past[i].numpy()) for i in self.states]
+        self.snapshots[int(self.lengths[0])] = self._read_states()
         while len(self.snapshots) > self.MAX_SNAPSHOTS + 1:  # the oldest beyond the empty state goes first
             del self.snapshots[min(k for k in self.snapshots if k)]
 
@@ -271,15 +278,33 @@ class StateCache(ConcatCache):
         assert len(self.lengths) == 1 and 0 <= length <= self.lengths[0], f"cannot rewind to {length}"
         if length == self.lengths[0]:
             return
-        point, device = self.rewind_point(length), self.model.device
+        point = self.rewind_point(length)
         ids = self.ids[point:length]
-        super().rewind(point)  # cuts every past tensor on its length axis: the states are put back below
-        for i, array in zip(self.states, self.snapshots[point], strict=True):
-            self.past[i] = ort.OrtValue.ortvalue_from_numpy(np.array(array), device)
+        super().rewind(point)  # the keys and values; the states are put back here
+        self._write_states(self.snapshots[point])
         self.ids = self.ids[:point]
         self.snapshots = {k: v for k, v in self.snapshots.items() if k <= point}
         if ids:
             self.extend(ids)
+
+
+class StateCache(_Snapshots, ConcatCache):
+    """A hybrid model's cache in the standard graph (left padding): KV for attention layers, and for the others
+    a convolution or recurrent state (rewound through _Snapshots). A left-padded row's state is exact: the
+    graph zeroes a padded position's input, which leaves an empty state empty."""
+
+    def __init__(self, model: Runner, prompts: list[list[int]]):
+        super().__init__(model, prompts)
+        kinds = self.spec.arch.cache_kinds()
+        self.states = [i for i, kind in enumerate(kinds) if kind in STATE_KINDS]  # indices into past
+        self._start_snapshots(prompts)
+
+    def _read_states(self) -> list[np.ndarray]:
+        return [np.array(self.past[i].numpy()) for i in self.states]
+
+    def _write_states(self, arrays: list[np.ndarray]) -> None:
+        for i, array in zip(self.states, arrays, strict=True):
+            self.past[i] = ort.OrtValue.ortvalue_from_numpy(np.array(array), self.model.device)
 
 
 class SharedCache:
@@ -305,6 +330,7 @@ class SharedCache:
         self.step_ids = np.zeros((batch, 1), dtype=np.int64)
         self.step_positions = np.zeros((batch, 1), dtype=np.int64)
         self.logits = np.empty((batch, 1, spec.arch.vocab_size), dtype=model.logits_dtype)
+        self.state_pairs: list[list[ort.OrtValue]] = []  # a hybrid's states: [past, present], swapped after a run
         self._allocate(batch, capacity)
 
     def _allocate(self, batch: int, capacity: int, old: list[ort.OrtValue] | None = None) -> None:
@@ -314,18 +340,38 @@ class SharedCache:
         binding = self.binding = model.session.io_binding()
         binding.bind_output(io.logits, "cpu")  # bound first: a prompt's logits are get_outputs()[0]
         shape = (batch, arch.n_kv_head, capacity, arch.head_dim)
-        past, present = io.past_names(arch.n_layer), io.present_names(arch.n_layer)
-        self.buffers = []
-        for i, (past_name, present_name) in enumerate(zip(past, present, strict=True)):
+        past, present = io.past_names(arch.n_layer, arch.layer_types), io.present_names(arch.n_layer, arch.layer_types)
+        self.buffers, self.state_names, pairs = [], [], []
+        for past_name, present_name, kind in zip(past, present, arch.cache_kinds(), strict=True):
+            if kind in STATE_KINDS:  # fixed size: kept as they are when the buffers grow
+                zeros = lambda: np.zeros(arch.cache_shape(kind, batch), model.kv_dtype)  # noqa: E731
+                new = [ort.OrtValue.ortvalue_from_numpy(zeros(), model.device) for _ in range(2)]
+                pairs.append(self.state_pairs[len(pairs)] if old is not None else new)
+                self.state_names.append((past_name, present_name))
+                continue
             array = np.zeros(shape, model.kv_dtype)
             if old is not None:
-                kept = old[i].numpy()[:, :, : min(capacity, old[i].shape()[2])]
+                kept = old[len(self.buffers)].numpy()[:, :, : min(capacity, old[len(self.buffers)].shape()[2])]
                 array[:, :, : kept.shape[2]] = kept
             self.buffers.append(ort.OrtValue.ortvalue_from_numpy(array, model.device))
             binding.bind_ortvalue_input(past_name, self.buffers[-1])
             binding.bind_ortvalue_output(present_name, self.buffers[-1])
+        self.state_pairs = pairs
+        self._bind_states()
         self.mask = (np.arange(capacity)[None, :] < self.lengths[:, None]).astype(np.int64)  # (B, capacity)
         self._decode_bound = False
+
+    def _bind_states(self) -> None:
+        for (past_name, present_name), (past, present) in zip(self.state_names, self.state_pairs, strict=True):
+            self.binding.bind_ortvalue_input(past_name, past)
+            self.binding.bind_ortvalue_output(present_name, present)
+
+    def _run(self) -> None:
+        """Run the bound step; a state's present becomes the next step's past."""
+        self.model.run(self.binding)
+        if self.state_pairs:
+            self.state_pairs = [[present, past] for past, present in self.state_pairs]
+            self._bind_states()
 
     def prompt(self) -> np.ndarray:
         batch, width = self.input_ids.shape
@@ -370,7 +416,7 @@ class SharedCache:
         if self.keep:
             binding.bind_ortvalue_input(io.logits_to_keep, self.keep[1 if keep_last else 0])
         binding.bind_output(io.logits, "cpu")
-        self.model.run(binding)
+        self._run()
         self._decode_bound = False  # the next decode step binds its own arrays again
         return binding.get_outputs()[0].numpy()  # (B, T or 1, V)
 
@@ -394,5 +440,34 @@ class SharedCache:
         self.step_positions[:, 0] = self.lengths  # the new token's position is the row's current length
         self.mask[self.rows, self.lengths] = 1
         self.lengths += 1
-        self.model.run(binding)
+        self._run()
         return self.logits[:, -1, :]
+
+
+class SharedStateCache(_Snapshots, SharedCache):
+    """A hybrid model's cache in the fused graph: the attention layers' shared KV buffers, each state as two
+    buffers bound as past and present in turn (a state is replaced, not appended), rewound through _Snapshots.
+    Right padding would fold a shorter row's padding into its state, so a batch of unequal prompts is prefilled
+    row by row, each its own run, and then decoded together: a decode step feeds every row one real token."""
+
+    def __init__(self, model: Runner, prompts: list[list[int]], *, capacity: int):
+        super().__init__(model, prompts, capacity=capacity)
+        self.prompts = prompts
+        self._start_snapshots(prompts)
+
+    def _read_states(self) -> list[np.ndarray]:
+        return [np.array(past.numpy()) for past, _ in self.state_pairs]
+
+    def _write_states(self, arrays: list[np.ndarray]) -> None:
+        for (past, _), array in zip(self.state_pairs, arrays, strict=True):
+            past.update_inplace(np.ascontiguousarray(array))
+
+    def prompt(self) -> np.ndarray:
+        if len(set(self.lengths.tolist())) == 1:
+            return super().prompt()
+        rows = [SharedStateCache(self.model, [ids], capacity=self.capacity) for ids in self.prompts]
+        logits = np.concatenate([row.prompt() for row in rows])
+        for i, buffer in enumerate(self.buffers):
+            buffer.update_inplace(np.concatenate([row.buffers[i].numpy() for row in rows]))
+        self._write_states([np.concatenate(arrays) for arrays in zip(*(row._read_states() for row in rows))])
+        return logits

@@ -89,8 +89,8 @@ CASES = {
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
     # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
-    # short convolutions (kernel 3: a state of 2 columns) and attention layers; the standard graph only
-    "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, graphs=("standard",)),
+    # short convolutions (kernel 3: a state of 2 columns) and attention layers
+    "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2),
     # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention; the standard graph only
     "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35, graphs=("standard",)),
 }  # fmt: skip

@@ -20,7 +20,7 @@ from edgelm.export.checkpoint import CheckpointError
 from edgelm.runtime import load
 from edgelm.runtime.contract import Manifest
 from edgelm.runtime.errors import PackageError
-from edgelm.runtime.kvcache import StateCache, kv_cache_bytes, make_cache
+from edgelm.runtime.kvcache import SharedStateCache, StateCache, kv_cache_bytes, make_cache
 
 TOLERANCE = 1e-4
 # one token, two (shorter than the kernel of 3, so the state still holds its zeros), and eleven
@@ -31,17 +31,17 @@ QUESTIONS = ["What is the moon made of?", "And the sun?", "Say it again, shorter
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=[("lfm2", "fused"), ("lfm2", "standard"), ("qwen3_5_text", "standard")])
 def hybrid(request, families):
-    hf, _ = families.model(request.param)
-    package = families.package(request.param, "standard")
-    return hf, package, load(package, provider="cpu")
+    case, graph = request.param
+    package = families.package(case, graph)
+    return families.model(case)[0], package, load(package, provider="cpu")
 
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hybrid") / "lfm2-chat"
-    return load(make_chat_package(out, family="lfm2", attention="standard", layers=4), provider="cpu", threads=1)
+    out = tmp_path_factory.mktemp("hybrid") / "lfm2-chat"  # the fused graph: SharedStateCache
+    return load(make_chat_package(out, family="lfm2", layers=4), provider="cpu", threads=1)
 
 
 def test_short_prompts_alone_and_in_a_padded_batch_equal_transformers(hybrid):
@@ -53,7 +53,8 @@ def test_short_prompts_alone_and_in_a_padded_batch_equal_transformers(hybrid):
         assert np.abs(model.forward(np.array([prompt]))[0] - reference).max() < TOLERANCE
         assert model.generate(prompt, NEW_TOKENS, temperature=0, ignore_eos=True).token_ids == tokens
     batch = model.generate_batch(EDGE_PROMPTS, NEW_TOKENS, temperature=0, ignore_eos=True)
-    assert [r.token_ids for r in batch] == expected  # left padding: the short rows' states saw no padding
+    # standard graph: left padding, zeroed inputs; fused: unequal prompts prefilled row by row
+    assert [r.token_ids for r in batch] == expected
     assert genai_greedy(package, EDGE_PROMPTS[1], NEW_TOKENS) == expected[1]
 
 
@@ -88,20 +89,19 @@ def test_the_manifest_says_which_layer_holds_what(families):
         Manifest.parse(data)
 
 
-@pytest.mark.parametrize("case", ["lfm2", "qwen3_5_text"])
-def test_the_fused_graph_is_refused_in_one_line(families, tmp_path, case):
+def test_qwen3_5s_fused_graph_is_refused_in_one_line(families, tmp_path):
     from edgelm.export.onnx_export import export_package
 
     with pytest.raises(CheckpointError, match="attention='standard'"):
-        export_package(families.model(case)[1], tmp_path / "fused", progress=lambda _: None)
+        export_package(families.model("qwen3_5_text")[1], tmp_path / "fused", progress=lambda _: None)
 
 
 def test_state_cache_snapshots_and_replayed_rewinds(hybrid):
     model = hybrid[2]
     ids = [int(i) for i in np.random.default_rng(0).integers(3, 2000, size=30)]
     whole = lambda tokens: model.forward(np.array([tokens]))[0][0, -1]  # noqa: E731
-    cache = make_cache(model, [ids[:10]], capacity=40)
-    assert isinstance(cache, StateCache)
+    cache = make_cache(model, [ids[:10]], capacity=12)  # the fused graph's buffers grow too
+    assert isinstance(cache, (StateCache, SharedStateCache))
     cache.prompt()
     cache.extend(ids[10:20])
     assert np.abs(cache.extend(ids[20:]) - whole(ids)).max() < TOLERANCE

@@ -3,8 +3,9 @@ into the reference model (export/lfm2.py), and its row.
 
 Its convolution layers keep a state, not a KV cache, so its package's manifest says which layer holds what
 (architecture.layer_types, architecture.conv_state) and names the state `past.%d.conv` / `present.%d.conv` as
-onnxruntime-genai's LFM2 builder does. Only the standard graph (export/traced.py) is built: the fused graph
-(export/graph.py) has no convolution step yet, and a GGUF file of it is not read yet.
+onnxruntime-genai's LFM2 builder does. Both graphs are built: the standard one traced (export/traced.py), the
+fused one (export/graph.py) with GroupQueryAttention and com.microsoft CausalConvWithState. GGUF files of it are
+not read yet.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from ..checkpoint import (
     read_extras,
     read_safetensors_folder,
 )
-from ..decoder import Decoder
+from ..decoder import Decoder, Layer, ShortConv
 from ..lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
 from ..limits import MAX_NORM_EPSILON
-from .family import Blocks, Family, checked_tokens
+from .family import Blocks, Family, array, checked_tokens, linear, norm, packed
 
 
 def intermediate_size(hf: dict) -> int:
@@ -102,10 +103,32 @@ def load(folder: str | Path) -> Lfm2:
 
 
 def decoder(model: Lfm2, *, blocks: Blocks | None = None) -> Decoder:
-    raise CheckpointError(
-        "LFM2's fused graph is not built yet (its convolution layers have no fused step); export it with "
-        "attention='standard' (--attention standard)"
-    )
+    """The fused graph's Decoder: convolution layers as ShortConv (ONNX Runtime's CausalConvWithState), attention
+    layers as the Llama family's with head norms. blocks: unused (no GGUF files of LFM2 are read yet)."""
+    c = model.config
+    layers = []
+    for block in model.model.layers:
+        shared = dict(attention_norm=norm(block.operator_norm), mlp_norm=norm(block.ffn_norm),
+                      up=packed([block.feed_forward.w1, block.feed_forward.w3], None), down=linear(block.feed_forward.w2))  # fmt: skip
+        if block.kind == CONV:
+            conv = block.conv
+            bias = None if conv.conv.bias is None else array(conv.conv.bias)
+            short = ShortConv(linear(conv.in_proj), array(conv.conv.weight), bias, linear(conv.out_proj))
+            layers.append(Layer(qkv=None, attention_out=None, conv=short, **shared))
+        else:
+            attn = block.self_attn
+            qkv = packed([attn.q_proj, attn.k_proj, attn.v_proj], None)
+            layers.append(Layer(qkv=qkv, attention_out=linear(attn.out_proj), q_norm=norm(attn.q_layernorm),
+                                k_norm=norm(attn.k_layernorm), **shared))  # fmt: skip
+    angles = torch.arange(c.n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(c)  # (P, hs / 2)
+    return Decoder(
+        family="lfm2", vocab_size=c.vocab_size, context_length=c.n_positions, n_embd=c.n_embd, n_head=c.n_head,
+        n_kv_head=c.n_kv_head, head_dim=c.head_dim, inner_dim=c.n_inner, norm="rms", norm_eps=c.norm_eps,
+        activation="silu", gated_mlp=True, embedding=array(model.model.embed_tokens.weight), layers=layers,
+        final_norm=norm(model.model.embedding_norm),
+        lm_head=None if c.tie_word_embeddings else array(model.lm_head.weight).T,
+        rotary_cos=array(angles.cos()), rotary_sin=array(angles.sin()),
+    )  # fmt: skip
 
 
 def details(model: Lfm2) -> dict:
