@@ -262,7 +262,9 @@ class _GraphBuilder:
         y = f"{prefix}/conv/CausalConvWithState"
         self.nodes.append(helper.make_node("CausalConvWithState", inputs, [y, present], name=y, domain=MS_DOMAIN))
         self.float_output(y, ["batch_size", d.n_embd, "sequence_length"])
-        out = self.op("Transpose", [self.op("Mul", [c, y], f"{prefix}/conv/out")], f"{prefix}/conv/back", perm=[0, 2, 1])
+        out = self.op(
+            "Transpose", [self.op("Mul", [c, y], f"{prefix}/conv/out")], f"{prefix}/conv/back", perm=[0, 2, 1]
+        )
         return self.linear(out, f"{prefix}.conv.out_proj", conv.out_proj)
 
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:

@@ -160,7 +160,10 @@ class Lfm2(ReferenceModel):
 
     def state_layout(self) -> dict:
         """What the package's manifest says each layer keeps (runtime/contract.py Architecture)."""
-        return {"layer_types": list(self.config.layer_types), "conv_state": [self.config.n_embd, self.config.conv_kernel - 1]}
+        return {
+            "layer_types": list(self.config.layer_types),
+            "conv_state": [self.config.n_embd, self.config.conv_kernel - 1],
+        }
 
     def forward(
         self,
@@ -175,7 +178,8 @@ class Lfm2(ReferenceModel):
         a tuple per layer (empty_state's shapes). Returns logits (B, T, vocab) and the new state."""
         B, T = input_ids.shape
         past = self.empty_state(B) if past_key_values is None else past_key_values
-        past_length = next(p[0].shape[2] for p, kind in zip(past, self.config.layer_types) if kind == ATTENTION)
+        kinds = self.config.layer_types
+        past_length = next(p[0].shape[2] for p, kind in zip(past, kinds, strict=True) if kind == ATTENTION)
         if attention_mask is None:
             attention_mask = torch.ones(B, past_length + T, dtype=torch.long)
         if position_ids is None:
@@ -194,4 +198,3 @@ class Lfm2(ReferenceModel):
         if last_token_logits:
             x = x[:, -1:, :]
         return self.lm_head(x), present
-

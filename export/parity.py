@@ -189,7 +189,9 @@ def check_parity_shared(
     kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
     for past_name, present_name, kind in zip(past, present, kinds, strict=True):
         if kind in ("conv", "recurrent"):
-            values = [ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), np.float32)) for _ in "ab"]
+            values = [
+                ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), np.float32)) for _ in "ab"
+            ]
             states.append([past_name, present_name, *values])
             continue
         zeros = np.zeros((2, config.n_kv_head, capacity, config.head_dim), dtype=np.float32)

@@ -255,7 +255,8 @@ class Qwen35(ReferenceModel):
     ) -> tuple[torch.Tensor, State]:
         B, T = input_ids.shape
         past = self.empty_state(B) if past_key_values is None else past_key_values
-        past_length = next(p[0].shape[2] for p, kind in zip(past, self.config.layer_types) if kind == ATTENTION)
+        kinds = self.config.layer_types
+        past_length = next(p[0].shape[2] for p, kind in zip(past, kinds, strict=True) if kind == ATTENTION)
         if attention_mask is None:
             attention_mask = torch.ones(B, past_length + T, dtype=torch.long)
         if position_ids is None:

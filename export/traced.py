@@ -127,7 +127,10 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
         torch.ones(batch, past + seq, dtype=torch.long),
         torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous(),
     ]
-    shapes = {"key": (batch, config.n_kv_head, past, config.head_dim), "value": (batch, config.n_kv_head, past, config.head_dim)}
+    shapes = {
+        "key": (batch, config.n_kv_head, past, config.head_dim),
+        "value": (batch, config.n_kv_head, past, config.head_dim),
+    }
     shapes |= {kind: (batch, *layout[f"{kind}_state"]) for kind in ("conv", "recurrent") if f"{kind}_state" in layout}
     kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
     dummy += [torch.zeros(shapes[kind]) for kind in kinds]
@@ -139,9 +142,13 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
         output_names[0]: {0: "batch_size", 1: "sequence_length"} if not last_token_logits else {0: "batch_size"},
     }
     for name, kind in zip(input_names[3:], kinds, strict=True):
-        dynamic_axes[name] = {0: "batch_size", 2: "past_sequence_length"} if kind in ("key", "value") else {0: "batch_size"}
+        dynamic_axes[name] = (
+            {0: "batch_size", 2: "past_sequence_length"} if kind in ("key", "value") else {0: "batch_size"}
+        )
     for name, kind in zip(output_names[1:], kinds, strict=True):
-        dynamic_axes[name] = {0: "batch_size", 2: "total_sequence_length"} if kind in ("key", "value") else {0: "batch_size"}
+        dynamic_axes[name] = (
+            {0: "batch_size", 2: "total_sequence_length"} if kind in ("key", "value") else {0: "batch_size"}
+        )
 
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices

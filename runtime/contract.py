@@ -281,7 +281,10 @@ def _parse_layers(arch: dict, where: str) -> dict:
     if not isinstance(kinds, list) or len(kinds) != n_layer or not all(kind in LAYER_STATES for kind in kinds):
         raise PackageError(f"{where}: layer_types must list {n_layer} of {', '.join(LAYER_STATES)}, got {kinds!r:.80}")
     shapes = {}
-    for key, size, needed in (("conv_state", 2, {"conv", "linear_attention"}), ("recurrent_state", 3, {"linear_attention"})):
+    for key, size, needed in (
+        ("conv_state", 2, {"conv", "linear_attention"}),
+        ("recurrent_state", 3, {"linear_attention"}),
+    ):
         shape = arch.get(key)
         if shape is None and not needed & set(kinds):
             continue
@@ -307,8 +310,8 @@ def _parse_tokens(tok: dict, where: str) -> Tokens:
 
 def _parse_io(io: dict, where: str) -> IONames:
     names = {f.name: f.default for f in fields(IONames)}
-    per_layer = ("past_key", "past_value", "present_key", "present_value", "past_conv", "present_conv", "past_recurrent",
-                 "present_recurrent")  # fmt: skip
+    per_layer = ("past_key", "past_value", "present_key", "present_value", "past_conv", "present_conv",
+                 "past_recurrent", "present_recurrent")  # fmt: skip
     optional = ("position_ids", "logits_to_keep")
     return IONames(
         **{

@@ -344,8 +344,9 @@ class SharedCache:
         self.buffers, self.state_names, pairs = [], [], []
         for past_name, present_name, kind in zip(past, present, arch.cache_kinds(), strict=True):
             if kind in STATE_KINDS:  # fixed size: kept as they are when the buffers grow
-                zeros = lambda: np.zeros(arch.cache_shape(kind, batch), model.kv_dtype)  # noqa: E731
-                new = [ort.OrtValue.ortvalue_from_numpy(zeros(), model.device) for _ in range(2)]
+                state_shape = arch.cache_shape(kind, batch)
+                new = [ort.OrtValue.ortvalue_from_numpy(np.zeros(state_shape, model.kv_dtype), model.device)]
+                new.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(state_shape, model.kv_dtype), model.device))
                 pairs.append(self.state_pairs[len(pairs)] if old is not None else new)
                 self.state_names.append((past_name, present_name))
                 continue
@@ -469,5 +470,6 @@ class SharedStateCache(_Snapshots, SharedCache):
         logits = np.concatenate([row.prompt() for row in rows])
         for i, buffer in enumerate(self.buffers):
             buffer.update_inplace(np.concatenate([row.buffers[i].numpy() for row in rows]))
-        self._write_states([np.concatenate(arrays) for arrays in zip(*(row._read_states() for row in rows))])
+        states = zip(*(row._read_states() for row in rows), strict=True)  # per state, every row's
+        self._write_states([np.concatenate(arrays) for arrays in states])
         return logits

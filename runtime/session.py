@@ -145,7 +145,9 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
         if kind not in ("key", "value"):  # a state: (batch, *the manifest's state shape)
             expected = arch.cache_shape(kind, 1)[1:]
             if len(shape) != 1 + len(expected) or not all(map(agrees, shape[1:], expected)):
-                raise PackageError(f"{n} in {name} has shape {shape}; {described} says (batch, {', '.join(map(str, expected))})")
+                raise PackageError(
+                    f"{n} in {name} has shape {shape}; {described} says (batch, {', '.join(map(str, expected))})"
+                )
             continue
         if len(shape) != 4 or not (agrees(shape[1], arch.n_kv_head) and agrees(shape[3], arch.head_dim)):
             raise PackageError(

@@ -30,7 +30,13 @@ def make_tokenizer(folder: Path) -> None:
 
 
 def make_chat_folder(
-    folder: Path, *, template: str = "smollm2", context: int = 256, layers: int = 2, seed: int = 0, vocab: int = VOCAB,
+    folder: Path,
+    *,
+    template: str = "smollm2",
+    context: int = 256,
+    layers: int = 2,
+    seed: int = 0,
+    vocab: int = VOCAB,
     family: str = "llama",
 ) -> Path:
     """A Llama checkpoint folder (or family="lfm2": LFM2, convolution and attention layers alternating): random

@@ -30,7 +30,7 @@ GPT2 = dict(vocab_size=2048, n_embd=96, n_head=6, n_layer=2, n_positions=128, bo
             pad_token_id=EOS, initializer_range=0.15)  # fmt: skip
 LFM2 = dict(
     vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
-    intermediate_size=128, max_position_embeddings=128, layer_types=["conv", "full_attention", "conv", "full_attention"],
+    intermediate_size=128, max_position_embeddings=128, layer_types=["conv", "full_attention"] * 2,
     bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
 )  # fmt: skip
 QWEN35 = dict(  # 2 key heads shared by 4 value heads, key and value head sizes apart: a swapped axis shows

@@ -1,8 +1,9 @@
-"""Hybrid models: LFM2 (short gated convolutions beside attention layers) and Qwen3.5 (Gated DeltaNet beside gated
-attention) against transformers, and their state as a cache kind (runtime/kvcache.py StateCache): prompts shorter than the convolution's kernel, a padded batch, the
-manifest's layer record, snapshots and replayed rewinds, conversations with undo and a re-rendering template, and
-prompt lookup decoding, each equal to a fresh run. tests/test_families.py holds the family's transformers and
-onnxruntime-genai checks on the longer prompts."""
+"""Hybrid models: LFM2 (short gated convolutions beside attention layers; both graphs) and Qwen3.5 (Gated DeltaNet
+beside gated attention; the standard graph) against transformers, and their state as a cache kind
+(runtime/kvcache.py StateCache, SharedStateCache): prompts shorter than the convolution's kernel, a padded batch,
+onnxruntime-genai, the manifest's layer record, snapshots and replayed rewinds, conversations with undo and a
+re-rendering template, and prompt lookup decoding, each equal to a fresh run. tests/test_families.py holds the
+families' transformers and onnxruntime-genai checks on the longer prompts."""
 
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ def test_the_manifest_says_which_layer_holds_what(families):
             Manifest.parse(broken)
     # the memory check counts the attention layers' KV and the fixed states: 2 layers x K, V (2 heads x 16) per
     # position, 2 conv states of 64 x 2
-    assert kv_cache_bytes(load(package, provider="cpu").spec, batch=1, capacity=100) == 4 * (2 * 2 * 2 * 16 * 100 + 2 * 128)
+    assert kv_cache_bytes(load(package, provider="cpu").spec, batch=1, capacity=100) == 4 * (
+        2 * 2 * 2 * 16 * 100 + 2 * 128
+    )
     del data["architecture"]["conv_state"]
     with pytest.raises(PackageError, match="conv_state"):
         Manifest.parse(data)
@@ -131,7 +134,8 @@ def test_a_conversation_keeps_its_state_and_undo_equals_a_fresh_chat(chat):
     conv = chat.conversation(system=SYSTEM)
     turns = check_turns(chat, conv, QUESTIONS)
     assert [turn.path for _, turn in turns][0] == "full"
-    assert all(turn.reused_tokens >= len(reply.prompt_token_ids) for (reply, _), (_, turn) in zip(turns, turns[1:]))
+    for (reply, _), (_, turn) in zip(turns, turns[1:], strict=False):
+        assert turn.reused_tokens >= len(reply.prompt_token_ids)
     conv.undo()
     again = conv.send(QUESTIONS[2], 12)
     assert again.token_ids == turns[2][0].token_ids
@@ -141,7 +145,7 @@ def test_a_conversation_keeps_its_state_and_undo_equals_a_fresh_chat(chat):
 def test_a_re_rendering_template_falls_back_to_a_prefix_snapshot(chat):
     conv = chat.conversation(system=SYSTEM, template=REWRITE)
     turns = check_turns(chat, conv, QUESTIONS)
-    for (previous, _), (_, turn) in zip(turns, turns[1:]):
+    for (previous, _), (_, turn) in zip(turns, turns[1:], strict=False):
         # the earlier reply is rendered shorter: the state goes back to where that turn's prompt began
         assert turn.path == "rewind" and 0 < turn.reused_tokens <= len(previous.prompt_token_ids)
 

@@ -79,7 +79,9 @@ def config_from_hf(hf: dict) -> Lfm2Config:
             n_kv_head=kv_heads,
             n_inner=intermediate_size(hf),
             layer_types=layer_types(hf, n_layer),
-            n_positions=config_context_length(config_number(hf, "max_position_embeddings", 128000), "max_position_embeddings"),
+            n_positions=config_context_length(
+                config_number(hf, "max_position_embeddings", 128000), "max_position_embeddings"
+            ),
             conv_kernel=config_number(hf, "conv_L_cache", 3, below=64),
             conv_bias=bool(hf.get("conv_bias", False)),
             norm_eps=config_number(hf, "norm_eps", 1e-5, kind=float, below=MAX_NORM_EPSILON),
@@ -108,8 +110,9 @@ def decoder(model: Lfm2, *, blocks: Blocks | None = None) -> Decoder:
     c = model.config
     layers = []
     for block in model.model.layers:
+        mlp = block.feed_forward
         shared = dict(attention_norm=norm(block.operator_norm), mlp_norm=norm(block.ffn_norm),
-                      up=packed([block.feed_forward.w1, block.feed_forward.w3], None), down=linear(block.feed_forward.w2))  # fmt: skip
+                      up=packed([mlp.w1, mlp.w3], None), down=linear(mlp.w2))  # fmt: skip
         if block.kind == CONV:
             conv = block.conv
             bias = None if conv.conv.bias is None else array(conv.conv.bias)

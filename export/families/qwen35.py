@@ -68,7 +68,9 @@ def config_from_hf(hf: dict) -> Qwen35Config:
             linear_k_dim=config_number(hf, "linear_key_head_dim"),
             linear_v_dim=config_number(hf, "linear_value_head_dim"),
             conv_kernel=config_number(hf, "linear_conv_kernel_dim", 4, below=64),
-            n_positions=config_context_length(config_number(hf, "max_position_embeddings", 32768), "max_position_embeddings"),
+            n_positions=config_context_length(
+                config_number(hf, "max_position_embeddings", 32768), "max_position_embeddings"
+            ),
             rms_norm_eps=config_number(hf, "rms_norm_eps", 1e-6, kind=float, below=MAX_NORM_EPSILON),
             rope_theta=config_number(rope, "rope_theta", 1e7, kind=float, positive=True),
             attention_bias=bool(hf.get("attention_bias", False)),
