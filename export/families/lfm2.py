@@ -4,12 +4,14 @@ into the reference model (export/lfm2.py), and its row.
 Its convolution layers keep a state, not a KV cache, so its package's manifest says which layer holds what
 (architecture.layer_types, architecture.conv_state) and names the state `past.%d.conv` / `present.%d.conv` as
 onnxruntime-genai's LFM2 builder does. Both graphs are built: the standard one traced (export/traced.py), the
-fused one (export/graph.py) with GroupQueryAttention and com.microsoft CausalConvWithState. GGUF files of it are
-not read yet.
+fused one (export/graph.py) with GroupQueryAttention and com.microsoft CausalConvWithState. A GGUF file reads as
+llama.cpp's converter (conversion/lfm2.py) writes it: per-layer head_count_kv (0: a convolution layer), the
+depthwise kernel squeezed to (C, L), `token_embd_norm` for the final norm.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,10 +26,11 @@ from ..checkpoint import (
     read_extras,
     read_safetensors_folder,
 )
-from ..decoder import Decoder, Layer, ShortConv
+from ..decoder import Decoder, Layer, NBits, ShortConv
+from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
 from ..limits import MAX_NORM_EPSILON
-from .family import Blocks, Family, array, checked_tokens, linear, norm, packed
+from .family import Blocks, Family, GGUFLayout, array, checked_tokens, head_blocks, kept_blocks, linear, norm, packed
 
 
 def intermediate_size(hf: dict) -> int:
@@ -106,23 +109,29 @@ def load(folder: str | Path) -> Lfm2:
 
 def decoder(model: Lfm2, *, blocks: Blocks | None = None) -> Decoder:
     """The fused graph's Decoder: convolution layers as ShortConv (ONNX Runtime's CausalConvWithState), attention
-    layers as the Llama family's with head norms. blocks: unused (no GGUF files of LFM2 are read yet)."""
+    layers as the Llama family's with head norms. blocks: keep a GGUF file's own quantized blocks on the linears."""
     c = model.config
     layers = []
-    for block in model.model.layers:
+    for i, block in enumerate(model.model.layers):
+        kept = partial(_kept, blocks, f"model.layers.{i}.")
         mlp = block.feed_forward
         shared = dict(attention_norm=norm(block.operator_norm), mlp_norm=norm(block.ffn_norm),
-                      up=packed([mlp.w1, mlp.w3], None), down=linear(mlp.w2))  # fmt: skip
+                      up=packed([mlp.w1, mlp.w3], kept(["feed_forward.w1", "feed_forward.w3"])),
+                      down=linear(mlp.w2, kept(["feed_forward.w2"])))  # fmt: skip
         if block.kind == CONV:
             conv = block.conv
             bias = None if conv.conv.bias is None else array(conv.conv.bias)
-            short = ShortConv(linear(conv.in_proj), array(conv.conv.weight), bias, linear(conv.out_proj))
+            short = ShortConv(linear(conv.in_proj, kept(["conv.in_proj"])), array(conv.conv.weight), bias,
+                              linear(conv.out_proj, kept(["conv.out_proj"])))  # fmt: skip
             layers.append(Layer(qkv=None, attention_out=None, conv=short, **shared))
         else:
             attn = block.self_attn
-            qkv = packed([attn.q_proj, attn.k_proj, attn.v_proj], None)
-            layers.append(Layer(qkv=qkv, attention_out=linear(attn.out_proj), q_norm=norm(attn.q_layernorm),
-                                k_norm=norm(attn.k_layernorm), **shared))  # fmt: skip
+            qkv = packed(
+                [attn.q_proj, attn.k_proj, attn.v_proj],
+                kept(["self_attn." + n for n in ("q_proj", "k_proj", "v_proj")]),
+            )
+            layers.append(Layer(qkv=qkv, attention_out=linear(attn.out_proj, kept(["self_attn.out_proj"])),
+                                q_norm=norm(attn.q_layernorm), k_norm=norm(attn.k_layernorm), **shared))  # fmt: skip
     angles = torch.arange(c.n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(c)  # (P, hs / 2)
     return Decoder(
         family="lfm2", vocab_size=c.vocab_size, context_length=c.n_positions, n_embd=c.n_embd, n_head=c.n_head,
@@ -131,7 +140,13 @@ def decoder(model: Lfm2, *, blocks: Blocks | None = None) -> Decoder:
         final_norm=norm(model.model.embedding_norm),
         lm_head=None if c.tie_word_embeddings else array(model.lm_head.weight).T,
         rotary_cos=array(angles.cos()), rotary_sin=array(angles.sin()),
+        head_nbits=head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
+        embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["model.embed_tokens.weight"]),
     )  # fmt: skip
+
+
+def _kept(blocks: Blocks | None, prefix: str, names: list[str]) -> NBits | None:
+    return kept_blocks(blocks, [f"{prefix}{name}.weight" for name in names])
 
 
 def details(model: Lfm2) -> dict:
@@ -154,6 +169,79 @@ def tokens(folder: Path, model: Lfm2) -> dict:
     )
 
 
+def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
+    """config.json of an LFM2 file. llama.cpp's converter writes head_count_kv per layer, 0 for a convolution
+    layer (its layer types), and the MLP width after block_auto_adjust_ff_dim."""
+    n_layer = number(meta, "lfm2.block_count")
+    kv_heads = meta.get("lfm2.attention.head_count_kv")
+    if not isinstance(kv_heads, list) or len(kv_heads) != n_layer:
+        raise GGUFError(f"metadata lfm2.attention.head_count_kv must list {n_layer} layers' KV heads")
+    attention = sorted({n for n in kv_heads if n})
+    if len(attention) != 1:
+        raise GGUFError(f"metadata lfm2.attention.head_count_kv {kv_heads!r:.60} names no one KV head count")
+    return {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "vocab_size": vocab,
+        "hidden_size": number(meta, "lfm2.embedding_length"),
+        "intermediate_size": number(meta, "lfm2.feed_forward_length"),
+        "block_auto_adjust_ff_dim": False,
+        "num_hidden_layers": n_layer,
+        "num_attention_heads": number(meta, "lfm2.attention.head_count"),
+        "num_key_value_heads": attention[0],
+        "layer_types": [ATTENTION if n else CONV for n in kv_heads],
+        "max_position_embeddings": context_length(meta, "lfm2.context_length"),
+        "norm_eps": number(meta, "lfm2.attention.layer_norm_rms_epsilon", kind=float, below=MAX_NORM_EPSILON),
+        "rope_parameters": {"rope_type": "default", "rope_theta": number(meta, "lfm2.rope.freq_base", kind=float)},
+        "conv_L_cache": number(meta, "lfm2.shortconv.l_cache", below=64),
+        "tie_word_embeddings": "output.weight" not in stored,
+    }
+
+
+# llama.cpp's name in a block -> HF's (`model.layers.N.` + it)
+GGUF_BLOCK = {
+    "attn_norm.weight": "operator_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+}
+GGUF_CONV = {"shortconv.conv.weight": "conv.conv.weight", "shortconv.in_proj.weight": "conv.in_proj.weight",
+             "shortconv.out_proj.weight": "conv.out_proj.weight"}  # fmt: skip
+GGUF_ATTENTION = {
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.out_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_layernorm.weight", "attn_k_norm.weight": "self_attn.k_layernorm.weight",
+}  # fmt: skip
+
+
+def gguf_tensors(config: dict) -> dict[str, Entry]:
+    """HF name -> where and how it is stored. The converter squeezes the depthwise kernel (C, 1, L) to (C, L)
+    (build puts the axis back) and leaves Q and K rows as they are."""
+    c = config_from_hf(config)
+    hd, kv = c.head_dim, c.n_kv_head * c.head_dim
+    shapes = {"ffn_gate": (c.n_inner, c.n_embd), "ffn_up": (c.n_inner, c.n_embd), "ffn_down": (c.n_embd, c.n_inner),
+              "shortconv.conv": (c.n_embd, c.conv_kernel), "shortconv.in_proj": (3 * c.n_embd, c.n_embd),
+              "shortconv.out_proj": (c.n_embd, c.n_embd), "attn_q": (c.n_embd, c.n_embd), "attn_k": (kv, c.n_embd),
+              "attn_v": (kv, c.n_embd), "attn_output": (c.n_embd, c.n_embd), "attn_q_norm": (hd,),
+              "attn_k_norm": (hd,)}  # fmt: skip
+    entries = {"model.embed_tokens.weight": Entry("token_embd.weight", (c.vocab_size, c.n_embd))}
+    entries["model.embedding_norm.weight"] = Entry("token_embd_norm.weight", (c.n_embd,))
+    for i, kind in enumerate(c.layer_types):
+        names = GGUF_BLOCK | (GGUF_CONV if kind == CONV else GGUF_ATTENTION)
+        for gguf_name, hf_name in names.items():
+            shape = shapes.get(gguf_name.removesuffix(".weight"), (c.n_embd,))
+            entries[f"model.layers.{i}.{hf_name}"] = Entry(f"blk.{i}.{gguf_name}", shape)
+    return with_head(entries, config, c.vocab_size, c.n_embd)
+
+
+def _build_from_gguf(hf: dict, state: dict) -> Lfm2:
+    state = {
+        name: t.unsqueeze(1) if name.endswith("conv.conv.weight") and t.dim() == 2 else t for name, t in state.items()
+    }
+    return build(config_from_hf(hf), state)
+
+
 ROWS = (
     Family(
         model_type="lfm2",
@@ -161,9 +249,10 @@ ROWS = (
         label="LFM2/LFM2.5",
         genai_type="lfm2",
         load=load,
-        build=lambda hf, state: build(config_from_hf(hf), state),
+        build=_build_from_gguf,
         decoder=decoder,
         details=details,
         tokens=tokens,
+        gguf=GGUFLayout(architecture="lfm2", config=gguf_config, tensors=gguf_tensors),
     ),
 )
