@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from edgelm.runtime import load
-from edgelm.runtime.chat_ids import chat_prompt_ids
+from edgelm.runtime.template import chat_prompt_ids
 
 WORDS = (
     "tell me more about the river the mountain the old city its people their songs and what they cook "

@@ -85,7 +85,7 @@ def cpu_name() -> str:
 
 def chat_ids(model, messages: list[dict]) -> list[int]:
     from edgelm.runtime.chat import package_template
-    from edgelm.runtime.chat_ids import chat_prompt_ids
+    from edgelm.runtime.template import chat_prompt_ids
 
     return chat_prompt_ids(package_template(model), model.tokenizer, messages)
 

@@ -139,8 +139,9 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
         raise GGUFError("tensor token_embd.weight is missing")
     vocab = int(stored["token_embd.weight"].shape[1])
     config = family.gguf.config(meta, stored, vocab)
-    if config.get("num_hidden_layers", config.get("n_layer")) > len(stored):
-        raise GGUFError(f"{len(stored)} tensors cannot hold the {meta[f'{arch}.block_count']} blocks it claims")
+    blocks = meta[f"{arch}.block_count"]  # every llama.cpp architecture's key, checked by the family's config
+    if blocks > len(stored):  # before the tensor map makes an entry for each
+        raise GGUFError(f"{len(stored)} tensors cannot hold the {blocks} blocks it claims")
     entries = family.gguf.tensors(config)
     _check_tensors(stored, entries, arch, also=family.gguf.also_read)
     ids, tokenizer_json = _tokenizer(meta, vocab)

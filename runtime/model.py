@@ -155,18 +155,46 @@ class Model(AdapterMixin):
         self, messages: list[dict], max_new_tokens: int = 256, *, template=None, adapter=None, **options
     ) -> GenerationResult:
         """The assistant's reply to messages ([{"role": ..., "content": ...}]), rendered with the package's chat
-        template (or `template`, Jinja source). Options as generate's; ContextLengthError when they do not fit."""
+        template (or `template`, Jinja source). Options as generate's, and tools, documents, enable_thinking,
+        template_vars, tool_choice (docs/apps.md); ContextLengthError when they do not fit. The result's content,
+        reasoning and tool_calls are the reply parsed by the template's convention (runtime/tool_calls.py)."""
+        return self.chat_stream(messages, max_new_tokens, template=template, adapter=adapter, **options).finish()
+
+    def chat_stream(
+        self, messages: list[dict], max_new_tokens: int = 256, *, template=None, adapter=None, **options
+    ) -> Stream:
+        """chat as a Stream of pieces (each a str, with .content, .reasoning and .tool_calls); .result at the end."""
         from .chat import Conversation  # the chat template machinery (jinja2) is imported when chat is first used
 
         conversation = Conversation(self, template=template, adapter=adapter)
-        return conversation.reply_to(messages, max_new_tokens=max_new_tokens, **options)
+        return conversation.stream_reply(messages, max_new_tokens=max_new_tokens, **options)
 
-    def conversation(self, system: str | None = None, *, template=None, adapter=None) -> Conversation:
-        """A multi-turn chat that keeps its KV cache between turns: .send(text), .stream(text), .undo(), .reset().
-        adapter: a loaded LoRA adapter's name; send/stream(..., adapter=) switches it (and re-prefills)."""
+    def conversation(
+        self,
+        system: str | None = None,
+        *,
+        template=None,
+        adapter=None,
+        tools=None,
+        documents=None,
+        enable_thinking=None,
+        template_vars=None,
+    ) -> Conversation:
+        """A multi-turn chat that keeps its KV cache between turns: .send(message), .stream(message), .undo(),
+        .reset(). adapter: a loaded LoRA adapter's name; send/stream(..., adapter=) switches it (and re-prefills).
+        tools, documents, enable_thinking, template_vars: the template variables of every turn (docs/apps.md)."""
         from .chat import Conversation  # jinja2 is imported when chat is first used
 
-        return Conversation(self, system=system, template=template, adapter=adapter)
+        return Conversation(
+            self,
+            system=system,
+            template=template,
+            adapter=adapter,
+            tools=tools,
+            documents=documents,
+            enable_thinking=enable_thinking,
+            template_vars=template_vars,
+        )
 
     # ---- input handling ------------------------------------------------------------------------
 
@@ -245,7 +273,7 @@ class Model(AdapterMixin):
         started = time.perf_counter()
         runner = self.runner(options.pop("adapter", None))
         checked = generation_options(
-            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self
+            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self, rows=len(prompts)
         )
         encoded = self._encode_all(prompts, checked)
         state = DecodeState.start(len(encoded))

@@ -42,33 +42,59 @@ class Tokenizer:
         """The ids of the added tokens marked special: the control tokens (<|im_start|>, <|eot_id|>, BOS, ...)."""
         return frozenset(i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special)
 
-    def encode_text(self, text: str, *, at_start: bool) -> list[int]:
-        """text tokenized as plain text: special-token text in it becomes ordinary tokens ('<', '|', 'im', ...).
-        at_start: whether text begins the whole input; a Metaspace pre-tokenizer that marks only the first
-        word ("prepend_scheme": "first") does not mark a piece that follows a special token."""
-        first, rest = self._text_tokenizers
+    @functools.cached_property
+    def added_tokens(self) -> tuple[tuple[int, str], ...]:
+        """Every added token, special or not, as (id, text): DeepSeek-R1's <｜User｜> is one not marked special."""
+        return tuple((i, token.content) for i, token in sorted(self._tokenizer.get_added_tokens_decoder().items()))
+
+    def encode_text(self, text: str, *, at_start: bool, also: frozenset[int] = frozenset()) -> list[int]:
+        """text tokenized as plain text: special-token text in it becomes ordinary tokens ('<', '|', 'im', ...),
+        and so does the text of the added tokens in `also`. at_start: whether text begins the whole input; a
+        Metaspace pre-tokenizer that marks only the first word ("prepend_scheme": "first") does not mark a
+        piece that follows a special token."""
+        also = frozenset(also & {i for i, _ in self.added_tokens} - self.special_ids)
+        copies = self._text_copies.get(also)
+        if copies is None:
+            copies = self._text_copies[also] = self._text_tokenizers(also)
+        first, rest = copies
         return (first if at_start else rest).encode(text, add_special_tokens=False).ids
 
     @functools.cached_property
-    def _text_tokenizers(self) -> tuple:
-        """Two copies that encode special tokens as text (tokenizers' encode_special_tokens), for the start
-        of the input and for the rest; separate instances, since the flag is shared state of a tokenizer."""
+    def _text_copies(self) -> dict[frozenset[int], tuple]:
+        return {}
+
+    def _text_tokenizers(self, also: frozenset[int]) -> tuple:
+        """Two copies that encode special tokens, and the added tokens in also (marked special here), as text
+        (tokenizers' encode_special_tokens), for the start of the input and for the rest; separate instances,
+        since the flag is shared state of a tokenizer."""
+        import json
+
         from tokenizers import Tokenizer as HFTokenizer
 
         source = self._tokenizer.to_str()  # compact JSON: inside a token's text a quote is escaped, so only
-        copies = []  # the pre-tokenizer's own setting can read '"prepend_scheme":"first"'
+        if also:  # the pre-tokenizer's own setting can read '"prepend_scheme":"first"'
+            document = json.loads(source)
+            for token in document["added_tokens"]:
+                token["special"] = token["special"] or token["id"] in also
+            source = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
+        copies = []
         for text in (source, source.replace('"prepend_scheme":"first"', '"prepend_scheme":"never"')):
             copy = HFTokenizer.from_str(text)
             copy.encode_special_tokens = True
             copies.append(copy)
         return tuple(copies)
 
+    def to_str(self) -> str:
+        """The tokenizer as tokenizers' JSON text (for llguidance: runtime/constraints.py)."""
+        return self._tokenizer.to_str()
+
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (e.g. "<|im_end|>"), None if there is none."""
         return self._tokenizer.id_to_token(token_id)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        """The text of ids; control tokens dropped unless skip_special=False (a reply's tool-call markup)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
 class TextAssembler:

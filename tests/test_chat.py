@@ -21,8 +21,8 @@ from edgelm.runtime import (
     load,
 )
 from edgelm.runtime.chat import Conversation
-from edgelm.runtime.chat_template import ChatTemplate
 from edgelm.runtime.kvcache import make_cache
+from edgelm.runtime.template import ChatTemplate
 
 TOLERANCE = 1e-4
 SYSTEM = "You are a terse assistant."

@@ -1,4 +1,4 @@
-"""Message content is text, never markup (runtime/chat_ids.py): special-token text in a message or the system
+"""Message content is text, never markup (runtime/template/prompt_ids.py): special-token text in a message or the system
 prompt (a forged ChatML system turn, Llama 3 headers, BOS/EOS text, pieces of one split over two messages)
 never becomes a control token, in the prompt ids, model.chat, conversations (prefix and rewind paths) and
 `edgelm chat`; for ordinary messages the ids equal transformers' apply_chat_template(tokenize=True).
@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from test_chat_template import CHATML_TOKENS, LLAMA_TOKENS, PARITY_CASES, STYLES, TOOL
 
 from edgelm.runtime import ChatTemplateError, ContextLengthError, InvalidInputError, load
-from edgelm.runtime.chat_ids import chat_prompt_ids
-from edgelm.runtime.chat_template import ChatTemplate
+from edgelm.runtime.template import ChatTemplate, chat_prompt_ids
 from edgelm.runtime.text import Tokenizer
 
 VARIABLES = {"date_string": "26 Jul 2024"}

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgelm.runtime import ChatTemplateError, EdgelmError
-from edgelm.runtime.chat_template import ROLES, ChatTemplate, generation_suffix, is_prefix_stable
+from edgelm.runtime.template import ROLES, ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -40,6 +40,21 @@ CHAT = [
 
 def load(name: str, **tokens: str | None) -> ChatTemplate:
     return ChatTemplate((TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8"), **tokens)
+
+
+def generation_suffix(template: ChatTemplate, messages: list[dict], **variables) -> str:
+    """The text add_generation_prompt appends after messages (e.g. '<|im_start|>assistant\\n')."""
+    with_prompt = template.render(messages, add_generation_prompt=True, **variables)
+    without = template.render(messages, add_generation_prompt=False, **variables)
+    assert with_prompt.startswith(without), "the generation prompt is not a suffix of the rendered messages"
+    return with_prompt[len(without) :]
+
+
+def is_prefix_stable(template: ChatTemplate, history: list[dict], new_history: list[dict], **variables) -> bool:
+    """Whether new_history (with the generation prompt) renders as history's rendering plus more text."""
+    before = template.render(history, add_generation_prompt=False, **variables)
+    after = template.render(new_history, add_generation_prompt=True, **variables)
+    return after.startswith(before)
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +211,46 @@ def test_same_text_as_transformers(name: str, tokens: dict, case: int, generatio
     assert ours == hf_render(source, messages, generation, tokens, **variables)
 
 
+# Real templates (as llama.cpp's models/templates keeps them) that read tool calls and reasoning: transformers
+# drops a message's None-valued keys (an API's content=None beside tool_calls) and passes the reasoning as both
+# reasoning_content and thinking; LFM2.5 wraps assistant turns in {% generation %}.
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "content": "21 C", "tool_call_id": "call_1", "name": None},
+    {"role": "assistant", "content": "It is 21 C.", "reasoning": "The tool said so."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+@pytest.mark.parametrize("name", ["glm-4.6", "minimax-m2", "lfm2.5"])
+@pytest.mark.parametrize("generation", [True, False])
+def test_tool_calls_and_reasoning_render_as_transformers(name: str, generation: bool) -> None:
+    source = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    tokens = dict(bos_token="<s>", eos_token="</s>")
+    ours = ChatTemplate(source, **tokens).render(TOOL_CHAT, add_generation_prompt=generation, tools=[TOOL])
+    assert ours == hf_render(source, TOOL_CHAT, generation, tokens, tools=[TOOL])
+    assert "None" not in ours and "get_weather" in ours
+
+
+def test_generation_blocks_render_their_body_as_transformers() -> None:
+    source = (
+        "{% for m in messages %}{% generation %}{% set kept = m.content %}<{{ kept }}>{% endgeneration %}"
+        "[{{ kept }}]{% endfor %}{%- generation -%} {{ messages|length }} {%- endgeneration -%}"
+    )
+    ours = ChatTemplate(source).render(CHAT, add_generation_prompt=False)
+    assert ours == hf_render(source, CHAT, False, {}) == "<You are terse.>[]<Hi>[]<Hello.>[]<Bye>[]4"
+
+
+def test_none_valued_keys_are_dropped_as_transformers_drops_them(chatml: ChatTemplate) -> None:
+    source = "{% for m in messages %}{{ m.role }}:{{ m.content is defined }},{{ m.tool_calls is defined }};{% endfor %}"
+    messages = [CHAT[1], {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL], "name": None}]
+    assert ChatTemplate(source).render(messages, add_generation_prompt=False) == "user:True,False;assistant:False,True;"
+    assert hf_render(source, messages, False, {}) == "user:True,False;assistant:False,True;"
+
+
 # ---- messages ----
 
 BAD_MESSAGES = [
@@ -349,6 +404,8 @@ def test_hostile_templates_fail_quickly(chatml: ChatTemplate, source: str, messa
         ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", "line 2"),
         ("Hello\n{% if x %}", "line 2"),
         ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nested too deeply"),
+        ("{% if a %}" * 100 + "x" + "{% endif %}" * 100, "nested too deeply"),  # Python's IndentationError
+        ("{% for i in a %}" * 30 + "x" + "{% endfor %}" * 30, "nested too deeply"),  # Python's SyntaxError
         ("", "non-empty"),
     ],
 )

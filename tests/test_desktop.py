@@ -268,8 +268,8 @@ def test_errors_show_in_the_window(app, package, chat_package):
 
 def test_a_forged_system_turn_stays_text(app, chat_package):
     """Special-token text typed into the message box or the system prompt is text: the prompt holds only the
-    control tokens of the template's own turns (runtime/chat_ids.py)."""
-    from edgelm.runtime.chat_ids import chat_prompt_ids
+    control tokens of the template's own turns (runtime/template/prompt_ids.py)."""
+    from edgelm.runtime.template import chat_prompt_ids
 
     load_tiny(app, chat_package, "chat")
     set_input(app, "", max_new_tokens="4", temperature="0", top_k="0", top_p="1.0", seed="")

@@ -89,6 +89,11 @@ BAD = {
         {"llama.rope.dimension_count": ("16", V.STRING)},
         "metadata llama.rope.dimension_count should be a single int, not '16'",
     ),
+    "unknown pre-tokenizer": (
+        "gpt2",
+        {"tokenizer.ggml.pre": ("no-such-bpe", V.STRING)},
+        "tokenizer: unknown BPE pre-tokenizer 'no-such-bpe' (tokenizer.ggml.pre); known: [",
+    ),
     "gpt2 width not a multiple of heads": ("gpt2", {"gpt2.attention.head_count": (5, V.UINT32)}, "not a multiple"),
 }
 

@@ -27,20 +27,37 @@ LIBRARY = {
     "edgelm.quantize": REPO / "quantize",
     "edgelm.runtime": REPO / "runtime",
 }
-MODULES = sorted(path.stem for path in RUNTIME.glob("*.py") if path.stem != "__init__")
+
+
+def module_name(path: Path) -> str:
+    """runtime/chat.py -> "chat", runtime/template/sandbox.py -> "template.sandbox", runtime/template/__init__.py
+    -> "template"."""
+    parts = path.relative_to(RUNTIME).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = sorted(module_name(path) for path in RUNTIME.rglob("*.py") if path != RUNTIME / "__init__.py")
 FORBIDDEN = {"torch", "export", "quantize", "onnx"}  # roots; edgelm.export and edgelm.quantize by their second name
+
+
+def module_path(module: str) -> Path:
+    path = RUNTIME.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 def imported_names(module: str) -> tuple[set[str], set[str]]:
     """The runtime modules `module` imports (relative imports, at any depth) and the absolute imports' roots."""
-    tree = ast.parse((RUNTIME / f"{module}.py").read_text(encoding="utf-8"))
+    path = module_path(module)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     siblings, absolute = set(), set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:  # from .x import y
-                siblings.add(node.module.split(".")[0])
+        if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            base = package[: len(package) - (node.level - 1)]
+            if node.module:  # from .x import y, from ..x import y
+                siblings.add(".".join([*base, *node.module.split(".")]))
             else:  # from . import x, y
-                siblings.update(alias.name for alias in node.names)
+                siblings.update(".".join([*base, alias.name]) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             absolute.add(node.module)
         elif isinstance(node, ast.Import):
@@ -135,6 +152,8 @@ def test_the_library_imports_form_no_circle():
 def test_the_runtime_imports_form_no_circle():
     graph = {module: imported_names(module)[0] for module in MODULES}
     assert "decode" in graph and "model" in graph, "the runtime's decode loop and Model modules are read"
+    assert "template.sandbox" in graph["template.chat_template"], "imports inside runtime/template/ are read"
+    assert "errors" in graph["template.sandbox"], "imports from runtime/template/ to runtime/ are read"
     cycle = find_cycle(graph)
     assert cycle is None, f"runtime modules import each other in a circle: {' -> '.join(cycle)}"
 
@@ -143,6 +162,19 @@ def test_the_decode_loop_does_not_depend_on_model():
     graph = {module: imported_names(module)[0] for module in MODULES}
     for module in ("decode", "kvcache", "chat", "runner"):
         assert "model" not in graph[module], f"runtime/{module}.py imports runtime/model.py"
+
+
+def test_the_template_package_is_entered_through_its_init():
+    # runtime/template/ is one package: the rest of the runtime imports its __init__, never its modules
+    graph = {module: imported_names(module)[0] for module in MODULES}
+    for module, targets in graph.items():
+        if not module.startswith("template"):
+            inside = sorted(target for target in targets if target.startswith("template."))
+            assert not inside, f"runtime/{module}.py imports {inside}: import them from runtime/template/__init__.py"
+        else:
+            outside = {"errors", "text"}
+            reached = sorted(t for t in targets if not t.startswith("template") and t not in outside)
+            assert not reached, f"{module} imports {reached}: the template package needs only errors and text"
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -131,7 +131,7 @@ def _measured(action):
 
 
 def child_hostile() -> None:
-    from edgelm.runtime.chat_template import ChatTemplate
+    from edgelm.runtime.template import ChatTemplate
 
     ChatTemplate("{{ messages[0].content|upper }}").render(MESSAGES)  # imports and caches done: the baseline
     _cap_address_space()
@@ -178,8 +178,8 @@ def child_property(examples: int) -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from edgelm.runtime import ChatTemplateError
-    from edgelm.runtime.chat_template import ChatTemplate
-    from edgelm.runtime.template_sandbox import tojson
+    from edgelm.runtime.template import ChatTemplate
+    from edgelm.runtime.template.filters import tojson
 
     plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     plain.filters["tojson"] = tojson  # Hugging Face's, as the sandbox has

@@ -4,17 +4,18 @@ jinja2's ImmutableSandboxedEnvironment refuses Python internals (`__class__`, `_
 mutating the data it is given. On top of it every render is bounded: loop iterations plus calls, call
 depth, the size of each value and of everything the render builds, the text produced, and wall time.
 Sizes are checked BEFORE an operation allocates: each filter, string method, operator (`+`, `*`, `%`,
-`**`), str.format field, concatenation (`~`) and slice is first measured with template_sizes.py's
+`**`), str.format field, concatenation (`~`) and slice is first measured with costs.py's
 upper bounds from its inputs, so `'%999999999s' % 1` or `x|indent(10**8)` fails without building a
 gigabyte. Nothing is evaluated while compiling: jinja's constant folding (which would run `'%s' % ...`
 even inside `{% if false %}`) is off, and the source and the Python it compiles to are bounded. Text
 is only made of data: a function, macro, cycler or namespace cannot be printed (its repr shows a heap
 address). The bounds stop runaway templates with a ChatTemplateError; they are a guard, not a proof.
-The globals and filters are the ones Hugging Face's `apply_chat_template` gives a template
-(raise_exception, tojson, strftime_now, loop controls) less pprint, urlize and wordwrap, whose cost the
-input size does not bound and which no chat template uses.
-The limits and the render's budget are in template_budget.py, the bounded filters, globals and
-operators in template_filters.py; this module holds the environment, compiling and rendering.
+The globals, filters and tags are the ones Hugging Face's `apply_chat_template` gives a template
+(raise_exception, tojson, strftime_now, loop controls, `{% generation %}`) less pprint, urlize and
+wordwrap, whose cost the input size does not bound and which no chat template uses.
+The limits and the render's budget are in limits.py, what each operation builds in costs.py (from
+sizes.py's bounds of values), the bounded filters and globals in filters.py; this module holds the
+environment, compiling and rendering.
 """
 
 from __future__ import annotations
@@ -27,36 +28,18 @@ from typing import Any
 from jinja2 import Template, nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateSyntaxError
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from markupsafe import Markup
 
-from .errors import ChatTemplateError
-from .template_budget import (
-    BUDGET,
-    MAX_CODE_CHARS,
-    MAX_DATA_DEPTH,
-    MAX_DEPTH,
-    MAX_NODES,
-    MAX_OUTPUT_CHARS,
-    MAX_SOURCE_CHARS,
-    Budget,
-    Cost,
-    LimitError,
-    check_arguments,
-    checked,
-    current_budget,
-    materialized,
-    result_cost,
-    text_cost,
-    texts_cost,
-)
-from .template_costs import method_cost
-from .template_filters import (
+from ..errors import ChatTemplateError
+from .costs import join_cost, method_cost, operator_cost, result_cost, text_cost
+from .filters import (
     BoundedEscapeFormatter,
     BoundedFormatter,
     BoundedNamespace,
-    binop_cost,
     bounded_dict,
     bounded_filter,
     bounded_join,
@@ -69,9 +52,23 @@ from .template_filters import (
     strftime_now,
     tojson,
 )
-from .template_sizes import width
+from .limits import (
+    BUDGET,
+    MAX_CODE_CHARS,
+    MAX_DEPTH,
+    MAX_NODES,
+    MAX_OUTPUT_CHARS,
+    MAX_SOURCE_CHARS,
+    Budget,
+    LimitError,
+    check_arguments,
+    checked,
+    current_budget,
+    materialized,
+)
+from .sizes import Cost, width
 
-__all__ = ["MAX_DATA_DEPTH", "MAX_SOURCE_CHARS", "compile_template", "render_bounded", "tojson"]
+__all__ = ["compile_template", "render_bounded"]
 
 _LOOP_FILTER = "edgelm_counted_loop"  # wrapped around every for loop's iterable at compile time
 _SPREAD_FILTER = "edgelm_counted_spread"  # wrapped around every *args and **kwargs of a call at compile time
@@ -79,8 +76,9 @@ _REMOVED_FILTERS = ("pprint", "urlize", "wordwrap")
 
 
 class _CodeGenerator(CodeGenerator):
-    """jinja's code generator, with `~` and slices routed through the environment so they are measured,
-    and `{% autoescape %}` taking literals only (jinja would evaluate any other expression while compiling)."""
+    """jinja's code generator, with `~`, slices and list, tuple and dict literals routed through the
+    environment so they are measured, and `{% autoescape %}` taking literals only (jinja would evaluate any
+    other expression while compiling)."""
 
     def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
         if frame.eval_ctx.volatile:  # the same join jinja picks
@@ -108,6 +106,24 @@ class _CodeGenerator(CodeGenerator):
             self.write(", ")
         self.write("))")
 
+    def visit_List(self, node: nodes.List, frame: Frame) -> None:
+        self._measured(super().visit_List, node, frame)
+
+    def visit_Tuple(self, node: nodes.Tuple, frame: Frame) -> None:
+        if node.ctx != "load":  # `a, b` as a target of set or for
+            super().visit_Tuple(node, frame)
+        else:
+            self._measured(super().visit_Tuple, node, frame)
+
+    def visit_Dict(self, node: nodes.Dict, frame: Frame) -> None:
+        self._measured(super().visit_Dict, node, frame)
+
+    def _measured(self, visit: Any, node: nodes.Node, frame: Frame) -> None:
+        """A literal list, tuple or dict measured as it is made: `[x, x]` doubles what a comparison walks."""
+        self.write("environment.literal(")
+        visit(node, frame)
+        self.write(")")
+
     def visit_EvalContextModifier(self, node: nodes.EvalContextModifier, frame: Frame) -> None:
         for keyword in node.options:
             self.writeline(f"context.eval_ctx.{keyword.key} = ")
@@ -131,9 +147,7 @@ class _Environment(ImmutableSandboxedEnvironment):
         receiver, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", None)
         if name == "join" and isinstance(receiver, (str, bytes)) and len(args) == 1 and not kwargs:
             args = (materialized(args[0]),)  # measured once its items are in a list
-            items = args[0] if hasattr(args[0], "__len__") else ()
-            joined = texts_cost(items)
-            cost = Cost(joined.chars + len(receiver) * max(len(items) - 1, 0), len(items), joined.width)
+            cost = join_cost(receiver, args[0])
         else:
             cost = method_cost(receiver, name, args, kwargs, MAX_OUTPUT_CHARS) if isinstance(name, str) else None
         if cost is not None:
@@ -152,7 +166,7 @@ class _Environment(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         budget = current_budget()
         budget.step()
-        budget.build(binop_cost(operator, left, right))
+        budget.build(operator_cost(operator, left, right))
         return checked(super().call_binop(context, operator, left, right))
 
     def getitem(self, obj: Any, argument: Any) -> Any:
@@ -162,6 +176,11 @@ class _Environment(ImmutableSandboxedEnvironment):
             count = len(range(*argument.indices(len(obj))))
             current_budget().build(Cost(count, 0, width(obj)) if isinstance(obj, (str, bytes)) else Cost(0, count))
         return obj[argument]  # as jinja does for a slice: no fallback to an attribute
+
+    def literal(self, value: Any) -> Any:
+        """A list, tuple or dict literal, counted as built (it is kept until the render ends: see Budget.measure)."""
+        current_budget().build(Cost(0, len(value)))
+        return checked(value)
 
     def concat_pieces(self, pieces: tuple) -> tuple:
         """The pieces of `a ~ b ~ ...`, admitted before they are joined."""
@@ -199,12 +218,27 @@ class _Environment(ImmutableSandboxedEnvironment):
         return super()._compile(source, filename)
 
 
+class _Generation(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's tokens for training
+    masks: the body rendered as transformers renders it, a call block (so a `set` inside stays inside)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Macro) -> str:
+        return caller()
+
+
 def _environment() -> _Environment:
     # A fresh environment per template: compiled templates keep a reference to theirs.
     env = _Environment(
         trim_blocks=True,
         lstrip_blocks=True,
-        extensions=["jinja2.ext.loopcontrols"],
+        extensions=["jinja2.ext.loopcontrols", _Generation],
         finalize=finalize,
         optimized=False,  # jinja's optimizer folds constants while compiling, before any bound applies
     )
@@ -229,8 +263,9 @@ def _literal_cost(loop: nodes.For) -> Cost:
     return Cost(1 + sum(map(len, texts)), 0, width(*texts))
 
 
-def compile_template(source: str) -> Template:
-    """Compile a chat template in the bounded sandbox; ChatTemplateError names the line that does not parse."""
+def compile_template(source: str) -> tuple[Template, tuple[str, ...]]:
+    """Compile a chat template in the bounded sandbox; ChatTemplateError names the line that does not parse.
+    Returns the template and its literals: the text and the string constants written in it."""
     if not isinstance(source, str) or not source.strip():
         raise ChatTemplateError("a chat template must be a non-empty string")
     if len(source) > MAX_SOURCE_CHARS:
@@ -238,6 +273,8 @@ def compile_template(source: str) -> Template:
     env = _environment()
     try:
         tree = env.parse(source)
+        literals = [node.data for node in tree.find_all(nodes.TemplateData)]
+        literals += [node.value for node in tree.find_all(nodes.Const) if isinstance(node.value, str)]
         count = sum(1 for _ in tree.find_all(nodes.Node))
         if count > MAX_NODES:
             raise ChatTemplateError(f"a chat template of {count:,} parts (the limit is {MAX_NODES:,})")
@@ -249,11 +286,13 @@ def compile_template(source: str) -> Template:
                 if getattr(call, field) is not None:
                     spread = nodes.Filter(getattr(call, field), _SPREAD_FILTER, [], [], None, None, lineno=call.lineno)
                     setattr(call, field, spread)
-        return env.from_string(tree)
+        return env.from_string(tree), tuple(literals)
     except TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile: line {exc.lineno}: {exc.message}") from exc
     except RecursionError as exc:
         raise ChatTemplateError("chat template does not compile: nested too deeply") from exc
+    except SyntaxError as exc:  # Python's own limits on the code it compiles to: nested blocks, indentation
+        raise ChatTemplateError(f"chat template does not compile: nested too deeply ({exc.msg})") from exc
     except (LimitError, MemoryError) as exc:
         raise ChatTemplateError(f"chat template does not compile: {_what(exc)}") from exc
 

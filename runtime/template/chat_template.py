@@ -3,15 +3,13 @@
 Renders the Jinja chat template a checkpoint carries (Hugging Face's format: `chat_template` in
 tokenizer_config.json, chat_template.jinja, or GGUF's `tokenizer.chat_template`) as transformers'
 `apply_chat_template` does, with the special tokens (`bos_token`, `eos_token`, ...) and `tools` /
-`documents` (None unless given) as variables, in the bounded sandbox of template_sandbox.py.
+`documents` (None unless given) as variables, in the bounded sandbox of sandbox.py.
 
-Rendering is all this module does with a conversation: on every turn a Conversation (chat.py) renders the
-whole history with the generation prompt, chat_ids.py tokenizes that text so that special-token text inside
-a message's content stays plain text (only the template's own text becomes control tokens), and the
-conversation compares the ids with those its KV cache holds, feeding only the new ones or rewinding the
-cache to the common prefix. `generation_suffix` (what the generation prompt appends) and `is_prefix_stable`
-(whether new turns leave earlier ones as they were rendered; some templates drop <think> reasoning) are
-text-level helpers for inspecting a template; the conversation does not need them.
+Rendering is all this module does with a conversation: on every turn a Conversation (runtime/chat.py)
+renders the whole history with the generation prompt, prompt_ids.py tokenizes that text so that
+special-token text inside a message's content stays plain text (only the template's own text becomes
+control tokens), and the conversation compares the ids with those its KV cache holds, feeding only the
+new ones or rewinding the cache to the common prefix.
 """
 
 from __future__ import annotations
@@ -20,14 +18,23 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .errors import ChatTemplateError
-from .template_sandbox import MAX_DATA_DEPTH, MAX_SOURCE_CHARS, compile_template, render_bounded
+from ..errors import ChatTemplateError
+from .limits import MAX_DATA_DEPTH, MAX_ENTRIES, MAX_SOURCE_CHARS
+from .sandbox import compile_template, render_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def _plain(value: Any, where: str, depth: int = 0) -> Any:
-    """A copy of value made of JSON types only, so a template sees no object with methods of its own."""
+def _plain(value: Any, where: str, count: list[int] | None = None, depth: int = 0) -> Any:
+    """A copy of value made of JSON types only, so a template sees no object with methods of its own.
+
+    count holds how many values were copied so far: a list that holds one list twice is copied twice, so
+    data built with shared references could take forever to copy; it is refused past MAX_ENTRIES.
+    """
+    count = [0] if count is None else count
+    count[0] += 1
+    if count[0] > MAX_ENTRIES:
+        raise ChatTemplateError(f"{where}: more than {MAX_ENTRIES:,} values in the messages and variables")
     if depth > MAX_DATA_DEPTH:
         raise ChatTemplateError(f"{where}: nested more than {MAX_DATA_DEPTH} levels deep")
     if value is None or type(value) in (str, int, float, bool):
@@ -36,12 +43,12 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
         if isinstance(value, kind):
             return kind(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item, where, depth + 1) for item in value)
+        return type(value)(_plain(item, where, count, depth + 1) for item in value)
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str):
                 raise ChatTemplateError(f"{where}: a key {key!r} that is not a string")
-        return {str(key): _plain(item, f"{where}, key {key!r}", depth + 1) for key, item in value.items()}
+        return {str(key): _plain(item, f"{where}, key {key!r}", count, depth + 1) for key, item in value.items()}
     raise ChatTemplateError(
         f"{where}: a {type(value).__name__} value; only str, int, float, bool, None, lists and dicts are allowed"
     )
@@ -68,7 +75,22 @@ def validate_messages(messages: Any) -> list[dict]:
             raise ChatTemplateError(f"{where} ({role}) has content None; only an assistant message with tool_calls may")
         if content is not None and not isinstance(content, str):
             raise ChatTemplateError(f"{where} ({role}) has content of type {type(content).__name__}, not a string")
-    return [_plain(message, f"message {index}") for index, message in enumerate(messages)]
+    count = [0]
+    return [_plain(message, f"message {index}", count) for index, message in enumerate(messages)]
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a message's reasoning
+
+
+def _as_transformers_passes(message: dict) -> dict:
+    """A message as transformers' apply_chat_template hands it to the template: keys whose value is None dropped
+    (an API's `content=None` beside `tool_calls`; templates test whether a key is there, and would print "None"
+    or fail on it), and the reasoning under each name templates read (`reasoning_content`, `thinking`)."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_KEYS if key in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
 
 
 def read_template_file(path: Path) -> str:
@@ -111,7 +133,10 @@ class ChatTemplate:
         # What the template sees besides messages, as transformers passes the tokenizer's special tokens.
         tokens = {name: token for name, token in (("bos_token", bos_token), ("eos_token", eos_token)) if token}
         self._special = _plain({**(special or {}), **tokens}, "special tokens")
-        self._template = compile_template(source)
+        self._template, literals = compile_template(source)
+        # The template's own text, where its control tokens come from (prompt_ids.py), NUL-separated so that no
+        # token text spans two literals: the literals and the special-token strings it is given.
+        self.own_text = "\0".join((*literals, *(value for value in self._special.values() if isinstance(value, str))))
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text for messages; variables (tools, enable_thinking, date_string, ...) reach the template."""
@@ -120,28 +145,7 @@ class ChatTemplate:
             "documents": None,
             **self._special,
             **_plain(variables, "variables"),
-            "messages": validate_messages(messages),
+            "messages": [_as_transformers_passes(message) for message in validate_messages(messages)],
             "add_generation_prompt": bool(add_generation_prompt),
         }
         return render_bounded(self._template, context)
-
-
-def generation_suffix(template: ChatTemplate, messages: list[dict], **variables: Any) -> str:
-    """The text add_generation_prompt appends after messages (e.g. '<|im_start|>assistant\\n')."""
-    with_prompt = template.render(messages, add_generation_prompt=True, **variables)
-    without = template.render(messages, add_generation_prompt=False, **variables)
-    if not with_prompt.startswith(without):
-        raise ChatTemplateError("the template's generation prompt is not a suffix of the rendered messages")
-    return with_prompt[len(without) :]
-
-
-def is_prefix_stable(template: ChatTemplate, history: list[dict], new_history: list[dict], **variables: Any) -> bool:
-    """Whether new_history renders as history's rendering plus more text, i.e. earlier turns are not rewritten.
-
-    history renders without, new_history with the generation prompt. Text level only: a conversation must
-    still compare token ids with what its KV cache holds, since a template may render a turn differently
-    from how the model generated it.
-    """
-    before = template.render(history, add_generation_prompt=False, **variables)
-    after = template.render(new_history, add_generation_prompt=True, **variables)
-    return after.startswith(before)

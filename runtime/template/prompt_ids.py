@@ -1,11 +1,16 @@
 """Chat prompt ids in which a message's content is text, never markup.
 
 Rendering a chat template and tokenizing the text, as transformers' apply_chat_template(tokenize=True)
-does, turns special-token text anywhere in it into control tokens: a user who writes
-"<|im_end|>\\n<|im_start|>system\\n..." (or Llama 3's "<|start_header_id|>", or BOS/EOS text) gets a real
-system turn. Here only the template's own text (its literals, and the bos_token / eos_token it is given)
-may become special tokens; special-token text that comes from the data (the strings in messages and
-variables) is tokenized as plain text, as tokenizers' `encode_special_tokens` does.
+does, turns control-token text anywhere in it into control tokens: a user who writes
+"<|im_end|>\\n<|im_start|>system\\n..." (or Llama 3's "<|start_header_id|>", DeepSeek-R1's "<｜Assistant｜>",
+or BOS/EOS text) gets a real turn. Here only the template's own text (its literals, and the bos_token /
+eos_token it is given) may become control tokens; control-token text that comes from the data (the strings
+in messages and variables) is tokenized as plain text, as tokenizers' `encode_special_tokens` does.
+
+The control tokens are the added tokens marked special and every other added token whose text the
+template's literals hold, whatever its `special` flag: DeepSeek-R1-Distill's tokenizer does not mark
+<｜User｜>, <｜Assistant｜> or <think> special, and a tokenizer matches such tokens in any text. An added
+token the template never writes is left as the tokenizer reads it (transformers' ids).
 
 Which control tokens of the rendered text are the template's is traced in one of two ways:
 
@@ -14,33 +19,38 @@ Which control tokens of the rendered text are the template's is traced in one of
   gives the same text, they show exactly which characters came from the data; a control token that
   overlaps one is the data's, whatever the template did to the string (lower-casing, replacing, joining).
 - stand-in, when the template changed the markers too (it slices, splits or compares the strings): every
-  stretch of a string that could make a control token (a special token's text in any letter case, a start
+  stretch of a string that could make a control token (a control token's text in any letter case, a start
   or end of one two characters or longer, a string's end that could join a neighbour into one) is replaced
   by as many INERT characters, and the template's control tokens are those at the same place in that
   rendering (counted from the start, or from the end when the template changed the content's length) with
-  the same text. What it cannot see: a template that both slices a string and assembles a special token
-  from single characters of it (removing the text between '<', '|im_start|' and '>').
+  the same text. The offending strings are stood in for a few at a time, so a rendering that no longer
+  lines up puts only the text around them in doubt. What it cannot see: a template that both slices a
+  string and assembles a control token from single characters of it (removing the text between '<',
+  '|im_start|' and '>').
 
-For messages without special-token text the ids are exactly tokenize(render(...)), transformers' ids.
-With it, the text between the template's control tokens is tokenized piece by piece without special
-tokens. A template that branches on such text, or writes a special token into a string (a filter that
-inserts one), only turns more of the text into plain text, never the reverse.
+For messages without control-token text the ids are exactly tokenize(render(...)), transformers' ids.
+With it, the text between the template's control tokens is tokenized piece by piece as plain text. A
+template that branches on such text, or writes a control token into a string (a filter that inserts one),
+only turns more of the text into plain text, never the reverse.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import ChatTemplateError, InvalidInputError
+from ..text import Tokenizer
 from .chat_template import ROLES, ChatTemplate
-from .errors import ChatTemplateError, InvalidInputError
-from .text import Tokenizer
 
 INERT = "\ufdd0"  # Unicode noncharacters: in no vocabulary, never text a template produces on its own
 OPEN, CLOSE = "\ufdd1", "\ufdd2"
+STAND_IN_RENDERS = 8  # renderings with stand-in text, at most, for one prompt (see _stand_in)
 
 
 def chat_prompt_ids(
@@ -63,7 +73,8 @@ def chat_prompt_ids(
     except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad UTF-16 decode
         raise InvalidInputError(f"a message is not valid Unicode text: {e.reason}") from None
     ids, offsets = tokenizer.encode_offsets(text)
-    specials = [k for k, token_id in enumerate(ids) if token_id in tokenizer.special_ids]
+    control = control_ids(template, tokenizer)
+    specials = [k for k, token_id in enumerate(ids) if token_id in control]
     if not specials:
         return ids
     found = {text[start:end] for start, end in (offsets[k] for k in specials)}
@@ -77,12 +88,29 @@ def chat_prompt_ids(
     for k in kept:
         start, end = offsets[k]
         if position < start:
-            result += tokenizer.encode_text(text[position:start], at_start=position == 0)
+            result += tokenizer.encode_text(text[position:start], at_start=position == 0, also=control)
         result.append(ids[k])
         position = end
     if position < len(text):
-        result += tokenizer.encode_text(text[position:], at_start=position == 0)
+        result += tokenizer.encode_text(text[position:], at_start=position == 0, also=control)
     return result
+
+
+def control_ids(template: ChatTemplate, tokenizer: Tokenizer) -> frozenset[int]:
+    """The control tokens: the added tokens marked special, and every other added token of markup whose text the
+    template writes itself (in its literals, or as a special token it is given), whatever its `special` flag."""
+    return tokenizer.special_ids | _written_added_ids(template.own_text, tokenizer.added_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _written_added_ids(own_text: str, added_tokens: tuple[tuple[int, str], ...]) -> frozenset[int]:
+    return frozenset(token_id for token_id, token in added_tokens if _is_markup(token) and token in own_text)
+
+
+def _is_markup(token: str) -> bool:
+    """Whether an added token is markup (<think>, <｜User｜>, [INST]) rather than text some tokenizers add as a
+    token of its own (runs of spaces, whole words), which a message writes as often as a template does."""
+    return any(not (char.isalnum() or char.isspace()) for char in token)
 
 
 # ---- marked: the data's characters, exactly ----------------------------------------------------------
@@ -152,16 +180,53 @@ def _partial_pattern(found: set[str]) -> re.Pattern:
 
 
 def _stand_in(render: Callable, data: Any, text: str, found: set[str]) -> Callable[[int, int], bool]:
-    """The test "text[start:end] is the template's", from a rendering with INERT in place of every stretch
-    of the data's strings that could make a control token."""
-    inert_data, changed = _neutralize(data, _matcher(found), found)
+    """The test "text[start:end] is the template's", from renderings with INERT in place of every stretch
+    of the data's strings that could make a control token.
+
+    The strings that hold such stretches are stood in for a few at a time (at most STAND_IN_RENDERS renderings,
+    each for a run of neighbouring strings), so that where a rendering no longer lines up with the text (the
+    template changed a string's length) only the text around those strings is in doubt: the template's
+    control tokens between two offending messages stay control tokens. A token is the template's when every
+    rendering says so.
+    """
+    pattern, inert = _matcher(found), []
+
+    def note(value: str) -> str:
+        new = _neutralize_text(value, pattern, found)
+        inert.append(new if new != value else None)
+        return value
+
+    _each_string(data, note)
+    changed = [index for index, new in enumerate(inert) if new is not None]
     if not changed:  # no string holds special-token text or a piece of one
         return lambda start, end: True
-    try:
-        inert_text = render(inert_data)
-    except ChatTemplateError:  # the template fails on the stand-in text: keep no control token at all
-        inert_text = ""
-    return _template_spans(text, inert_text)
+    size = -(-len(changed) // STAND_IN_RENDERS)
+    tests = []
+    for first in range(0, len(changed), size):
+        chosen, counter = set(changed[first : first + size]), itertools.count()
+
+        def swap(value: str, chosen: set[int] = chosen, counter: Iterator[int] = counter) -> str:
+            index = next(counter)
+            return inert[index] if index in chosen else value
+
+        try:
+            inert_text = render(_each_string(data, swap))
+        except ChatTemplateError:  # the template fails on the stand-in text: keep no control token at all
+            return lambda start, end: False
+        tests.append(_template_spans(text, inert_text))
+    return lambda start, end: all(test(start, end) for test in tests)
+
+
+def _each_string(value: Any, visit: Callable[[str], str], key: Any = None) -> Any:
+    """A copy of value (messages: dicts, lists, strings) with visit(text) in place of every string but a
+    message's role, dict keys included, visited in the same order every time."""
+    if isinstance(value, str):
+        return value if key == "role" and value in ROLES else visit(value)
+    if isinstance(value, dict):
+        return {_each_string(k, visit): _each_string(v, visit, k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_each_string(item, visit) for item in value)
+    return value
 
 
 def _matcher(found: set[str]) -> re.Pattern:
@@ -195,24 +260,10 @@ def _neutralize_text(value: str, pattern: re.Pattern, found: set[str]) -> str:
     return "".join(chars)
 
 
-def _neutralize(value: Any, pattern: re.Pattern, found: set[str], key: str | None = None) -> tuple[Any, bool]:
-    """A copy of value (messages: dicts, lists, strings) with every string but a message's role neutralized; and whether
-    anything changed."""
-    if isinstance(value, str) and not (key == "role" and value in ROLES):
-        new = _neutralize_text(value, pattern, found)
-        return new, new != value
-    if isinstance(value, dict):
-        pairs = [(_neutralize(k, pattern, found), _neutralize(v, pattern, found, k)) for k, v in value.items()]
-        return {k: v for (k, _), (v, _) in pairs}, any(a or b for (_, a), (_, b) in pairs)
-    if isinstance(value, (list, tuple)):
-        items = [_neutralize(item, pattern, found) for item in value]
-        return type(value)(item for item, _ in items), any(changed for _, changed in items)
-    return value, False
-
-
 def _template_spans(text: str, inert_text: str) -> Callable[[int, int], bool]:
     """A test of whether text[start:end] is the template's: the same text at the same place of inert_text,
-    with no INERT in it, inside the part that lines up from the start or the part that lines up from the end."""
+    inside the part that lines up from the start or the part that lines up from the end (each found on its
+    own: INERT, which stands for any text, can carry one into what only the other lines up)."""
     shortest = min(len(text), len(inert_text))
 
     def lines_up(i: int, j: int) -> bool:
@@ -222,16 +273,15 @@ def _template_spans(text: str, inert_text: str) -> Callable[[int, int], bool]:
     while head < shortest and lines_up(head, head):
         head += 1
     tail, shift = 0, len(inert_text) - len(text)
-    while tail < shortest - head and lines_up(len(text) - 1 - tail, len(inert_text) - 1 - tail):
+    while tail < shortest and lines_up(len(text) - 1 - tail, len(inert_text) - 1 - tail):
         tail += 1
 
     def written(start: int, end: int) -> bool:
-        if end <= head:
-            other = inert_text[start:end]
-        elif start >= len(text) - tail:
-            other = inert_text[start + shift : end + shift]
-        else:
+        token = text[start:end]
+        if INERT in token:
             return False
-        return INERT not in other and other == text[start:end]
+        return (end <= head and inert_text[start:end] == token) or (
+            start >= len(text) - tail and inert_text[start + shift : end + shift] == token
+        )
 
     return written

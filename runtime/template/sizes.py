@@ -1,10 +1,9 @@
 """How much text a chat template's operation would build, bounded before the operation runs.
 
-The chat template sandbox asks these functions (directly, and through template_costs.py for filters and
-methods) before every filter, string method, operator, format and concatenation a template runs, and
-refuses the operation when the bound passes a limit, so a template that asks for gigabytes
-(`'%999999999s' % 1`, `x|indent(10**8)`, `tojson(indent=...)` of a deep list)
-fails before a byte of it is allocated. A bound is never smaller than the real result and may be larger;
+The chat template sandbox asks these functions (through costs.py) before every filter, string method,
+operator, format and concatenation a template runs, and refuses the operation when the bound passes a
+limit, so a template that asks for gigabytes (`'%999999999s' % 1`, `x|indent(10**8)`, `tojson(indent=...)`
+of a deep list) fails before a byte of it is allocated. A bound is never smaller than the real result and may be larger;
 each is a Cost: the characters of the new strings and the entries of the new lists, tuples and dicts.
 Every function walks at most about `cap` characters' worth of its input, so asking is cheap too.
 
@@ -30,7 +29,10 @@ HUGE = 10**12  # a size that passes every limit: a width of more than nine digit
 ESCAPE_GROWTH = 5  # markupsafe's escape turns one character into at most five ('"' -> '&#34;')
 CASE_GROWTH = 3  # upper(), lower(), title(), casefold() of one character give at most three ('ΐ'.upper())
 _SLICE = 1 << 16  # texts are measured in slices of this many characters, so no full copy is made
+TEXT_PER_ENTRY = 256  # characters of a string that weigh as much as one entry in a comparison (one memcmp)
 _END = object()
+_VIEWS = (KeysView, ValuesView, ItemsView)
+_CONTAINERS = (list, tuple, dict, set, frozenset, *_VIEWS)
 
 
 class Cost(NamedTuple):
@@ -84,6 +86,75 @@ def json_text_size(text: str, *, ensure_ascii: bool) -> int:
     for start in range(0, max(len(text), 1), _SLICE):
         total += len(json.dumps(text[start : start + _SLICE], ensure_ascii=ensure_ascii)) - 2
     return total
+
+
+class Shape(NamedTuple):
+    """A value as a comparison or a hash walks it: entries visited, and how deep containers nest."""
+
+    entries: int
+    depth: int
+
+
+def _entries(value: Any) -> int | None:
+    """The weight of a value that is not a container, None for a container."""
+    if isinstance(value, (str, bytes)):
+        return 1 + len(value) // TEXT_PER_ENTRY
+    return None if isinstance(value, _CONTAINERS) else 1
+
+
+def shape(value: Any, known: dict[int, Shape], kept: list, *, cap: int, max_depth: int) -> Shape:
+    """The entries that comparing, hashing or sorting value visits: every item of every list, tuple, set and
+    dict (keys and values) in it, reached through each reference again, as Python's recursive comparison
+    does (a list holding one list twice counts it twice); and the depth of its containers.
+
+    Each container is walked once: its shape goes into known by id, and kept holds it so that no id is reused
+    while known lives; a new container holding known ones costs one pass over its own items. Stops, with a
+    partial shape past a bound, once the entries pass cap or the nesting passes max_depth.
+    """
+    weight = _entries(value)
+    if weight is not None:
+        return Shape(weight, 0)
+    stack: list[list] = []  # per container being walked: [container, its items, entries so far, deepest child]
+    entering = value
+    while True:
+        if entering is not _END:
+            found = known.get(id(entering))
+            if found is None:
+                items = chain.from_iterable(entering.items()) if isinstance(entering, dict) else entering
+                if isinstance(entering, ItemsView):  # a view is made afresh by each call: walked, never kept
+                    items = chain.from_iterable(entering)
+                stack.append([entering, iter(items), 1, 0])
+                if len(stack) > max_depth:
+                    return Shape(0, len(stack))
+            elif not stack:
+                return found
+            else:
+                _add(stack[-1], found)
+            entering = _END
+        frame = stack[-1]
+        item = next(frame[1], _END)
+        if item is _END:
+            stack.pop()
+            done = Shape(frame[2], frame[3] + 1)
+            if not isinstance(frame[0], _VIEWS):
+                known[id(frame[0])] = done
+                kept.append(frame[0])
+            if not stack:
+                return done
+            _add(stack[-1], done)
+        else:
+            weight = _entries(item)
+            if weight is None:
+                entering = item
+            else:
+                frame[2] += weight
+        if stack[-1][2] > cap:
+            return Shape(stack[-1][2], 0)
+
+
+def _add(frame: list, child: Shape) -> None:
+    frame[2] += child.entries
+    frame[3] = max(frame[3], child.depth)
 
 
 def _scalar_size(value: Any, nested: bool) -> int | None:

@@ -1,7 +1,7 @@
-"""The filters, tests, globals and operators a chat template is given, each bounded: what it will
-build is measured (template_sizes.py, template_costs.py) and admitted to the render's budget (template_budget.py) before
-it runs. join and sum are jinja's, rewritten to measure their items; str.format's fields are measured
-one by one; namespace() and dict() count their entries and refuse underscore names.
+"""The filters, tests and globals a chat template is given, each bounded: what it will build is
+measured (costs.py) and admitted to the render's budget (limits.py) before it runs. join and sum are
+jinja's, rewritten to measure their items; str.format's fields are measured one by one; namespace() and
+dict() count their entries and refuse underscore names.
 """
 
 from __future__ import annotations
@@ -18,30 +18,10 @@ from jinja2.sandbox import SandboxedEscapeFormatter, SandboxedFormatter
 from jinja2.utils import Namespace, pass_environment, pass_eval_context
 from markupsafe import Markup
 
-from .errors import ChatTemplateError
-from .template_budget import (
-    MAX_INT_BITS,
-    MAX_OUTPUT_CHARS,
-    Cost,
-    LimitError,
-    check_arguments,
-    check_length,
-    checked,
-    current_budget,
-    materialized,
-    result_cost,
-    text_cost,
-    texts_cost,
-)
-from .template_costs import filter_cost
-from .template_sizes import (
-    ESCAPE_GROWTH,
-    converted_size,
-    format_spec_extra,
-    percent_size,
-    text_size,
-    width,
-)
+from ..errors import ChatTemplateError
+from .costs import filter_cost, result_cost, text_cost, texts_cost
+from .limits import MAX_OUTPUT_CHARS, check_arguments, check_length, checked, current_budget, materialized
+from .sizes import ESCAPE_GROWTH, Cost, converted_size, format_spec_extra, text_size
 
 
 @pass_eval_context
@@ -206,27 +186,3 @@ class BoundedFormatter(_BoundedFields, SandboxedFormatter):
 
 class BoundedEscapeFormatter(_BoundedFields, SandboxedEscapeFormatter):
     _growth = ESCAPE_GROWTH  # Markup.format escapes every field
-
-
-def binop_cost(operator: str, left: Any, right: Any) -> Cost:
-    """What `left operator right` builds; ints that would pass MAX_INT_BITS are refused here."""
-    if operator == "+":
-        if isinstance(left, (str, bytes)) and isinstance(right, (str, bytes)):
-            return text_cost(left, right)
-        if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
-            return Cost(0, len(left) + len(right))
-    elif operator == "*":
-        for sequence, count in ((left, right), (right, left)):
-            if isinstance(sequence, (str, bytes, list, tuple)) and isinstance(count, int):
-                size = len(sequence) * max(count, 0)
-                return Cost(size, 0, width(sequence)) if isinstance(sequence, (str, bytes)) else Cost(0, size)
-        if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
-            raise LimitError(f"a product of more than {MAX_INT_BITS:,} bits")
-    elif operator == "**":
-        if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
-            if left.bit_length() * right > MAX_INT_BITS:  # 10 ** 10 ** 10 would take hours
-                raise LimitError(f"{left} ** {right} is too large a number")
-    elif operator == "%" and isinstance(left, (str, bytes)):
-        size = percent_size(left, right, MAX_OUTPUT_CHARS)
-        return Cost(size * (ESCAPE_GROWTH if isinstance(left, Markup) else 1))
-    return Cost()

@@ -1,16 +1,19 @@
-"""What each jinja filter and each string method a chat template calls would build, bounded from its
-inputs before it runs (the sizes of values and formats come from template_sizes.py). The sandbox asks
-filter_cost before every filter and method_cost before every method call; None means "not known here",
-and the sandbox then counts the result after the call.
+"""What each operation a chat template runs would build, bounded from its inputs before it runs: turning
+values into text (`~`, printing, join), operators (`+`, `*`, `%`, `**`), every jinja filter and every
+string method. The sizes of values and formats come from sizes.py; the sandbox admits each Cost to the
+render's budget (limits.py) first. None means "not known here": the sandbox then counts the result after
+the call (result_cost).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from markupsafe import Markup
 
-from .template_sizes import (
+from .limits import MAX_INT_BITS, MAX_OUTPUT_CHARS, LimitError
+from .sizes import (
     CASE_GROWTH,
     ESCAPE_GROWTH,
     Cost,
@@ -20,6 +23,62 @@ from .template_sizes import (
     text_size,
     width,
 )
+
+
+def text_cost(*values: Any) -> Cost:
+    """Turning values into one text, as `~`, print and str() do; refuses what is not data."""
+    return texts_cost(values)
+
+
+def texts_cost(values: Iterable) -> Cost:
+    size, markup, narrow = 0, False, True
+    for value in values:
+        size += text_size(value, MAX_OUTPUT_CHARS)
+        if size > MAX_OUTPUT_CHARS:
+            break  # refused: no need to read the rest
+        markup = markup or isinstance(value, Markup)
+        narrow = narrow and isinstance(value, str) and value.isascii()
+    return Cost(size * (ESCAPE_GROWTH if markup else 1), 0, 1 if narrow else 4)  # Markup escapes what it joins
+
+
+def join_cost(separator: str | bytes, items: Any) -> Cost:
+    """separator.join(items), items already in a list (or anything with a length)."""
+    items = items if hasattr(items, "__len__") else ()
+    joined = texts_cost(items)
+    return Cost(joined.chars + len(separator) * max(len(items) - 1, 0), len(items), joined.width)
+
+
+def result_cost(value: Any) -> Cost:
+    """What an operation no bound knows did build, counted after the fact."""
+    if isinstance(value, str):
+        return Cost(len(value), 0, width(value))
+    if isinstance(value, bytes):
+        return Cost(len(value), 0, 1)
+    return Cost(0, len(value)) if isinstance(value, (list, tuple, dict)) else Cost()
+
+
+def operator_cost(operator: str, left: Any, right: Any) -> Cost:
+    """What `left operator right` builds; ints that would pass MAX_INT_BITS are refused here."""
+    if operator == "+":
+        if isinstance(left, (str, bytes)) and isinstance(right, (str, bytes)):
+            return text_cost(left, right)
+        if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+            return Cost(0, len(left) + len(right))
+    elif operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if isinstance(sequence, (str, bytes, list, tuple)) and isinstance(count, int):
+                size = len(sequence) * max(count, 0)
+                return Cost(size, 0, width(sequence)) if isinstance(sequence, (str, bytes)) else Cost(0, size)
+        if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+            raise LimitError(f"a product of more than {MAX_INT_BITS:,} bits")
+    elif operator == "**":
+        if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+            if left.bit_length() * right > MAX_INT_BITS:  # 10 ** 10 ** 10 would take hours
+                raise LimitError(f"{left} ** {right} is too large a number")
+    elif operator == "%" and isinstance(left, (str, bytes)):
+        size = percent_size(left, right, MAX_OUTPUT_CHARS)
+        return Cost(size * (ESCAPE_GROWTH if isinstance(left, Markup) else 1))
+    return Cost()
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
@@ -68,7 +127,7 @@ def _sequence_length(value: Any) -> int:
 def filter_cost(name: str, value: Any, args: tuple, kwargs: dict, cap: int) -> Cost | None:
     """What jinja's filter `name` builds from value and its arguments; None for a filter not listed here.
 
-    join and sum are not listed: template_filters.py replaces them with versions that measure their items.
+    join and sum are not listed: filters.py replaces them with versions that measure their items.
     Lazy filters (map, select, items, ...) build nothing up front; what consumes them is counted.
     """
     if name in _SMALL_FILTERS:
