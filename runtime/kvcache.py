@@ -237,6 +237,8 @@ class _Snapshots:
         self.ids: list[int] = []  # batch 1: the ids the cache holds
         self._prompt = list(prompts[0]) if len(prompts) == 1 else []
         self.snapshots: dict[int, list[np.ndarray]] = {0: self._read_states()}
+        self._boundaries: set[int] = {0}  # snapshot lengths at turn boundaries (not a speculative step's)
+        self._transient: int | None = None  # the last speculative step's snapshot
 
     def _read_states(self) -> list[np.ndarray]:
         """Copies of the states, never views (OrtValue.numpy() may share a buffer that goes with the OrtValue)."""
@@ -256,6 +258,7 @@ class _Snapshots:
         logits = super().prompt()
         self.ids = self._prompt
         self._snapshot()
+        self._boundaries.add(int(self.lengths[0]))
         return logits
 
     def next(self, next_ids: np.ndarray) -> np.ndarray:
@@ -264,10 +267,19 @@ class _Snapshots:
         return super().next(next_ids)
 
     def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
+        """A turn's tokens: snapshots before and after. A speculative step's guesses (all_logits): one snapshot
+        before, kept only until the next such step, so a long generation does not push the turns' out."""
+        if all_logits and self._transient in self.snapshots and self._transient not in self._boundaries:
+            del self.snapshots[self._transient]
         self._snapshot()
+        self._transient = int(self.lengths[0]) if all_logits else None
+        if not all_logits:
+            self._boundaries.add(int(self.lengths[0]))
         logits = super().extend(ids, all_logits=all_logits)
         self.ids += ids
-        self._snapshot()
+        if not all_logits:
+            self._snapshot()
+            self._boundaries.add(int(self.lengths[0]))
         return logits
 
     def rewind_point(self, length: int) -> int:
@@ -284,8 +296,9 @@ class _Snapshots:
         self._write_states(self.snapshots[point])
         self.ids = self.ids[:point]
         self.snapshots = {k: v for k, v in self.snapshots.items() if k <= point}
-        if ids:
-            self.extend(ids)
+        self._boundaries = {k for k in self._boundaries if k <= point}
+        if ids:  # fed again as a speculative step is: its snapshot transient, not a turn boundary
+            self.extend(ids, all_logits=True)
 
 
 class StateCache(_Snapshots, ConcatCache):

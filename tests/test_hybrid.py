@@ -137,9 +137,13 @@ def test_a_conversation_keeps_its_state_and_undo_equals_a_fresh_chat(chat):
     for (reply, _), (_, turn) in zip(turns, turns[1:], strict=False):
         assert turn.reused_tokens >= len(reply.prompt_token_ids)
     conv.undo()
-    again = conv.send(QUESTIONS[2], 12)
-    assert again.token_ids == turns[2][0].token_ids
+    again = conv.send(QUESTIONS[2], 40, speculative="lookup")  # rewinds past rejected guesses, replaying
+    assert again.token_ids == chat.generate(again.prompt_token_ids, 40).token_ids
+    assert again.timings.proposed_tokens > again.timings.accepted_tokens  # some guesses were rejected
     assert conv.last_turn.reused_tokens == turns[2][1].reused_tokens  # the turn's start was a snapshot
+    conv.undo()  # the speculative steps' snapshots did not push the turns' out
+    conv.send(QUESTIONS[2], 12)
+    assert conv.last_turn.reused_tokens == turns[2][1].reused_tokens
 
 
 def test_a_re_rendering_template_falls_back_to_a_prefix_snapshot(chat):
