@@ -43,7 +43,7 @@ from edgelm.onnxfile import placeholder
 
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
-from .decoder import Decoder, Layer, Linear, NBits, Norm, ShortConv
+from .decoder import Decoder, DeltaNet, Layer, Linear, NBits, Norm, ShortConv
 
 MS_DOMAIN = "com.microsoft"
 
@@ -206,8 +206,9 @@ class _GraphBuilder:
             return [qkv, "", ""]
         d = decoder
         widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
+        widths += [d.n_head * d.head_dim] if layer.attention_gate else []  # the gate after V (Qwen3.5)
         sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
-        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
+        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v", f"{prefix}/gate"][: len(widths)]
         self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
         heads = self.small_constant(f"{prefix}/head_shape", np.array([0, 0, -1, d.head_dim], dtype=np.int64))
         flat = self.small_constant(f"{prefix}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
@@ -246,7 +247,11 @@ class _GraphBuilder:
                 **window,
             )
         )
-        return self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        out = self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        if not layer.attention_gate:
+            return out
+        gate = self.op("Sigmoid", [f"{prefix}/gate"], f"{prefix}/gate/Sigmoid")
+        return self.op("Mul", [out, gate], f"{prefix}/gated_attention")
 
     def short_conv(self, h: str, prefix: str, conv: ShortConv, d: Decoder, past: str, present: str) -> str:
         """A convolution layer (LFM2): in_proj, B * x through com.microsoft CausalConvWithState (its state
@@ -266,6 +271,67 @@ class _GraphBuilder:
             "Transpose", [self.op("Mul", [c, y], f"{prefix}/conv/out")], f"{prefix}/conv/back", perm=[0, 2, 1]
         )
         return self.linear(out, f"{prefix}.conv.out_proj", conv.out_proj)
+
+    def delta_net(self, h: str, prefix: str, n: DeltaNet, d: Decoder, io: IONames, i: int) -> str:
+        """A Gated DeltaNet layer (Qwen3.5): its conv state through com.microsoft CausalConvWithState (SiLU), the
+        recurrence through com.microsoft GatedDeltaNet (io's past.%d.recurrent -> present.%d.recurrent), the
+        gates in standard ops. Returns its (B, T, n_embd) output."""
+        p = f"{prefix}/delta"
+        mixed = self.linear(h, f"{prefix}.delta.in_proj", n.in_proj)  # (B, T, channels)
+        channels = self.op("Transpose", [mixed], f"{p}/Transpose", perm=[0, 2, 1])
+        conv = f"{p}/CausalConvWithState"
+        inputs = [channels, self.constant(f"{prefix}.delta.conv.weight", n.conv_weight), "", io.past_conv % i]
+        self.nodes.append(
+            helper.make_node(
+                "CausalConvWithState", inputs, [conv, io.present_conv % i], name=conv, domain=MS_DOMAIN,
+                activation="silu",
+            )
+        )  # fmt: skip
+        self.float_output(conv, ["batch_size", n.channels, "sequence_length"])
+        qkv = self.op("Transpose", [conv], f"{p}/back", perm=[0, 2, 1])  # (B, T, channels)
+        widths = [n.k_heads * n.k_dim, n.k_heads * n.k_dim, n.v_heads * n.v_dim]
+        sizes = self.small_constant(f"{p}/sizes", np.array(widths, dtype=np.int64))
+        names = [f"{p}/q", f"{p}/k", f"{p}/v"]
+        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{p}/Split", axis=-1))
+        heads = lambda x, count, size: self.op(  # noqa: E731
+            "Reshape", [x, self.small_constant(f"{x}/shape", np.array([0, 0, count, size], np.int64))], f"{x}/heads"
+        )
+        axis = self.small_constant(f"{p}/last_axis", np.array([-1], dtype=np.int64))
+        eps = self.small_constant(f"{p}/eps", np.array(1e-6, dtype=np.float32))
+        normed = []
+        for x in names[:2]:  # x / sqrt(sum(x^2) + 1e-6) per head, as transformers' l2norm
+            x = heads(x, n.k_heads, n.k_dim)
+            total = self.op("ReduceSum", [self.op("Mul", [x, x], f"{x}/sq"), axis], f"{x}/sum", keepdims=1)
+            inverse = self.op(
+                "Reciprocal", [self.op("Sqrt", [self.op("Add", [total, eps], f"{x}/eps")], f"{x}/sqrt")], f"{x}/inv"
+            )
+            normed.append(self.op("Mul", [x, inverse], f"{x}/l2"))
+        v = heads(names[2], n.v_heads, n.v_dim)
+        beta = self.op("Sigmoid", [self.linear(h, f"{prefix}.delta.b", n.b)], f"{p}/beta")  # (B, T, v_heads)
+        raw = self.op(
+            "Add",
+            [self.linear(h, f"{prefix}.delta.a", n.a), self.constant(f"{prefix}.delta.dt_bias", n.dt_bias)],
+            f"{p}/a",
+        )
+        decay_scale = self.constant(f"{prefix}.delta.neg_exp_a_log", -np.exp(n.a_log.astype(np.float32)))
+        decay = self.op("Mul", [self.op("Softplus", [raw], f"{p}/softplus"), decay_scale], f"{p}/decay")
+        rule = f"{p}/GatedDeltaNet"
+        self.nodes.append(
+            helper.make_node(
+                "GatedDeltaNet", [*normed, v, "", decay, beta, io.past_recurrent % i], [rule, io.present_recurrent % i],
+                name=rule, domain=MS_DOMAIN, update_rule="gated_delta",
+            )
+        )  # fmt: skip
+        self.float_output(rule, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
+        inputs = [rule, self.constant(f"{prefix}.delta.norm.weight", n.norm.weight)]
+        out = self.op("SimplifiedLayerNormalization", inputs, f"{p}/norm", axis=-1, epsilon=d.norm_eps)
+        self.float_output(out, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
+        z = heads(self.linear(h, f"{prefix}.delta.z", n.z), n.v_heads, n.v_dim)
+        gated = self.op(
+            "Mul", [out, self.op("Mul", [z, self.op("Sigmoid", [z], f"{p}/z_sigmoid")], f"{p}/z_silu")], f"{p}/gated"
+        )
+        flat = self.small_constant(f"{p}/flat", np.array([0, 0, -1], dtype=np.int64))
+        return self.linear(self.op("Reshape", [gated, flat], f"{p}/flat_out"), f"{prefix}.delta.out_proj", n.out_proj)
 
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
@@ -314,6 +380,8 @@ def build_fused_graph(
         p = f"layers.{i}"
         if layer.conv is not None:
             out = g.short_conv(h, p, layer.conv, d, io.past_conv % i, io.present_conv % i)
+        elif layer.delta_net is not None:
+            out = g.delta_net(h, p, layer.delta_net, d, io, i)
         else:
             caches = local_rotary if layer.sliding_window is not None else rotary
             attention = g.attention(h, p, layer, d, io.past(i), io.present(i), [*lengths, *caches])
@@ -418,6 +486,15 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
             state = ["batch_size", d.n_embd, layer.conv.kernel - 1]
             inputs.append(helper.make_tensor_value_info(io.past_conv % i, TensorProto.FLOAT, state))
             outputs.append(helper.make_tensor_value_info(io.present_conv % i, TensorProto.FLOAT, state))
+            continue
+        if layer.delta_net is not None:  # (B, channels, kernel - 1) and (B, v_heads, v_dim, k_dim)
+            n = layer.delta_net
+            for kind, state in (("conv", ["batch_size", n.channels, n.kernel - 1]),
+                                ("recurrent", ["batch_size", n.v_heads, n.v_dim, n.k_dim])):  # fmt: skip
+                inputs.append(helper.make_tensor_value_info(getattr(io, f"past_{kind}") % i, TensorProto.FLOAT, state))
+                outputs.append(
+                    helper.make_tensor_value_info(getattr(io, f"present_{kind}") % i, TensorProto.FLOAT, state)
+                )
             continue
         for past_name, present_name in zip(io.past(i), io.present(i), strict=True):
             inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, kv_shape))

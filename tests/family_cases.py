@@ -33,8 +33,10 @@ LFM2 = dict(
     intermediate_size=128, max_position_embeddings=128, layer_types=["conv", "full_attention"] * 2,
     bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
 )  # fmt: skip
-QWEN35 = dict(  # 2 key heads shared by 4 value heads, key and value head sizes apart: a swapped axis shows
-    vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+# 2 key heads shared by 4 value heads, key and value head sizes apart (a swapped axis shows); attention heads of 64,
+# a quarter rotated: 16, the least GroupQueryAttention's partial rotary takes
+QWEN35 = dict(
+    vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
     intermediate_size=128, max_position_embeddings=128, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2,
     bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
@@ -91,8 +93,8 @@ CASES = {
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
     # short convolutions (kernel 3: a state of 2 columns) and attention layers
     "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True),
-    # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention; the standard graph only
-    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35, graphs=("standard",)),
+    # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
+    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35),
 }  # fmt: skip
 
 

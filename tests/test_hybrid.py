@@ -1,5 +1,5 @@
-"""Hybrid models: LFM2 (short gated convolutions beside attention layers; both graphs) and Qwen3.5 (Gated DeltaNet
-beside gated attention; the standard graph) against transformers, and their state as a cache kind
+"""Hybrid models: LFM2 (short gated convolutions beside attention layers) and Qwen3.5 (Gated DeltaNet
+beside gated attention) on both graphs against transformers, and their state as a cache kind
 (runtime/kvcache.py StateCache, SharedStateCache): prompts shorter than the convolution's kernel, a padded batch,
 onnxruntime-genai, the manifest's layer record, snapshots and replayed rewinds, conversations with undo and a
 re-rendering template, and prompt lookup decoding, each equal to a fresh run. tests/test_families.py holds the
@@ -32,7 +32,10 @@ QUESTIONS = ["What is the moon made of?", "And the sun?", "Say it again, shorter
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module", params=[("lfm2", "fused"), ("lfm2", "standard"), ("qwen3_5_text", "standard")])
+GRAPHS = [(case, graph) for case in ("lfm2", "qwen3_5_text") for graph in ("fused", "standard")]
+
+
+@pytest.fixture(scope="module", params=GRAPHS, ids=["-".join(g) for g in GRAPHS])
 def hybrid(request, families):
     case, graph = request.param
     package = families.package(case, graph)
@@ -92,11 +95,17 @@ def test_the_manifest_says_which_layer_holds_what(families):
         Manifest.parse(data)
 
 
-def test_qwen3_5s_fused_graph_is_refused_in_one_line(families, tmp_path):
-    from edgelm.export.onnx_export import export_package
+def test_a_rotary_dimension_grouped_query_attention_cannot_take_is_refused_in_one_line():
+    from edgelm.export.families import FAMILIES
+    from edgelm.export.qwen35 import Qwen35, Qwen35Config
 
+    config = Qwen35Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_kv_head=1, head_dim=16, n_inner=32,
+        layer_types=["linear_attention", "full_attention"], rotary_dim=4, linear_k_heads=1, linear_v_heads=1,
+        linear_k_dim=8, linear_v_dim=8, n_positions=16,
+    )  # fmt: skip
     with pytest.raises(CheckpointError, match="attention='standard'"):
-        export_package(families.model("qwen3_5_text")[1], tmp_path / "fused", progress=lambda _: None)
+        FAMILIES["qwen3_5_text"].decoder(Qwen35(config))
 
 
 def test_state_cache_snapshots_and_replayed_rewinds(hybrid):

@@ -23,10 +23,10 @@ from ..checkpoint import (
     read_extras,
     read_safetensors_folder,
 )
-from ..decoder import Decoder
+from ..decoder import Decoder, DeltaNet, Layer, Linear
 from ..limits import MAX_NORM_EPSILON
 from ..qwen35 import ATTENTION, LINEAR, Qwen35, Qwen35Config, rope_inv_freq
-from .family import Blocks, Family, checked_tokens
+from .family import Blocks, Family, array, checked_tokens, linear, norm, packed
 
 
 def config_from_hf(hf: dict) -> Qwen35Config:
@@ -93,11 +93,58 @@ def load(folder: str | Path) -> Qwen35:
     return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder))
 
 
+def _gated_qkv(attn) -> Linear:
+    """Q, K, V and the output gate packed as [Q, K, V, gate]: q_proj holds each head's query then its gate."""
+    heads, hd = attn.n_head, attn.head_dim
+    q_rows = attn.q_proj.weight.detach().view(heads, 2, hd, -1)
+    weight = torch.cat([q_rows[:, 0].reshape(heads * hd, -1), attn.k_proj.weight, attn.v_proj.weight,
+                        q_rows[:, 1].reshape(heads * hd, -1)])  # fmt: skip
+    bias = None
+    if attn.q_proj.bias is not None:
+        q_bias = attn.q_proj.bias.detach().view(heads, 2, hd)
+        bias = array(torch.cat([q_bias[:, 0].flatten(), attn.k_proj.bias, attn.v_proj.bias, q_bias[:, 1].flatten()]))
+    return Linear(array(weight).T, bias)
+
+
+def _delta_net(la, c: Qwen35Config) -> DeltaNet:
+    return DeltaNet(
+        in_proj=linear(la.in_proj_qkv), z=linear(la.in_proj_z), b=linear(la.in_proj_b), a=linear(la.in_proj_a),
+        conv_weight=array(la.conv1d.weight), a_log=array(la.A_log), dt_bias=array(la.dt_bias), norm=norm(la.norm),
+        out_proj=linear(la.out_proj), k_heads=c.linear_k_heads, v_heads=c.linear_v_heads, k_dim=c.linear_k_dim,
+        v_dim=c.linear_v_dim,
+    )  # fmt: skip
+
+
 def decoder(model: Qwen35, *, blocks: Blocks | None = None) -> Decoder:
-    raise CheckpointError(
-        "Qwen3.5's fused graph is not built yet (its Gated DeltaNet layers have no fused step); export it with "
-        "attention='standard' (--attention standard)"
-    )
+    """The fused graph's Decoder: Gated DeltaNet layers (com.microsoft CausalConvWithState and GatedDeltaNet),
+    gated attention layers (GroupQueryAttention, its rotary on the first rotary_dim of each head). blocks: unused
+    (no GGUF files of Qwen3.5 are read yet)."""
+    c = model.config
+    if c.rotary_dim % 16:
+        raise CheckpointError(
+            f"Qwen3.5's fused graph needs a rotary dimension that is a multiple of 16 (GroupQueryAttention's), not "
+            f"{c.rotary_dim}; export it with attention='standard' (--attention standard)"
+        )
+    layers = []
+    for block in model.model.layers:
+        mlp = block.mlp
+        shared = dict(attention_norm=norm(block.input_layernorm), mlp_norm=norm(block.post_attention_layernorm),
+                      up=packed([mlp.gate_proj, mlp.up_proj], None), down=linear(mlp.down_proj))  # fmt: skip
+        if block.kind == LINEAR:
+            layers.append(Layer(qkv=None, attention_out=None, delta_net=_delta_net(block.linear_attn, c), **shared))
+        else:
+            attn = block.self_attn
+            layers.append(Layer(qkv=_gated_qkv(attn), attention_out=linear(attn.o_proj), q_norm=norm(attn.q_norm),
+                                k_norm=norm(attn.k_norm), attention_gate=True, **shared))  # fmt: skip
+    angles = torch.arange(c.n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(c)  # (P, rotary / 2)
+    return Decoder(
+        family="qwen3_5_text", vocab_size=c.vocab_size, context_length=c.n_positions, n_embd=c.n_embd,
+        n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, inner_dim=c.n_inner, norm="rms",
+        norm_eps=c.rms_norm_eps, activation="silu", gated_mlp=True, embedding=array(model.model.embed_tokens.weight),
+        layers=layers, final_norm=norm(model.model.norm),
+        lm_head=None if c.tie_word_embeddings else array(model.lm_head.weight).T,
+        rotary_cos=array(angles.cos()), rotary_sin=array(angles.sin()),
+    )  # fmt: skip
 
 
 def details(model: Qwen35) -> dict:
