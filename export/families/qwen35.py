@@ -2,9 +2,10 @@
 layers, its folder read into the reference model (export/qwen35.py), and its row.
 
 Like LFM2 (families/lfm2.py) its package's manifest says which layer holds what (architecture.layer_types,
-conv_state, recurrent_state) under onnxruntime-genai's names. Only the standard graph is built (standard ops plus
-ONNX Runtime's com.microsoft GatedDeltaNet for the recurrence); a GGUF file of it is not read yet, and the
-multi-token-prediction weights (mtp.*) some checkpoints carry are left out.
+conv_state, recurrent_state) under onnxruntime-genai's names. Both graphs run the recurrence with ONNX Runtime's
+com.microsoft GatedDeltaNet: the standard one traced (standard ops besides it), the fused one built from the
+Decoder (DeltaNet layers, gated GroupQueryAttention with partial rotary). GGUF files of it are not read yet, and
+the multi-token-prediction weights (mtp.*) some checkpoints carry are left out.
 """
 
 from __future__ import annotations
