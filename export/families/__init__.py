@@ -1,7 +1,7 @@
 """Model families: one module each (gpt2.py; llama.py for Llama, Mistral, Qwen2 and Qwen3; gemma.py for
-Gemma 3; lfm2.py and qwen35.py, the hybrids with layer states), holding how its Hugging Face folders and GGUF files load into its reference model, the Decoder
-(export/decoder.py) that model becomes, and its rows (`Family`, family.py). This table gathers the rows: the
-one list export, its error messages and the CLI's help read.
+Gemma 3; lfm2.py and qwen35.py, the hybrids with layer states), holding how its Hugging Face folders and GGUF
+files load into its reference model, the Decoder (export/decoder.py) that model becomes, and its rows (`Family`,
+family.py). This table gathers the rows: the one list export, its error messages and the CLI's help read.
 
 A family is its module, not branches elsewhere: export/graph.py, quantize/ and runtime/ never ask which
 family they are handling. Adding one is a module with a ROWS tuple, named in MODULES below.
