@@ -1,6 +1,7 @@
-"""The KV cache: how past keys and values move between decode steps, for the two kinds of graph.
+"""The KV cache: how past keys and values move between decode steps, for the two kinds of graph; and, for hybrid
+models (LFM2, Qwen3.5), the convolution and recurrent states beside them (StateCache, SharedStateCache).
 
-Both drivers implement the `Cache` protocol that the decode loops drive (gpt-fast's KVCache has one job too):
+Every driver implements the `Cache` protocol that the decode loops drive (gpt-fast's KVCache has one job too):
 
     cache = make_cache(model, prompts, capacity=...)
     logits = cache.prompt()          # (B, V): each row's last prompt position
@@ -256,7 +257,7 @@ class _Snapshots:
 
     def prompt(self) -> np.ndarray:
         logits = super().prompt()
-        self.ids = self._prompt
+        self.ids = list(self._prompt)
         self._snapshot()
         self._boundaries.add(int(self.lengths[0]))
         return logits
