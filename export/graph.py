@@ -34,6 +34,8 @@ it, for edgelm.onnxfile.save_model to write one at a time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -199,6 +201,14 @@ class _GraphBuilder:
         shape = ["batch_size", "sequence_length", decoder.n_embd]
         return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
 
+    def split_qkv(self, qkv: str, prefix: str, d: Decoder) -> list[str]:
+        """Q, K and V split from the packed product."""
+        widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
+        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
+        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        return names
+
     def head_norms(self, qkv: str, prefix: str, layer: Layer, decoder: Decoder) -> list[str]:
         """GroupQueryAttention's query, key and value inputs: the packed product alone, or, with per-head norms
         (Qwen3, Gemma 3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is)."""
@@ -207,9 +217,12 @@ class _GraphBuilder:
         d = decoder
         widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
         widths += [d.n_head * d.head_dim] if layer.attention_gate else []  # the gate after V (Qwen3.5)
-        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
-        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v", f"{prefix}/gate"][: len(widths)]
-        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        if layer.attention_gate:
+            sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+            names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v", f"{prefix}/gate"]
+            self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        else:
+            self.split_qkv(qkv, prefix, d)
         heads = self.small_constant(f"{prefix}/head_shape", np.array([0, 0, -1, d.head_dim], dtype=np.int64))
         flat = self.small_constant(f"{prefix}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
         out = []
@@ -223,27 +236,56 @@ class _GraphBuilder:
             out.append(self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed"))  # (B, T, heads * hs)
         return [*out, f"{prefix}/v"]
 
+    def rotated(self, qkv: list[str], prefix: str, d: Decoder, rotary: _Rotary) -> list[str]:
+        """Q and K rotated before attention, each row at its own positions into the tables (com.microsoft
+        RotaryEmbedding; the first rotary_dim values of each head), V as it is."""
+        if qkv[1] == "":
+            qkv = self.split_qkv(qkv[0], prefix, d)
+        q, k, v = qkv
+        width = 2 * d.rotary_cos.shape[1]
+        inputs = [rotary.positions, *rotary.caches]
+        q = self.op("RotaryEmbedding", [q, *inputs], f"{prefix}/q_rotary", domain=MS_DOMAIN, num_heads=d.n_head,
+                    rotary_embedding_dim=width)  # fmt: skip
+        k = self.op("RotaryEmbedding", [k, *inputs], f"{prefix}/k_rotary", domain=MS_DOMAIN, num_heads=d.n_kv_head,
+                    rotary_embedding_dim=width)  # fmt: skip
+        self.float_output(q, ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        self.float_output(k, ["batch_size", "sequence_length", d.n_kv_head * d.head_dim])
+        return [q, k, v]
+
     def attention(
-        self, h: str, prefix: str, layer: Layer, d: Decoder, past: tuple[str, str], present: tuple[str, str], extra
+        self,
+        h: str,
+        prefix: str,
+        layer: Layer,
+        d: Decoder,
+        io: tuple[tuple[str, str], tuple[str, str]],
+        lengths: list[str],
+        rotary: _Rotary | None,
     ) -> str:
-        """One GroupQueryAttention node on the packed Q/K/V product of h; `extra`: seqlens_k, the total length
-        and the layer's rotary caches. Returns its (B, T, n_head * head_dim) output."""
+        """One GroupQueryAttention node on the packed Q/K/V product of h; `lengths`: seqlens_k and the total length;
+        `rotary`: the layer's rotary caches (None: no positions), applied inside the node or, where it cannot
+        (per-row tables, a rotary width it does not take), before it. Returns its (B, T, n_head * head_dim) output."""
+        past, present = io
         qkv = self.linear(h, f"{prefix}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
+        inputs = self.head_norms(qkv, prefix, layer, d)
         # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
         # own position in local_window_size, as transformers' sliding_window does: checked against it)
         window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}
-        rotary = d.rotary_cos is not None
+        inside = rotary is not None and rotary.positions is None
+        if rotary is not None and not inside:
+            inputs = self.rotated(inputs, prefix, d, rotary)
+        caches = rotary.caches if inside else []
         self.nodes.append(
             helper.make_node(
                 "GroupQueryAttention",
-                [*self.head_norms(qkv, prefix, layer, d), *past, *extra],
+                [*inputs, *past, *lengths, *caches],
                 [f"{prefix}/attention", *present],
                 name=f"{prefix}/GroupQueryAttention",
                 domain=MS_DOMAIN,
                 num_heads=d.n_head,
                 kv_num_heads=d.n_kv_head,
                 scale=d.attention_scale or 1.0 / float(np.sqrt(d.head_dim)),
-                **({"do_rotary": 1, "rotary_interleaved": 0} if rotary else {}),
+                **({"do_rotary": 1, "rotary_interleaved": 0} if inside else {}),
                 **window,
             )
         )
@@ -365,7 +407,6 @@ def build_fused_graph(
     one = g.small_constant("const_one", np.array(1, dtype=np.int64))
     axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
     x, head = _embeddings(g, d, io)
-    rotary, local_rotary = _rotary_caches(g, d)
 
     # Each row's length and the longest total, from the attention mask, for every attention node.
     lengths = g.op("ReduceSum", [io.attention_mask, axis_1], "mask/ReduceSum", keepdims=0)  # (B,)
@@ -374,6 +415,7 @@ def build_fused_graph(
     mask_shape = g.op("Shape", [io.attention_mask], "mask/Shape")
     total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
     lengths = [seqlens_k, g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)]
+    rotary, local_rotary = _rotary_caches(g, d, io, seqlens_k)
 
     h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
@@ -383,15 +425,17 @@ def build_fused_graph(
         elif layer.delta_net is not None:
             out = g.delta_net(h, p, layer.delta_net, d, io, i)
         else:
-            caches = local_rotary if layer.sliding_window is not None else rotary
-            attention = g.attention(h, p, layer, d, io.past(i), io.present(i), [*lengths, *caches])
+            caches = (local_rotary if layer.sliding_window is not None else rotary) if layer.rotary else None
+            attention = g.attention(h, p, layer, d, (io.past(i), io.present(i)), lengths, caches)
             out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
         if layer.attention_post_norm is not None:
             out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
+        out = _scaled(g, out, d.residual_scale, f"{p}/attention_scaled")
         h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
         down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
         if layer.mlp_post_norm is not None:
             down = g.norm(down, f"{p}.mlp_post_norm", layer.mlp_post_norm, d)
+        down = _scaled(g, down, d.residual_scale, f"{p}/mlp_scaled")
         if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
             nxt = f"layers.{i + 1}.attention_norm"
             h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")
@@ -437,15 +481,58 @@ def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | N
     return x, head
 
 
-def _rotary_caches(g: _GraphBuilder, d: Decoder) -> tuple[list[str], list[str]]:
-    """GroupQueryAttention's cos and sin caches: the full layers' and the sliding layers' ([] where none)."""
-    rotary, local_rotary = [], []
+@dataclass
+class _Rotary:
+    caches: list[str]  # cos and sin tables
+    positions: str | None = None  # (B, T) rows of the tables, per row; None: GroupQueryAttention rotates itself
+
+
+def _rotary_caches(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) -> tuple[_Rotary | None, _Rotary | None]:
+    """The full layers' and the sliding layers' rotary caches (None where none). GroupQueryAttention rotates by
+    them itself where it can: one table for every row, of a width that is a multiple of 8 (ONNX Runtime 1.32's
+    rule). Otherwise Q and K rotate before it, by positions computed here as it computes them (0 .. T - 1 in a
+    prompt, past .. past + T - 1 after), a LongRoPE row past rotary_long_after tokens reading the long tables,
+    stacked after the short ones."""
+    rotary = local_rotary = None
     if d.rotary_cos is not None:
-        rotary = [g.constant("rotary.cos", d.rotary_cos), g.constant("rotary.sin", d.rotary_sin)]
+        cos, sin = d.rotary_cos, d.rotary_sin
+        if d.rotary_cos_long is not None:
+            cos, sin = np.concatenate([cos, d.rotary_cos_long]), np.concatenate([sin, d.rotary_sin_long])
+        rotary = _Rotary([g.constant("rotary.cos", cos), g.constant("rotary.sin", sin)])
+        if d.rotary_cos_long is not None or d.rotary_cos.shape[1] % 8:
+            rotary.positions = _row_positions(g, d, io, seqlens_k)
     if d.rotary_cos_local is not None:
-        local_rotary = [g.constant("rotary.cos_local", d.rotary_cos_local)]
-        local_rotary.append(g.constant("rotary.sin_local", d.rotary_sin_local))
+        local = [g.constant("rotary.cos_local", d.rotary_cos_local)]
+        local_rotary = _Rotary(local + [g.constant("rotary.sin_local", d.rotary_sin_local)])
     return rotary, local_rotary
+
+
+def _row_positions(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) -> str:
+    """(B, T) int64: each row's positions, max(seqlens_k + 1 - T, 0) + 0 .. T - 1, plus the table length for a
+    LongRoPE row longer than rotary_long_after (seqlens_k + 1 tokens)."""
+    ids_shape = g.op("Shape", [io.input_ids], "positions/Shape")
+    width = g.op("Gather", [ids_shape, g.small_constant("positions/one", np.array(1))], "positions/T", axis=0)
+    zero = g.small_constant("positions/zero", np.array(0, dtype=np.int64))
+    step = g.small_constant("positions/step", np.array(1, dtype=np.int64))
+    offsets = g.op("Range", [zero, width, step], "positions/Range")  # (T,)
+    lengths = g.op("Add", [g.op("Cast", [seqlens_k], "positions/lengths", to=TensorProto.INT64), step],
+                   "positions/total")  # fmt: skip
+    start = g.op("Max", [g.op("Sub", [lengths, width], "positions/Sub"), zero], "positions/start")  # (B,)
+    if d.rotary_long_after is not None:
+        after = g.small_constant("positions/long_after", np.array(d.rotary_long_after, dtype=np.int64))
+        long = g.op("Cast", [g.op("Greater", [lengths, after], "positions/long")], "positions/long_int",
+                    to=TensorProto.INT64)  # fmt: skip
+        table = g.small_constant("positions/table", np.array(d.rotary_cos.shape[0], dtype=np.int64))
+        start = g.op("Add", [start, g.op("Mul", [long, table], "positions/long_rows")], "positions/first")
+    column = g.op("Unsqueeze", [start, g.small_constant("positions/axis", np.array([1]))], "positions/column")
+    return g.op("Add", [column, offsets], "positions")  # (B, T)
+
+
+def _scaled(g: _GraphBuilder, x: str, scale: float | None, name: str) -> str:
+    """x times `scale` (Granite's residual multiplier), or x where there is none."""
+    if scale is None:
+        return x
+    return g.op("Mul", [x, g.small_constant(f"{name}/scale", np.array(scale, dtype=np.float32))], name)
 
 
 def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, head: str | None, axis_1: str) -> None:
@@ -460,10 +547,14 @@ def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, hea
     # of C is cheap beside the LM head, and one Slice after it is a node fewer than one on each input.
     x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
     x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
+    logits = io.logits if d.logits_divisor is None else "lm_head/logits"
     if d.head_nbits is not None:
-        g.matmul_nbits(x, "lm_head", d.head_nbits, io.logits)
+        g.matmul_nbits(x, "lm_head", d.head_nbits, logits)
     else:
-        g.op("MatMul", [x, head], io.logits)
+        g.op("MatMul", [x, head], logits)
+    if d.logits_divisor is not None:  # Granite's logits_scaling
+        divisor = g.small_constant("lm_head/divisor", np.array(d.logits_divisor, dtype=np.float32))
+        g.op("Div", [logits, divisor], io.logits)
 
 
 def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:

@@ -17,7 +17,6 @@ holds each part's B in its own rows and columns.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from ..package_writer import StagedFiles, write_json
 from ..runtime.contract import MANIFEST_FILE, Manifest
 from ..runtime.errors import AdapterError
 from ..runtime.lora_contract import (
@@ -40,7 +40,7 @@ from ..runtime.lora_contract import (
 from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
-from .peft_adapter import PeftAdapter, read_peft_adapter
+from .peft_adapter import OUTPUT_LAYER, PeftAdapter, read_peft_adapter
 
 Progress = Callable[[str], None]
 MAX_RANK = 1024
@@ -68,8 +68,8 @@ def parse_slot_argument(text: str) -> SlotSpec:
 
 def slots_from_adapters(adapters: list[PeftAdapter]) -> SlotSpec:
     """Slots that fit every adapter given: the modules any of them adapts, at the largest rank among them."""
-    names = sorted({path.rsplit(".", 1)[-1] for adapter in adapters for path in adapter.modules})
-    return SlotSpec(names, max(w.rank for adapter in adapters for w in adapter.modules.values()))
+    names = sorted({path.rsplit(".", 1)[-1] for adapter in adapters for path in adapter.pairs})
+    return SlotSpec(names, max(rank for adapter in adapters for rank in adapter.ranks))
 
 
 def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
@@ -83,11 +83,24 @@ def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
 
 
 def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, family: str) -> set[str]:
-    """Add every adapter's scale * B @ A to the model's linears, in order; returns the weights changed
-    (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError before any change when a
-    module is not a linear of this model or a shape differs."""
+    """Add every adapter's scale * B @ A to the model's linears PEFT's targeting selects (PeftAdapter.select), in
+    order; returns the weights changed (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError
+    before any change when a module is not a linear of this model, a shape differs, or the weight is shared
+    with another module; a tied LM head is untied first (its own copy, as export's --untie), so that the input
+    embedding stays the base's, as in PEFT's forward."""
     modules = dict(model.named_modules())
+    sharing: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        sharing.setdefault(id(parameter), []).append(name)
     for adapter in adapters:
+        adapter.select({name: isinstance(m, torch.nn.Linear) for name, m in modules.items()}, model_type=family)
+        for path, saved in adapter.base_weights.items():  # PEFT loads them over the model's: they must be its own
+            module = modules.get(path)
+            if module is None or not np.array_equal(saved, module.weight.detach().numpy()):
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: it carries its own {path} weight (PEFT's save_embedding_layers) "
+                    "and it differs from this model's (a resized vocabulary?); edgelm merges only LoRA weights"
+                )
         for path, weights in adapter.modules.items():
             module = modules.get(path)
             if not isinstance(module, torch.nn.Linear):
@@ -95,12 +108,24 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
                     f"LoRA adapter {adapter.name}: {path} is not a linear layer of this {family} model "
                     "(an adapter for another architecture?)"
                 )
+            shared = [name for name in sharing[id(module.weight)] if name != f"{path}.weight"]
+            tied_head = path == OUTPUT_LAYER and getattr(model.config, "tie_word_embeddings", False)  # untied below
+            if shared and not tied_head:
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: {path} shares its weight with {shared[0]} (tied word embeddings); "
+                    "merging it would change that too, so edgelm refuses it: train the adapter without "
+                    f"{path.rsplit('.', 1)[-1]} in target_modules, or untie the base's embeddings first"
+                )
             expected = (module.out_features, module.in_features)
             if (weights.b.shape[0], weights.a.shape[1]) != expected:
                 raise AdapterError(
                     f"LoRA adapter {adapter.name}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) "
                     f"weight but the model's is {expected} (shape mismatch: an adapter for another model size?)"
                 )
+    if any(OUTPUT_LAYER in adapter.modules for adapter in adapters) and model.config.tie_word_embeddings:
+        head = modules[OUTPUT_LAYER]
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     with torch.no_grad():
         for adapter in adapters:
             for path, weights in adapter.modules.items():
@@ -205,17 +230,28 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
     return tensors
 
 
-def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0) -> Path:
-    """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base.
-    AdapterError for a package without slots or an adapter that does not fit them."""
+def convert_adapter(
+    adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0, overwrite: bool = False
+) -> Path:
+    """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base, written
+    through edgelm/package_writer.py's StagedFiles (no symlink written through, nothing replaced without
+    overwrite, nothing inside an input). AdapterError for a package without slots or an adapter that does
+    not fit them."""
     out = Path(out)
     if out.suffix != ADAPTER_SUFFIX:
         raise AdapterError(f"the adapter file's name must end in {ADAPTER_SUFFIX}, got {out.name}")
+    record_path = out.with_name(f"{out.name}{RECORD_SUFFIX}")
+    staged = StagedFiles([out, record_path], inputs=[adapter_dir, package], overwrite=overwrite)  # before any work
     spec = read_package(package)
     slots = parse_slots(spec.manifest.lora if spec.manifest else None, MANIFEST_FILE)
     if slots is None:
         raise AdapterError(f"{package} has no LoRA slots: export the base with --lora-slots MODULES:MAX_RANK")
     adapter = read_peft_adapter(adapter_dir, scale=scale)
+    adapter.select_by_name(model_type=spec.manifest.architecture.type if spec.manifest else None)
+    if adapter.base_weights:
+        saved = next(iter(adapter.base_weights))
+        raise AdapterError(f"LoRA adapter {adapter.name}: {saved} (a layer saved with its LoRA) has no LoRA slot; "
+                           "merge this adapter at export with --lora instead")  # fmt: skip
     tensors = _slot_tensors(slots, adapter, f"LoRA adapter {adapter.name}")
     dtype = np.float16 if spec.io.kv_dtype == "float16" else np.float32  # an fp16 package's inputs are half
     writer = ort.AdapterFormat()
@@ -223,10 +259,10 @@ def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Pat
     writer.set_model_version(model_version(slots.base_sha256))
     arrays = {name: np.ascontiguousarray(t, dtype=dtype) for name, t in tensors.items()}  # alive while written
     writer.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer.export_adapter(str(out))
-    record = AdapterRecord(file_sha256(out), slots.base_sha256, slots.max_rank, adapter.record())
-    Path(f"{out}{RECORD_SUFFIX}").write_text(json.dumps(record.to_json(), indent=2) + "\n", encoding="utf-8")
+    with staged as folder:
+        writer.export_adapter(str(folder / out.name))
+        record = AdapterRecord(file_sha256(folder / out.name), slots.base_sha256, slots.max_rank, adapter.record())
+        write_json(folder / record_path.name, record.to_json())
     return out
 
 
@@ -246,8 +282,9 @@ def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progr
     merged = merge_adapters(source.model, adapters, family=source.family.name)
     for adapter in adapters:
         ranks = sorted({w.rank for w in adapter.modules.values()})
+        left_out = f" ({len(adapter.ignored)} modules not targeted, left out)" if adapter.ignored else ""
         progress(f"      merged LoRA adapter {adapter.name}: {len(adapter.modules)} linears, rank "
-                 f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}")  # fmt: skip
+                 f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}{left_out}")  # fmt: skip
     if source.blocks is not None:
         source.blocks = without_blocks(source.blocks, merged)
         if keeps_blocks:

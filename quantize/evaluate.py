@@ -56,7 +56,7 @@ def window_logits(model: Model, ids: np.ndarray) -> np.ndarray:
 def _token_ids(model: Model, text_path: Path, max_tokens: int | None) -> tuple[np.ndarray, int]:
     """The text's token ids (cut to max_tokens + 1) and the UTF-8 bytes they cover."""
     text = read_text(text_path, "text file")
-    ids = np.array(model.tokenizer.encode(text), dtype=np.int64)
+    ids = np.array(model.tokenizer.encode(text, add_special_tokens=True), dtype=np.int64)  # BOS as transformers
     n_bytes = len(text.encode("utf-8"))
     if max_tokens is not None:
         ids = ids[: max_tokens + 1]

@@ -79,3 +79,15 @@ def test_onnxruntime_genai_runs_the_package(case, families):
     for prompt, tokens in zip(PROMPTS[:2], families.expected(case)[:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
         assert genai_greedy(package, prompt, NEW_TOKENS) == tokens
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma4"])
+def test_gemma4_is_refused_naming_what_is_missing(model_type):
+    from edgelm.export.checkpoint import CheckpointError
+    from edgelm.export.families import family_for, gguf_family
+    from edgelm.export.gguf_metadata import GGUFError
+
+    with pytest.raises(CheckpointError, match="global_head_dim.*num_kv_shared_layers"):
+        family_for(model_type)
+    with pytest.raises(GGUFError, match="global_head_dim"):
+        gguf_family("gemma4")
