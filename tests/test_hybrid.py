@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 from chat_package import make_chat_package
-from family_cases import EOS, NEW_TOKENS, PROMPTS
-from helpers import genai_greedy, hf_greedy
+from family_cases import CASES, EOS, NEW_TOKENS, PROMPTS, QWEN35
+from helpers import genai_greedy, hf_greedy, save_random_model
 from test_chat import REWRITE
 
-from edgelm.export.checkpoint import CheckpointError
 from edgelm.runtime import load
 from edgelm.runtime.contract import Manifest
 from edgelm.runtime.errors import PackageError
@@ -95,17 +94,16 @@ def test_the_manifest_says_which_layer_holds_what(families):
         Manifest.parse(data)
 
 
-def test_a_rotary_dimension_grouped_query_attention_cannot_take_is_refused_in_one_line():
-    from edgelm.export.families import FAMILIES
-    from edgelm.export.qwen35 import Qwen35, Qwen35Config
+def test_a_rotary_width_grouped_query_attention_cannot_take_rotates_before_it(tmp_path):
+    # heads of 16, a quarter rotated: a table of width 2, not the multiple of 8 GroupQueryAttention takes
+    from edgelm.export.onnx_export import export_package
 
-    config = Qwen35Config(
-        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_kv_head=1, head_dim=16, n_inner=32,
-        layer_types=["linear_attention", "full_attention"], rotary_dim=4, linear_k_heads=1, linear_v_heads=1,
-        linear_k_dim=8, linear_v_dim=8, n_positions=16,
-    )  # fmt: skip
-    with pytest.raises(CheckpointError, match="attention='standard'"):
-        FAMILIES["qwen3_5_text"].decoder(Qwen35(config))
+    hf = save_random_model(tmp_path / "qwen", CASES["qwen3_5_text"].classes, QWEN35 | {"head_dim": 16})
+    export_package(tmp_path / "qwen", tmp_path / "fused", progress=lambda _: None)
+    model = load(tmp_path / "fused", provider="cpu")
+    with torch.no_grad():
+        reference = hf(torch.tensor([PROMPTS[2]])).logits.numpy()
+    assert np.abs(model.forward(np.array([PROMPTS[2]]))[0] - reference).max() < TOLERANCE
 
 
 def test_state_cache_snapshots_and_replayed_rewinds(hybrid):

@@ -118,14 +118,10 @@ def _delta_net(la, c: Qwen35Config) -> DeltaNet:
 
 def decoder(model: Qwen35, *, blocks: Blocks | None = None) -> Decoder:
     """The fused graph's Decoder: Gated DeltaNet layers (com.microsoft CausalConvWithState and GatedDeltaNet),
-    gated attention layers (GroupQueryAttention, its rotary on the first rotary_dim of each head). blocks: unused
+    gated attention layers (GroupQueryAttention; the rotary on the first rotary_dim of each head, inside it or,
+    where it cannot take that width, before it: export/graph.py). blocks: unused
     (no GGUF files of Qwen3.5 are read yet)."""
     c = model.config
-    if c.rotary_dim % 16:
-        raise CheckpointError(
-            f"Qwen3.5's fused graph needs a rotary dimension that is a multiple of 16 (GroupQueryAttention's), not "
-            f"{c.rotary_dim}; export it with attention='standard' (--attention standard)"
-        )
     layers = []
     for block in model.model.layers:
         mlp = block.mlp
