@@ -263,10 +263,14 @@ def _read_sharded(folder: Path) -> dict[str, TensorLoader]:
     return state
 
 
-def read_safetensors_folder(folder: str | Path) -> dict[str, TensorLoader | torch.Tensor]:
-    """The weights of a Hugging Face folder by their Hugging Face names: safetensors as loaders, read when used in
-    their own dtype (export/lazy_weights.py); a pytorch_model.bin's as fp32 tensors (a pickle is read whole)."""
+def read_safetensors_folder(folder: str | Path, *, lazy: bool = False) -> dict[str, TensorLoader | torch.Tensor]:
+    """The weights of a Hugging Face folder by their Hugging Face names, as fp32 tensors (bf16/fp16 upcast one at a
+    time); lazy: safetensors as loaders, read when used in their own dtype (export/lazy_weights.py). A
+    pytorch_model.bin's are fp32 tensors either way (a pickle is read whole)."""
     folder = Path(folder)
+    if not lazy:
+        state = read_safetensors_folder(folder, lazy=True)
+        return {n: t if isinstance(t, torch.Tensor) else _to_float32(n, t.load(), folder) for n, t in state.items()}
     if present(folder / SAFETENSORS_INDEX_FILE):
         return _read_sharded(folder)
     if present(folder / SAFETENSORS_FILE):

@@ -1,9 +1,13 @@
 """Build a Hugging Face `tokenizer.json` from a GGUF file's `tokenizer.ggml.*` metadata.
 
-A GGUF file carries its vocabulary as metadata, not as a tokenizer.json. Two kinds are rebuilt here:
-- `gpt2`: byte-level BPE (tokens + merges). How text is split before the merges is named by `tokenizer.ggml.pre`;
-  the splits below are the ones llama.cpp's llama-vocab.cpp uses for those names (and the models' own
-  tokenizer.json files say the same). An unknown name is refused: a wrong split gives wrong ids silently.
+A GGUF file carries its vocabulary as metadata, not as a tokenizer.json. Three kinds (`tokenizer.ggml.model`) are
+rebuilt here, each to give the ids llama.cpp gives on the same file (llama-vocab.cpp):
+- `gpt2`: byte-level BPE (tokens + merges). How text is cut into words before the merges is named by
+  `tokenizer.ggml.pre`; PRE_TOKENIZERS maps each label llama.cpp knows to its Split (regexes, NFC, whether a word
+  that is a token skips the merges, BOS by default). An unknown label is refused: a wrong split gives wrong ids
+  silently.
+- `gemma4`: BPE on SentencePiece-spelled text ("▁" for the space, raw UTF-8, byte fallback) with the file's
+  merges (the "gemma4" row).
 - `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral ship it. Merges
   are recovered from the scores: a token is the merge of any two tokens that spell it, ranked by its score.
   Gemma files (general.architecture gemma*) differ twice, as transformers' GGUF reader also handles them: their
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -26,66 +31,170 @@ CONTROL, USER_DEFINED = 3, 4
 # characters of merges. Bounded, both are linear in the vocabulary's size. Control and user-defined tokens have
 # no merges and any length.
 MAX_MERGED_LENGTH = 256
-# Llama 3's split: case-insensitive contractions, a letter run with one leading non-letter, up to 3 digits, ...
-LLAMA3_SPLIT = (
+
+
+@dataclass(frozen=True)
+class Split:
+    """How text is cut into words before BPE merges them, for one `tokenizer.ggml.pre` label (llama-vocab.cpp)."""
+
+    regexes: tuple[str, ...]  # applied in turn to every piece so far, each match kept as a piece of its own
+    nfc: bool = False  # the model's tokenizer.json normalizes to NFC first (llama.cpp does not)
+    ignore_merges: bool = False  # a word that is itself a token is that token, whatever the merges say
+    add_bos: bool = False  # BOS added when the file has no tokenizer.ggml.add_bos_token (llama.cpp's default)
+    byte_level: bool = True  # GPT-2's bytes-as-characters spelling; else "▁" for the space and byte fallback
+
+
+GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3's: case-insensitive contractions, a letter run with one leading non-letter, up to 3 digits, ...
+LLAMA3_WORDS = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# Qwen2's: the same, with single digits.
-QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+QWEN2_WORDS = LLAMA3_WORDS.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
+# Qwen3.5's: combining marks (\p{M}) stay with their letters
+QWEN35_WORDS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's tekken: a capitalised word splits from the next ("CamelCase" -> "Camel", "Case"), single digits
+TEKKEN_WORDS = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# GPT-4o's (Llama 4's): tekken's words with the contractions attached, up to 3 digits
+GPT4O_WORDS = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Written with escapes: several of these characters have canonical equivalents that an editor may substitute.
+CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # DeepSeek's: CJK ideographs, Hangul, and U+0800..U+4E00 as upstream
+KANA_CJK = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"  # DeepSeek V3's: CJK ideographs, hiragana, katakana
+# DeepSeek LLM's letter runs: Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee, ... (CJK has its own split)
+DEEPSEEK_LLM_LETTERS = (
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376\u0377"
+    "\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5"
+    "\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
+    "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d"
+    "\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4"
+    "\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06"
+    "\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+    "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+"
+)
+DEEPSEEK_LLM_PUNCTUATION = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"  # ASCII and full-width
+DEEPSEEK_V3_WORDS = (
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
+GPT2 = Split((GPT2_WORDS,))
+LLAMA3 = Split((LLAMA3_WORDS,), ignore_merges=True, add_bos=True)
+LLAMA3_MERGED = Split((LLAMA3_WORDS,))  # the same words, every one built by the merges
+QWEN2 = Split((QWEN2_WORDS,), nfc=True)
+STARCODER = Split((r"\p{N}", GPT2_WORDS))  # every digit alone, then GPT-2's words
+DEEPSEEK_V3 = Split((r"\p{N}{1,3}", KANA_CJK, DEEPSEEK_V3_WORDS))
+GPT4O = Split((GPT4O_WORDS,))
 
-def _gpt2_split() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _regex_split(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:  # StarCoder / SmolLM: every digit alone, then GPT-2's split
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
-
-
-# tokenizer.ggml.pre -> (pre-tokenizer factory, normalizer factory or None)
+# tokenizer.ggml.pre -> its Split, for the labels llama.cpp's converter writes (llama-vocab.cpp reads them). The
+# regexes are the models' own tokenizer.json ones, which llama.cpp's are rewritten from. A file without the key
+# is "default", as in llama.cpp. A new label is one row.
 PRE_TOKENIZERS = {
-    "default": (_gpt2_split, None),
-    "gpt-2": (_gpt2_split, None),
-    "gpt2": (_gpt2_split, None),
-    "smollm": (_digits_then_gpt2, None),
-    "starcoder": (_digits_then_gpt2, None),
-    "llama-bpe": (lambda: _regex_split(LLAMA3_SPLIT), None),
-    "llama3": (lambda: _regex_split(LLAMA3_SPLIT), None),
-    "llama-v3": (lambda: _regex_split(LLAMA3_SPLIT), None),
-    "qwen2": (lambda: _regex_split(QWEN2_SPLIT), lambda: normalizers.NFC()),  # Qwen2's tokenizer.json normalizes NFC
+    "default": Split((r"[\p{P}\$\+<=>\^~\|]+", GPT2_WORDS, r"\p{N}+", "[0-9][0-9][0-9]")),
+    "gpt-2": GPT2,
+    "phi-2": GPT2,
+    "olmo": GPT2,
+    "granite-docling": GPT2,
+    "mpt": Split((GPT2_WORDS,), nfc=True),  # GPT-NeoX's tokenizer
+    "llama-bpe": LLAMA3,
+    "llama3": LLAMA3,
+    "llama-v3": LLAMA3,
+    "falcon3": LLAMA3,
+    "falcon-h1": LLAMA3,
+    "lfm2": LLAMA3,
+    "midm-2.0": LLAMA3,
+    "pixtral": LLAMA3,
+    "smaug-bpe": LLAMA3_MERGED,
+    "dbrx": LLAMA3_MERGED,
+    "qwen2": QWEN2,
+    "deepseek-r1-qwen": QWEN2,
+    "qwen35": Split((QWEN35_WORDS,)),  # no NFC: decomposed accents stay two tokens
+    "tekken": Split((TEKKEN_WORDS,), ignore_merges=True, add_bos=True),
+    "gpt-4o": GPT4O,
+    "llama4": GPT4O,
+    "starcoder": STARCODER,
+    "smollm": STARCODER,
+    "refact": STARCODER,
+    "command-r": Split((r"\p{N}", GPT2_WORDS), nfc=True),
+    "falcon": Split((r"[\p{P}\$\+<=>\^~\|`]+", GPT2_WORDS, "[0-9][0-9][0-9]")),
+    "deepseek-llm": Split((r"[\r\n]", DEEPSEEK_LLM_LETTERS, DEEPSEEK_LLM_PUNCTUATION, r"\s+$", CJK, r"\p{N}+")),
+    "deepseek-coder": Split((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", CJK, r"\p{N}")),
+    "deepseek-v3": DEEPSEEK_V3,
+    # Also the tokenizer model gemma4's. llama.cpp cuts the text at newlines, which changes no ids where no token
+    # mixes a newline with other characters (Gemma 4 has none): the text goes to the merges whole.
+    "gemma4": Split((), add_bos=True, byte_level=False),
 }
 
 
-def _byte_level(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+def _pre_tokenizer(split: Split) -> pre_tokenizers.PreTokenizer:
+    steps = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in split.regexes]
+    if split.byte_level:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    else:  # Gemma's own: no space is left after the normalizer, but onnxruntime-genai needs it to apply the merges
+        steps.append(pre_tokenizers.Split(" ", behavior="merged_with_previous"))
+    return pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
+
+
+def _split(meta: Mapping[str, Any]) -> Split:
+    if meta.get("tokenizer.ggml.model") == "gemma4":  # llama.cpp ignores the label for this model
+        return PRE_TOKENIZERS["gemma4"]
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"unknown BPE pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {sorted(PRE_TOKENIZERS)}")
+    return PRE_TOKENIZERS[pre]
+
+
+def _merges(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
     merges = meta.get("tokenizer.ggml.merges")
     if not merges:
-        raise ValueError("a gpt2-style tokenizer needs tokenizer.ggml.merges")
+        raise ValueError(f"a {meta.get('tokenizer.ggml.model')}-style tokenizer needs tokenizer.ggml.merges")
     pairs = []
     for merge in merges:
         left, space, right = merge.partition(" ")
         if not space or not left or not right:
             raise ValueError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
         pairs.append((left, right))
+    return pairs
+
+
+def _bpe(meta: Mapping[str, Any], tokens: list[str], split: Split) -> Tokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    make_pre, make_normalizer = PRE_TOKENIZERS[pre]
-    tokenizer.pre_tokenizer = make_pre()
-    if make_normalizer is not None:
-        tokenizer.normalizer = make_normalizer()
-    tokenizer.decoder = decoders.ByteLevel()
+    merges = _merges(meta)
+    if split.byte_level:
+        model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=split.ignore_merges)
+    else:
+        unk = tokens[meta.get("tokenizer.ggml.unknown_token_id", 0)]
+        model = models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+            ignore_merges=split.ignore_merges,
+        )
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = _pre_tokenizer(split)
+    steps = [normalizers.NFC()] if split.nfc else []
+    if split.byte_level:
+        tokenizer.decoder = decoders.ByteLevel()
+    else:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    if steps:
+        tokenizer.normalizer = normalizers.Sequence(steps) if len(steps) > 1 else steps[0]
     return tokenizer
 
 
@@ -128,9 +237,11 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def _post_processor(meta: Mapping[str, Any], tokens: list[str], byte_level: bool) -> processors.PostProcessor | None:
-    """BOS/EOS added around every encoding when the file says so (add_bos_token, add_eos_token)."""
-    default_bos = not byte_level  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+def _post_processor(
+    meta: Mapping[str, Any], tokens: list[str], *, default_bos: bool, byte_level: bool
+) -> processors.PostProcessor | None:
+    """BOS/EOS added around every encoding when the file says so (add_bos_token, add_eos_token); without the
+    keys, llama.cpp's defaults for the tokenizer (`default_bos`) and no EOS."""
     before, after, specials = [], [], {}
     for flag, key, default, side in (
         ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id", default_bos, before),
@@ -160,12 +271,17 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
             raise ValueError(f"{key} should be one integer token id, not {value!r:.60}")
         if value is not None and not 0 <= value < len(tokens):
             raise ValueError(f"{key} {value} is outside the vocabulary of {len(tokens)} tokens")
-    if kind == "gpt2":
-        tokenizer = _byte_level(meta, tokens)
+    if kind in ("gpt2", "gemma4"):
+        split = _split(meta)
+        tokenizer = _bpe(meta, tokens, split)
+        default_bos, byte_level = split.add_bos, split.byte_level
     elif kind == "llama":
         tokenizer = _sentencepiece(meta, tokens)
+        default_bos, byte_level = True, False  # llama.cpp adds BOS to a SentencePiece vocabulary by default
     else:
-        raise ValueError(f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; 'gpt2' and 'llama' are")
+        raise ValueError(
+            f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; 'gpt2', 'gemma4' and 'llama' are"
+        )
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
@@ -177,7 +293,7 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     ]
     tokenizer.add_special_tokens(control)
     tokenizer.add_tokens(user)
-    post = _post_processor(meta, tokens, byte_level=kind == "gpt2")
+    post = _post_processor(meta, tokens, default_bos=default_bos, byte_level=byte_level)
     if post is not None:
         tokenizer.post_processor = post
     return tokenizer.to_str()

@@ -138,9 +138,19 @@ def _embedding(module: torch.nn.Embedding, dtype: torch.dtype) -> Callable[[torc
     return forward
 
 
-def float64_stream(model: torch.nn.Module):
-    """weights_stream in float64, the proof's reference: the exact answer for the weights."""
-    return weights_stream(model, torch.float64)
+@contextmanager
+def float64_stream(model: torch.nn.Module) -> Iterator[None]:
+    """weights_stream in float64, the proof's reference: the exact answer for the weights. A model with no lazy
+    weights (a family that reads its weights whole) is converted whole, for the duration, instead."""
+    if lazy_parameters(model):
+        with weights_stream(model, torch.float64):
+            yield
+        return
+    model.double()
+    try:
+        yield
+    finally:
+        model.float()
 
 
 @contextmanager

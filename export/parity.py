@@ -17,9 +17,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ..runtime.contract import IONames
+from ..runtime.contract import LAYER_STATES, IONames
 from .checkpoint import CheckpointError
 from .lazy_weights import float64_stream
+from .traced import state_layout
 
 
 def _worst(worst: float, ort_logits: np.ndarray, torch_logits: np.ndarray) -> float:
@@ -81,12 +82,17 @@ def check_parity(
     attention_mask[1, :2] = 0  # second row left-padded by two
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
+    layer_types = state_layout(model).get("layer_types")
+
     def ort_feed(ids, mask, positions, past):
         feed = {io.input_ids: ids.numpy(), io.attention_mask: mask.numpy(), io.position_ids: positions.numpy()}
-        return feed | dict(zip(io.past_names(config.n_layer), past, strict=True))
+        return feed | dict(zip(io.past_names(config.n_layer, layer_types), past, strict=True))
 
-    empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
-    ort_past = [empty] * (2 * config.n_layer)
+    if layer_types is None:
+        empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
+        ort_past = [empty] * (2 * config.n_layer)
+    else:  # a hybrid model's own empty state, flattened in the graph's order
+        ort_past = [t.numpy() for layer in model.empty_state(2) for t in layer]
     torch_past = None
     worst = 0.0
     with _one_thread():
@@ -117,10 +123,12 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layer)
 
 
-def _prompts(config, *, decode_steps: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """A batch of 2 right-padded prompts of different lengths: ids (2, width) and the rows' lengths."""
+def _prompts(config, *, decode_steps: int, seed: int, short: int = 5) -> tuple[torch.Tensor, list[int]]:
+    """A batch of 2 right-padded prompts, of 7 and `short` tokens: ids (2, width) and the rows' lengths. A hybrid
+    model's prompts are of one length (short 7): right padding would enter its states, so the runtime prefills a
+    batch of unequal prompts row by row (runtime/kvcache.py SharedStateCache)."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = [min(7, config.n_positions - decode_steps), min(5, config.n_positions - decode_steps)]
+    lengths = [min(7, config.n_positions - decode_steps), min(short, config.n_positions - decode_steps)]
     return torch.randint(0, config.vocab_size, (2, max(lengths)), generator=generator), lengths
 
 
@@ -173,8 +181,11 @@ def check_parity_shared(
     io: the manifest's names, its logits_to_keep among them. on_step: called after each ONNX Runtime step and
     each reference layer (progress)."""
     config = model.config
-    ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed)
-    outputs = _run_session(onnx_path, io, config, ids, lengths, decode_steps, prepacking=prepacking, on_step=on_step)
+    layout = state_layout(model)
+    ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed, short=7 if layout else 5)
+    outputs = _run_session(
+        onnx_path, io, config, ids, lengths, decode_steps, layout=layout, prepacking=prepacking, on_step=on_step
+    )
     rows = [
         ids[row, :length].tolist() + chosen
         for row, (length, chosen) in enumerate(zip(lengths, outputs["tokens"], strict=True))
@@ -197,17 +208,28 @@ def _run_session(
     lengths: list[int],
     decode_steps: int,
     *,
+    layout: dict,
     prepacking: bool,
     on_step: Callable[[], None] | None,
 ) -> dict:
-    """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row)."""
+    """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row);
+    layout: a hybrid's states (traced.state_layout)."""
     session = _session(onnx_path, prepacking=prepacking)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
     capacity = ids.shape[1] + decode_steps
     binding = session.io_binding()
     binding.bind_output(io.logits)  # first, so it is get_outputs()[0]; allocated by each run
-    past, present = io.past_names(config.n_layer), io.present_names(config.n_layer)
-    for past_name, present_name in zip(past, present, strict=True):
+    layer_types = layout.get("layer_types")
+    past, present = io.past_names(config.n_layer, layer_types), io.present_names(config.n_layer, layer_types)
+    states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run
+    kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
+    for past_name, present_name, kind in zip(past, present, kinds, strict=True):
+        if kind in ("conv", "recurrent"):
+            values = [
+                ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), np.float32)) for _ in "ab"
+            ]
+            states.append([past_name, present_name, *values])
+            continue
         zeros = np.zeros((2, config.n_kv_head, capacity, config.head_dim), dtype=np.float32)
         buffer = ort.OrtValue.ortvalue_from_numpy(zeros)
         binding.bind_ortvalue_input(past_name, buffer)
@@ -223,6 +245,10 @@ def _run_session(
         # an overridable initializer: IO binding takes it as an OrtValue, not through bind_cpu_input
         binding.bind_ortvalue_input(io.logits_to_keep, ort.OrtValue.ortvalue_from_numpy(np.array(keep, np.int64)))
         binding.bind_output(io.logits)  # unallocated again: its length changes between calls
+        for state in states:
+            binding.bind_ortvalue_input(state[0], state[2])
+            binding.bind_ortvalue_output(state[1], state[3])
+            state[2], state[3] = state[3], state[2]  # the present is the next run's past
         session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()
         all_logits.append(logits)

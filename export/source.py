@@ -24,7 +24,7 @@ from .checkpoint import (
 )
 from .families import Blocks, Family, checked_tokens, family_for
 from .gguf import read_gguf
-from .lazy_weights import TensorLoader
+from .lazy_weights import TensorLoader, materialize
 
 
 @dataclass
@@ -65,6 +65,8 @@ def open_folder(folder: Path) -> Source:
     hf_config = read_config(folder)
     family = family_for(hf_config.get("model_type"))
     model = family.load(folder)
+    if not family.lazy_weights:
+        materialize(model)
     hashes = source_hashes(folder)
     files = tokenizer_files(folder)  # each one text (UTF-8) or JSON first: the errors name the file's kind
     if TOKENIZER_FILE in files:
@@ -99,9 +101,13 @@ def open_gguf(path: Path) -> Source:
     family = gguf.family
     state = {
         name: TensorLoader(gguf.shape(name), partial(_dequantized, gguf, name), partial(_rows, gguf, name))
+        if family.lazy_weights
+        else _dequantized(gguf, name)
         for name in gguf.tensor_names
     }
     model = family.build(gguf.hf_config, state)  # lazy: each tensor dequantized when used
+    if not family.lazy_weights:
+        materialize(model)
     tokens = checked_tokens(model.config.vocab_size, gguf.bos_token_id, gguf.eos_token_ids, gguf.pad_token_id)
     sha256 = file_sha256(path)
     return Source(

@@ -19,8 +19,10 @@ from .errors import (
     ProviderError,
 )
 from .model import Model, load
-from .results import GenerationResult, Stream, Timings
+from .results import GenerationResult, Piece, Stream, Timings
 from .sampling import SamplingParams
+from .tool_calls import ToolCall
+from .tools import tool_schema
 
 
 def __getattr__(name: str) -> Any:
@@ -44,10 +46,13 @@ __all__ = [
     "Model",
     "PackageError",
     "PackageNotFoundError",
+    "Piece",
     "ProviderError",
     "SamplingParams",
     "Stream",
     "Timings",
+    "ToolCall",
     "TurnStats",
     "load",
+    "tool_schema",
 ]

@@ -37,12 +37,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options, text_pieces
-from .errors import ChatTemplateError, ContextLengthError, InvalidInputError
+from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options
+from .errors import ChatTemplateError, ContextLengthError, InvalidInputError, InvalidParameterError
 from .kvcache import Cache, make_cache
-from .results import GenerationResult, Stream, make_timings
+from .results import GenerationResult, Piece, Stream, make_timings
 from .template import ChatTemplate, chat_prompt_ids, read_template_file, validate_messages
 from .text import TextAssembler
+from .tool_calls import Convention, ReplyParser, ToolCall, convention_for, starts_in_reasoning
+from .tools import tool_specs
 
 if TYPE_CHECKING:
     from .runner import TextModel
@@ -74,6 +76,8 @@ class _Turn:
     starts: list[int]  # the cache length each exchange's turn started from, this one's last
     options: GenerationOptions
     started: float  # time.perf_counter() when the turn was asked for
+    variables: dict  # the template variables this turn rendered with (tools, documents, ...)
+    parse_calls: bool  # tool_choice is not "none": tool calls are parsed out of the reply
 
 
 def package_template(model: TextModel, template: ChatTemplate | str | None = None) -> ChatTemplate:
@@ -114,6 +118,10 @@ class Conversation:
         system: str | None = None,
         template: ChatTemplate | str | None = None,
         adapter: str | None = None,
+        tools: list | None = None,
+        documents: list | None = None,
+        enable_thinking: bool | None = None,
+        template_vars: dict | None = None,
     ):
         if model.tokenizer is None:
             raise InvalidInputError("chat needs a tokenizer, and this package has none")
@@ -122,7 +130,12 @@ class Conversation:
         self._base, self.adapter = model, adapter  # a LoRA adapter's name (runtime/adapters.py), None: the base
         self.model = model if adapter is None else model.runner(adapter)
         self.template = package_template(model, template)
+        self.convention: Convention = convention_for(self.template.source)  # runtime/tool_calls.py
         self.system = system
+        # template variables every turn renders with; send/stream may replace them for one turn
+        self.tools, self.documents, self.enable_thinking = tools, documents, enable_thinking
+        self.template_vars = template_vars
+        template_variables(tools, documents, enable_thinking, template_vars)  # bad values raise here
         self.last_turn: TurnStats | None = None
         self._history: list[dict] = []  # the messages after the system message
         self._cache: Cache | None = None  # made by the first turn (runtime/kvcache.py)
@@ -137,21 +150,23 @@ class Conversation:
         """A copy of the history, the system message first."""
         return copy.deepcopy(self._head() + self._history)
 
-    def send(self, text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any) -> GenerationResult:
-        """Add a user message and return the assistant's reply. Options as Model.generate's (temperature,
-        top_k, top_p, min_p, repetition_penalty, seed, stop, cancel)."""
-        stream = self.stream(text, max_new_tokens, **options)
+    def send(self, message: str | dict | list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
+        """Add a message and return the assistant's reply (a GenerationResult with content, reasoning and
+        tool_calls: docs/apps.md). message: a user message's text, a message dict (a tool's result:
+        {"role": "tool", "tool_call_id": ..., "content": ...}) or a list of them. Options as Model.generate's
+        (temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, cancel, response_format, regex,
+        grammar), and for this turn only: tools, documents, enable_thinking, template_vars, tool_choice."""
+        stream = self.stream(message, max_new_tokens, **options)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any) -> Stream:
-        """Like send, but returns a Stream of text pieces whose .result is set at the end. Everything is
-        checked here, before the first piece is asked for; the turn enters the history when the stream ends."""
+    def stream(self, message: str | dict | list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
+        """Like send, but returns a Stream of text pieces (Piece: also .content, .reasoning, .tool_calls) whose
+        .result is set at the end. Everything is checked here, before the first piece is asked for; the turn
+        enters the history when the stream ends."""
         self._close_pending()
-        if not isinstance(text, str):
-            raise InvalidInputError(f"a message must be a string, got {type(text).__name__}")
-        history = [*self._history, {"role": "user", "content": text}]
+        history = [*self._history, *new_messages(message)]
         return self._start(history, max_new_tokens, options, drop_oldest=True)
 
     def reply_to(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
@@ -185,7 +200,8 @@ class Conversation:
         if not isinstance(text, str):
             raise InvalidInputError(f"a message must be a string, got {type(text).__name__}")
         history = [*self._history, {"role": "user", "content": text}]
-        return chat_prompt_ids(self.template, self.model.tokenizer, self._head() + history)
+        variables = self._variables({})
+        return chat_prompt_ids(self.template, self.model.tokenizer, self._head() + history, **variables)
 
     def undo(self) -> None:
         """Remove the last exchange (the last user message and what followed it); the cache rewinds to before it."""
@@ -205,6 +221,12 @@ class Conversation:
 
     # ---- a turn ---------------------------------------------------------------------------------
 
+    def _variables(self, options: dict) -> dict:
+        """The template variables of a turn: the conversation's, or those given to this turn (taken from options)."""
+        given = {name: options.pop(name) for name in TURN_VARIABLES if name in options}
+        values = {name: given.get(name, getattr(self, name)) for name in TURN_VARIABLES}
+        return template_variables(**values)
+
     def _head(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system is not None else []
 
@@ -218,14 +240,16 @@ class Conversation:
             self._pending.close()  # commits the partial reply (see _start's finally)
             self._pending = None
 
-    def _fit(self, history: list[dict], max_new_tokens: int, drop_oldest: bool) -> tuple[list[dict], list[int], int]:
+    def _fit(
+        self, history: list[dict], max_new_tokens: int, drop_oldest: bool, variables: dict
+    ) -> tuple[list[dict], list[int], int]:
         """Render and tokenize; drop the oldest exchanges until the prompt and max_new_tokens fit the context."""
         limit, dropped = self.model.context_length, 0
         if max_new_tokens >= limit:
             raise ContextLengthError(f"max_new_tokens ({max_new_tokens}) must be below the context length {limit}")
         while True:
             try:
-                ids = chat_prompt_ids(self.template, self.model.tokenizer, self._head() + history)
+                ids = chat_prompt_ids(self.template, self.model.tokenizer, self._head() + history, **variables)
             except ChatTemplateError:  # a message of megabytes stops the sandbox: blame the message
                 self._check_each_fits(history, max_new_tokens, drop_oldest)
                 raise
@@ -274,6 +298,17 @@ class Conversation:
     def _start(self, history: list[dict], max_new_tokens: Any, options: dict, *, drop_oldest: bool) -> Stream:
         """Check everything and plan the turn (which ids the cache already holds); the stream then runs it."""
         started = time.perf_counter()
+        variables = self._variables(options)
+        tool_choice = options.pop("tool_choice", None)
+        parse_calls = tool_choice != "none"
+        if tool_choice not in (None, "auto", "none"):
+            from .constraints import tool_choice_grammar  # llguidance only when a call is forced
+
+            if any(options.get(name) is not None for name in ("response_format", "grammar", "regex")):
+                raise InvalidParameterError("tool_choice forces tool calls: give no response_format, grammar or regex")
+            options["grammar"] = tool_choice_grammar(
+                self.convention, variables.get("tools"), tool_choice, self.model.tokenizer
+            )
         adapter = options.pop("adapter", self.adapter)
         runner = self.model if adapter == self.adapter else self._base.runner(adapter)  # an unknown name raises
         checked = generation_options(
@@ -284,7 +319,7 @@ class Conversation:
             caller="a chat turn",
             runner=self._base,  # the Model, which loads a draft package (an adapter's runner does not)
         )
-        history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest)
+        history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest, variables)
         switched = adapter != self.adapter
         if switched:  # the cache holds another adapter's keys and values: start it afresh
             self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
@@ -299,7 +334,7 @@ class Conversation:
         stats = TurnStats(path, len(ids), reused, len(ids) - reused, dropped, adapter, switched)
         earlier = sum(message["role"] == "user" for message in history) - 1  # exchanges before this one
         starts = self._turn_starts[max(0, len(self._turn_starts) - earlier) :] if earlier > 0 else []
-        turn = _Turn(history, ids, reused, starts + [reused], checked, started)
+        turn = _Turn(history, ids, reused, starts + [reused], checked, started, variables, parse_calls)
         stream: Stream
 
         def finished(result: GenerationResult) -> None:
@@ -310,15 +345,23 @@ class Conversation:
         self._pending = stream._pieces
         return stream
 
-    def _pieces(self, turn: _Turn, finished: Callable[[GenerationResult], None]) -> Iterator[str]:
+    def _pieces(self, turn: _Turn, finished: Callable[[GenerationResult], None]) -> Iterator[Piece]:
         """Run a planned turn: extend (or rewind) the cache, decode, and commit the turn when it ends."""
         ids, options = turn.ids, turn.options
         cache = self._prepare_cache(turn.reused, len(ids) + options.max_new_tokens)
         assembler = TextAssembler(self.model.tokenizer, options.stops)
+        reply = _Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls, options.token_mask is not None)
         state = DecodeState.start(1)
+        last, last_calls = None, []
         try:
             decoding = decode(self.model, [ids], state, options, cache=cache, feed=ids[turn.reused :])
-            yield from text_pieces(decoding, assembler, state)
+            for _, token in decoding:
+                piece = assembler.add(token)
+                if assembler.stopped:
+                    state.finish[0] = "stop"
+                update = reply.add(token, assembler)
+                if piece or update is not None:
+                    yield reply.piece(piece, update)
             tail = assembler.flush()
         except GeneratorExit:  # the stream was closed before its end: a cancelled reply
             state.finish[0] = "cancelled"
@@ -329,13 +372,18 @@ class Conversation:
             raise
         finally:
             if self._cache is cache:
-                self._commit(turn.history, ids, assembler, cache, turn.starts)
+                last, parsed = reply.finish(assembler)
+                last_calls = reply.register(last) if last is not None else []
+                calls = reply.calls
+                self._commit(turn.history, ids, assembler, cache, turn.starts, reply.message(parsed, calls, assembler))
                 new = len(assembler.ids)
                 ended = time.perf_counter()
                 timings = make_timings(turn.started, state.first_token_time, ended, len(ids), new, state=state)
-                finished(GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings))
-        if tail:
-            yield tail
+                result = GenerationResult(assembler.text, list(assembler.ids), state.finish[0], ids, timings)
+                result.content, result.reasoning, result.tool_calls = parsed.content, parsed.reasoning, calls
+                finished(result)
+        if tail or last is not None:
+            yield reply.piece(tail, last, last_calls)
 
     def _prepare_cache(self, reused: int, capacity: int) -> Cache:
         if self._cache is None:
@@ -346,11 +394,140 @@ class Conversation:
         return self._cache
 
     def _commit(
-        self, history: list[dict], ids: list[int], assembler: TextAssembler, cache: Cache, starts: list[int]
+        self,
+        history: list[dict],
+        ids: list[int],
+        assembler: TextAssembler,
+        cache: Cache,
+        starts: list[int],
+        reply: dict,
     ) -> None:
         """The turn enters the history; the cache holds the prompt and the reply's ids that were fed."""
         held = int(cache.lengths[0])
         self._ids = (ids + list(assembler.ids))[:held]
-        self._history = [*history, {"role": "assistant", "content": assembler.text}]
+        self._history = [*history, reply]
         self._turn_starts = starts
         self._pending = None
+
+
+TURN_VARIABLES = ("tools", "documents", "enable_thinking", "template_vars")
+
+
+def template_variables(
+    tools: Any = None, documents: Any = None, enable_thinking: Any = None, template_vars: Any = None
+) -> dict:
+    """The variables a template renders with, checked: tools (functions described: runtime/tools.py), documents,
+    enable_thinking (None: not passed) and any others in template_vars. ChatTemplateError for bad ones."""
+    if template_vars is not None and not isinstance(template_vars, dict):
+        raise ChatTemplateError(f"template_vars must be a dict, got {type(template_vars).__name__}")
+    variables = dict(template_vars or {})
+    for name in ("messages", "add_generation_prompt"):
+        if name in variables:
+            raise ChatTemplateError(f"template_vars may not set {name!r}: it is the chat's own")
+    if tools is not None:
+        variables["tools"] = tool_specs(tools)
+    if documents is not None:
+        if not isinstance(documents, (list, tuple)) or not all(isinstance(d, dict) for d in documents):
+            raise ChatTemplateError("documents must be a list of dicts (e.g. {'title': ..., 'text': ...})")
+        variables["documents"] = list(documents)
+    if enable_thinking is not None:
+        if not isinstance(enable_thinking, bool):
+            raise ChatTemplateError(f"enable_thinking must be True, False or None, got {enable_thinking!r}")
+        variables["enable_thinking"] = enable_thinking
+    return variables
+
+
+def new_messages(message: Any) -> list[dict]:
+    """What send/stream add to the history: a user message's text, a message dict, or a list of them."""
+    if isinstance(message, str):
+        return [{"role": "user", "content": message}]
+    if isinstance(message, dict):
+        message = [message]
+    if not isinstance(message, list) or not message:
+        raise InvalidInputError(f"a message must be a string, a message dict or a list of them, got {message!r:.60}")
+    for item in message:
+        if isinstance(item, dict) and item.get("role") == "system":
+            raise InvalidInputError("a system message goes first: pass system= to conversation(), or use reply_to")
+    return validate_messages(message)
+
+
+class _Reply:
+    """A turn's reply parsed as it grows (runtime/tool_calls.py): from the text the assembler decodes, or, when
+    the convention's markup holds special tokens (which decoding drops), from a decoding that keeps them."""
+
+    def __init__(self, tokenizer, convention: Convention, prompt_ids: list[int], parse_calls: bool, constrained: bool):
+        self.convention = convention
+        self.active = convention.name != "plain" or convention.think
+        if not parse_calls and convention.name != "harmony":
+            convention = Convention("plain", "", "", "", convention.calls, think=convention.think)
+        specials = {tokenizer.token_text(i) for i in tokenizer.special_ids}
+        self.keep_special = self.active and any(marker in specials for marker in convention.markers())
+        self.calls: list[ToolCall] = []  # the calls parsed so far, each given its id once
+        tail = tokenizer.decode(prompt_ids[-8:], skip_special=False) if self.active else ""
+        # a prompt that opens <think> starts the reply in the reasoning, unless a grammar decides what is written
+        self.parser = ReplyParser(convention, in_reasoning=starts_in_reasoning(tail) and not constrained)
+        self.special_text = TextAssembler(_KeepSpecial(tokenizer)) if self.keep_special else None
+
+    def _text(self, assembler: TextAssembler) -> str:
+        if self.special_text is None:
+            return assembler.text[: assembler.emitted]
+        return self.special_text.text[: self.special_text.emitted]
+
+    def add(self, token: int, assembler: TextAssembler):
+        if not self.active:
+            return None
+        if self.special_text is not None and not assembler.stopped:
+            self.special_text.add(token)
+        delta = self.parser.update(self._text(assembler))
+        return delta if (delta.content or delta.reasoning or delta.calls) else None
+
+    def finish(self, assembler: TextAssembler):
+        if not self.active:
+            return None, _plain_parse(assembler.text)
+        if self.special_text is not None:
+            self.special_text.flush()
+        text = self.special_text.text if self.special_text is not None else assembler.text
+        delta, parsed = self.parser.finish(text)
+        return delta, parsed
+
+    def register(self, delta) -> list[ToolCall]:
+        """The delta's calls as ToolCalls, each with its id, added to the reply's calls."""
+        new = [ToolCall(self.convention.new_id(), name, arguments) for name, arguments in delta.calls]
+        self.calls += new
+        return new
+
+    def piece(self, text: str, delta, calls: list[ToolCall] | None = None) -> Piece:
+        """A stream piece: the raw text and what it added to the parsed reply."""
+        if delta is None:
+            return Piece(text, text if not self.active else "")
+        return Piece(text, delta.content, delta.reasoning, self.register(delta) if calls is None else calls)
+
+    def message(self, parsed, calls: list[ToolCall], assembler: TextAssembler) -> dict:
+        """The assistant message the history keeps: the reply as written, or with its calls taken out."""
+        if self.convention.name == "harmony" and self.active:
+            message = {"role": "assistant", "content": parsed.content}
+            if parsed.reasoning is not None:
+                message["thinking"] = parsed.reasoning
+        elif calls:
+            message = {"role": "assistant", "content": parsed.kept.strip()}
+        else:
+            return {"role": "assistant", "content": assembler.text}
+        if calls:
+            message["tool_calls"] = [call.to_message() for call in calls]
+        return message
+
+
+class _KeepSpecial:
+    """A tokenizer view that decodes special tokens as their text, for a TextAssembler."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=False)
+
+
+def _plain_parse(text: str):
+    from .tool_calls import Parsed
+
+    return Parsed(text, None, [], text)

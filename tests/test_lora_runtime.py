@@ -235,3 +235,15 @@ def test_speculative_checks_run_once_per_model_not_per_adapter_request(case, mon
     for adapter in ("r1-mlp", "r8-attention", "r1-mlp"):
         model.generate(PROMPT, 4, ignore_eos=True, adapter=adapter, speculative=draft)
     assert calls == {"steps": 1, "tokens": 1}
+
+
+def test_a_constraint_holds_with_an_adapter(case):
+    pytest.importorskip("llguidance")
+    model = _loaded(case)
+    if model.tokenizer is None:
+        pytest.skip("the base package has no tokenizer")
+    free = model.generate(PROMPT, NEW_TOKENS, adapter="r1-mlp")
+    result = model.generate(PROMPT, NEW_TOKENS, regex="[0-9]{2,5}", adapter="r1-mlp")
+    assert result.text.isdigit() and 2 <= len(result.text) <= 5 and result.token_ids != free.token_ids
+    batch = model.generate_batch([PROMPT, PROMPT], NEW_TOKENS, regex=["[0-9]{2,5}", None], adapter="r1-mlp")
+    assert batch[0].token_ids == result.token_ids and batch[1].token_ids == free.token_ids

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from .adapter import add_adapter_option, load_adapter
+from .apps import add_chat_inputs, add_structured, chat_inputs, show_tool_calls, structured_options
 from .cache import add_model_argument, open_model
 from .options import add_command, add_runtime, add_sampling, add_speculative, describe_sampling, sampling_options
 from .words import in_flags
@@ -39,6 +40,8 @@ def add_parser(sub) -> None:
     )
     add_speculative(p)
     p.add_argument("--stats", action="store_true", help="print tokens/s and the tokens prefilled after each reply")
+    add_chat_inputs(p)
+    add_structured(p)
     add_runtime(p)
     add_adapter_option(p)
     p.set_defaults(run=run)
@@ -58,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
             f"the package {model.spec.folder.name} has no chat template, so it cannot chat (a base model?); "
             f'`edgelm generate {args.package} "PROMPT"` continues a text instead'
         )
-    conv = model.conversation(system=args.system, adapter=load_adapter(model, args.adapter, verify=not args.no_verify))
+    adapter = load_adapter(model, args.adapter, verify=not args.no_verify)
+    conv = model.conversation(system=args.system, adapter=adapter, **chat_inputs(args))
     conv.prompt_ids("Hello")  # a template that fails on an ordinary message fails here, not on every turn
     defaults, origin = model_chat_sampling(model)
-    options = sampling_options(args, defaults)
+    options = sampling_options(args, defaults) | structured_options(args)
     model.options(args.max_new_tokens, **options)  # bad options end here, not per message
     if args.max_new_tokens >= model.context_length:  # else every turn would fail the same way
         raise ContextLengthError(
@@ -132,6 +136,7 @@ def _reply(conv, text: str, max_new_tokens: int, options: dict):
     finally:
         signal.signal(signal.SIGINT, previous)
     print()
+    show_tool_calls(stream.result, sys.stderr)
     if stream.result.finish_reason == "cancelled":
         print("[stopped]", file=sys.stderr)
     return stream.result

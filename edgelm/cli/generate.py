@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .adapter import add_adapter_option, load_adapter
+from .apps import add_structured, structured_options
 from .cache import add_model_argument, open_model
 from .options import add_command, add_json, add_runtime, add_sampling, add_speculative, sampling_options
 from .text import printable, to_json
@@ -23,8 +24,15 @@ def add_parser(sub) -> None:
     )
     add_model_argument(p)
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
+    p.add_argument(
+        "--no-bos",
+        action="store_true",
+        help="tokenize the prompt without the BOS (or other special tokens) the tokenizer adds to text "
+        "(add_special_tokens=False; see docs/tokenization.md)",
+    )
     add_sampling(p)
     add_speculative(p)
+    add_structured(p)
     add_runtime(p)
     add_adapter_option(p)
     add_json(p, " (text, ids, finish reason, timings)")
@@ -33,7 +41,9 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model = open_model(args)
-    options = sampling_options(args) | {"adapter": load_adapter(model, args.adapter, verify=not args.no_verify)}
+    adapter = load_adapter(model, args.adapter, verify=not args.no_verify)
+    options = sampling_options(args) | structured_options(args) | {"adapter": adapter}
+    options["add_special_tokens"] = not args.no_bos
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(to_json(result.to_dict(), ensure_ascii=False))

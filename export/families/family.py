@@ -47,6 +47,11 @@ class Family:
     gguf: GGUFLayout | None = None  # None: no GGUF files of this model_type are read
     # LoRA: (module path with %d for the layer, the Decoder Layer's linear it is packed into), in packed order
     lora_linears: tuple[tuple[str, str], ...] = ()
+    # checkpoint linears the reference model holds split (Phi-3's qkv_proj): (name, its parts in row order)
+    lora_packed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # its reference model and Decoder read weights through export/lazy_weights.py (meta parameters with loaders:
+    # export streams them); False: the model is read whole into memory as fp32 when opened
+    lazy_weights: bool = False
 
 
 def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:

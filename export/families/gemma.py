@@ -228,6 +228,7 @@ def _row(model_type: str, gguf: GGUFLayout | None) -> Family:
         tokens=llama.tokens,
         gguf=gguf,
         lora_linears=llama.LORA_LINEARS,
+        lazy_weights=True,
     )
 
 
@@ -235,7 +236,7 @@ def _row(model_type: str, gguf: GGUFLayout | None) -> Family:
 ROWS = (
     _row(
         "gemma3_text",
-        GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors, also_read=llama.ROPE_FREQS),
+        GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors),  # no rope_freqs.weight
     ),
     _row("gemma3", None),
 )
