@@ -57,6 +57,31 @@ def _nbits_names(prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
     return f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales", offsets
 
 
+class _NBitsArrays:
+    """A linear's MatMulNBits arrays from one unpacking of its blocks, which is let go once all `uses` are read."""
+
+    def __init__(self, nbits: NBits, uses: int):
+        self.nbits, self.uses, self.parts = nbits, uses, None
+
+    def _take(self, array: str) -> np.ndarray:
+        if self.parts is None:
+            self.parts = self.nbits.parts
+        value = getattr(NBits(self.nbits.bits, self.nbits.block_size, self.parts), array)
+        self.uses -= 1
+        if self.uses == 0:
+            self.parts = None
+        return value
+
+    def packed(self) -> np.ndarray:
+        return self._take("packed")
+
+    def scales(self) -> np.ndarray:
+        return self._take("scales")
+
+    def block_offsets(self) -> np.ndarray:
+        return self._take("block_offsets")
+
+
 class _GraphBuilder:
     """Collects nodes and initializers; names every node after its output."""
 
@@ -104,11 +129,14 @@ class _GraphBuilder:
         packed, scales, offsets = _nbits_names(prefix, nbits)
         if self.compact:
             write_blocks(self, nbits, packed=packed, scales=scales, offsets=offsets)
-        else:
-            self.constant(packed, nbits.packed)
-            self.constant(scales, nbits.scales)
+        else:  # unpacked (or quantized) when written, once for the three arrays (save_model writes them in turn)
+            k, n = nbits.shape
+            runs = k // nbits.block_size
+            arrays = _NBitsArrays(nbits, 3 if offsets is not None else 2)
+            self.constant(packed, LazyArray((n, runs, nbits.block_size * nbits.bits // 8), arrays.packed, np.uint8))
+            self.constant(scales, LazyArray((n, runs), arrays.scales))
             if offsets is not None:
-                self.constant(offsets, nbits.block_offsets)
+                self.constant(offsets, LazyArray((runs, n), arrays.block_offsets))
         return packed, scales, offsets
 
     def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:

@@ -62,20 +62,22 @@ def read(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class LazyArray:
-    """A float32 array read when written (np.asarray calls `load`): what a Decoder holds for a large weight."""
+    """An array read when written (np.asarray calls `load`): what a Decoder holds for a large weight, float32 unless
+    `dtype` says otherwise."""
 
-    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray]):
+    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray], dtype: type = np.float32):
         self.shape, self.load = tuple(shape), load
-        self.dtype = np.dtype(np.float32)
+        self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
         self.size = int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def T(self) -> LazyArray:  # noqa: N802 (numpy's name)
-        return LazyArray(tuple(reversed(self.shape)), lambda: self.load().T)
+        return LazyArray(tuple(reversed(self.shape)), lambda: self.load().T, self.dtype)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        array = np.asarray(self.load(), dtype=np.float32)
+        array = np.asarray(self.load(), dtype=self.dtype)
+        assert array.shape == self.shape, f"a LazyArray of shape {self.shape} read {array.shape}"
         return array if dtype is None else array.astype(dtype, copy=False)
 
 
