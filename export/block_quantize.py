@@ -23,7 +23,7 @@ import torch
 
 from .decoder import Decoder, Linear, NBits
 from .gguf_blocks import LazyRuns, Runs, dequantized
-from .lazy_weights import TensorLoader, lazy_parameter, read
+from .lazy_weights import SLICE_BYTES, TensorLoader, lazy_parameter, read
 
 QUANTIZE_MODES = ("int4", "int8-weight-only")
 LM_HEADS = ("int8", "int4")  # quantize/recipes.py INT4_LM_HEADS
@@ -58,17 +58,25 @@ def _nbits(weight, *, bits: int, block_size: int) -> NBits:
     return NBits(bits, block_size, [LazyRuns(bits, block_size, (n, k), False, load)])
 
 
-def _what_blocks_hold(tensor: torch.Tensor, *, bits: int, block_size: int) -> torch.Tensor:
-    """An nn.Linear-layout (out, in) weight as its blocks hold it (quantized along `in`), float32."""
-    runs = block_quantized(read(tensor).to(torch.float32).numpy().T, bits=bits, block_size=block_size)
-    return torch.from_numpy(dequantized(runs))
+def _what_blocks_hold(
+    tensor: torch.Tensor, rows: torch.Tensor | None = None, *, bits: int, block_size: int
+) -> torch.Tensor:
+    """An nn.Linear-layout (out, in) weight as its blocks hold it (quantized along `in`), float32; rows: those
+    only. Each output row's blocks are its own, so it is quantized a slice of rows at a time (a 152k-row head
+    would otherwise take several float32 copies at once)."""
+    weight = read(tensor)  # (out, in), the file's dtype
+    weight = weight if rows is None else weight[rows]
+    held = torch.empty(weight.shape, dtype=torch.float32)
+    step = max(1, SLICE_BYTES // (4 * weight.shape[1]))
+    for i in range(0, weight.shape[0], step):
+        part = weight[i : i + step].to(torch.float32).numpy().T  # (in, rows): MatMul's layout
+        held[i : i + step] = torch.from_numpy(dequantized(block_quantized(part, bits=bits, block_size=block_size)))
+    return held
 
 
 def _reference_on_blocks(parameter: torch.nn.Parameter, *, bits: int, block_size: int) -> torch.nn.Parameter:
-    loader = TensorLoader(
-        tuple(parameter.shape), partial(_what_blocks_hold, parameter, bits=bits, block_size=block_size)
-    )
-    return lazy_parameter(loader)
+    load = partial(_what_blocks_hold, parameter, bits=bits, block_size=block_size)
+    return lazy_parameter(TensorLoader(tuple(parameter.shape), load, load))
 
 
 def check_block_size(decoder: Decoder, block_size: int) -> None:
