@@ -157,7 +157,7 @@ def test_tool_schema_refuses_what_transformers_refuses() -> None:
     def undescribed(x: int):
         """Doc without args."""
 
-    for func in (no_doc, no_hint, undescribed):
+    for func in (no_doc, no_hint, undescribed, int, type):  # int, type: builtins with no signature
         with pytest.raises(ChatTemplateError, match=func.__name__):
             tool_schema(func)
 
