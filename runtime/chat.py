@@ -421,6 +421,9 @@ def template_variables(
     if template_vars is not None and not isinstance(template_vars, dict):
         raise ChatTemplateError(f"template_vars must be a dict, got {type(template_vars).__name__}")
     variables = dict(template_vars or {})
+    for name in variables:
+        if not isinstance(name, str):  # a template variable is a name
+            raise ChatTemplateError(f"template_vars keys must be strings, got {name!r:.60}")
     for name in ("messages", "add_generation_prompt"):
         if name in variables:
             raise ChatTemplateError(f"template_vars may not set {name!r}: it is the chat's own")
