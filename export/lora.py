@@ -40,7 +40,7 @@ from ..runtime.lora_contract import (
 from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
-from .peft_adapter import OUTPUT_LAYER, PeftAdapter, read_peft_adapter
+from .peft_adapter import OUTPUT_LAYER, LoraWeights, PeftAdapter, read_peft_adapter
 
 Progress = Callable[[str], None]
 MAX_RANK = 1024
@@ -82,18 +82,61 @@ def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
 # ---- merge ------------------------------------------------------------------------------------------
 
 
-def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, family: str) -> set[str]:
+def packed_paths(modules: dict[str, torch.nn.Module], packed: tuple) -> dict[str, list[str]]:
+    """Each checkpoint linear the model holds split (Family.lora_packed), by full path -> its parts' paths."""
+    out = {}
+    for name in modules:
+        for whole, parts in packed:
+            if name.endswith(f".{parts[0]}"):
+                stem = name.removesuffix(parts[0])
+                out[f"{stem}{whole}"] = [f"{stem}{part}" for part in parts]
+    return out
+
+
+def _linear_features(modules: dict[str, torch.nn.Module], split: dict[str, list[str]], path: str) -> tuple[int, int]:
+    """(in_features, out_features) of a linear, a packed one's being its parts' together."""
+    parts = [modules[part] for part in split.get(path, [path])]
+    return parts[0].in_features, sum(part.out_features for part in parts)
+
+
+def _split_packed(adapter: PeftAdapter, modules: dict, split: dict[str, list[str]]) -> dict[str, LoraWeights]:
+    """The adapter's modules on the reference model's linears: a packed linear's B split by rows into its parts
+    (A shared), as the packed weight's rows are."""
+    out = {}
+    for path, weights in adapter.modules.items():
+        if path not in split:
+            out[path] = weights
+            continue
+        in_features, out_features = _linear_features(modules, split, path)
+        if (weights.b.shape[0], weights.a.shape[1]) != (out_features, in_features):
+            raise AdapterError(
+                f"LoRA adapter {adapter.name}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) "
+                f"weight but the model's is {(out_features, in_features)} (shape mismatch: an adapter for another "
+                "model size?)"
+            )
+        rows = np.cumsum([modules[part].out_features for part in split[path]])[:-1]
+        pieces = zip(split[path], np.split(weights.b, rows), strict=True)
+        out |= {part: LoraWeights(weights.a, b, weights.scale) for part, b in pieces}
+    return out
+
+
+def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, family: str, packed: tuple = ()) -> set[str]:
     """Add every adapter's scale * B @ A to the model's linears PEFT's targeting selects (PeftAdapter.select), in
     order; returns the weights changed (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError
     before any change when a module is not a linear of this model, a shape differs, or the weight is shared
     with another module; a tied LM head is untied first (its own copy, as export's --untie), so that the input
-    embedding stays the base's, as in PEFT's forward."""
+    embedding stays the base's, as in PEFT's forward. packed: Family.lora_packed, the checkpoint's packed linears
+    (Phi-3's qkv_proj) that PEFT adapts whole and the reference model holds split."""
     modules = dict(model.named_modules())
+    split = packed_paths(modules, packed)
+    parts = {part for names in split.values() for part in names}
+    linears = {name: isinstance(m, torch.nn.Linear) for name, m in modules.items() if name not in parts}
+    expanded = []
     sharing: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         sharing.setdefault(id(parameter), []).append(name)
     for adapter in adapters:
-        adapter.select({name: isinstance(m, torch.nn.Linear) for name, m in modules.items()}, model_type=family)
+        adapter.select(linears | dict.fromkeys(split, True), model_type=family)
         for path, saved in adapter.base_weights.items():  # PEFT loads them over the model's: they must be its own
             module = modules.get(path)
             if module is None or not np.array_equal(saved, module.weight.detach().numpy()):
@@ -101,7 +144,8 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
                     f"LoRA adapter {adapter.name}: it carries its own {path} weight (PEFT's save_embedding_layers) "
                     "and it differs from this model's (a resized vocabulary?); edgelm merges only LoRA weights"
                 )
-        for path, weights in adapter.modules.items():
+        expanded.append(_split_packed(adapter, modules, split))
+        for path, weights in expanded[-1].items():
             module = modules.get(path)
             if not isinstance(module, torch.nn.Linear):
                 raise AdapterError(
@@ -127,10 +171,11 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         model.config.tie_word_embeddings = False
     with torch.no_grad():
-        for adapter in adapters:
-            for path, weights in adapter.modules.items():
+        for targets in expanded:
+            for path, weights in targets.items():
                 modules[path].weight += torch.from_numpy(weights.delta())
-    return {f"{path}.weight" for adapter in adapters for path in adapter.modules}
+    changed = [*(path for adapter in adapters for path in adapter.modules), *(p for t in expanded for p in t)]
+    return {f"{path}.weight" for path in changed}  # a packed linear's parts and its own name (a GGUF file's blocks)
 
 
 def without_blocks(blocks, merged: set[str]):
@@ -159,18 +204,19 @@ def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSl
             f"no linear named {', '.join(unknown)} in a {family.name} model; slots can be {', '.join(known)}"
         )
     modules = dict(model.named_modules())
+    split = packed_paths(modules, family.lora_packed)
     linears: dict[str, SlotLinear] = {}
     offsets: dict[str, int] = {}
     for template, linear in table:  # in the packed order: a part's offset counts the parts before it
-        module = modules[template % 0]
+        in_features, out_features = _linear_features(modules, split, template % 0)
         offset = offsets.get(linear, 0)
-        offsets[linear] = offset + module.out_features
+        offsets[linear] = offset + out_features
         if not _selected(template, spec.modules):
             continue
         slot = linears.setdefault(
-            linear, SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", module.in_features, 0, [])
+            linear, SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", in_features, 0, [])
         )
-        slot.parts.append({"module": template, "offset": offset, "width": module.out_features})
+        slot.parts.append({"module": template, "offset": offset, "width": out_features})
     for linear, slot in linears.items():
         slot.out_features = offsets[linear]
     n_layer = model.config.n_layer
@@ -279,7 +325,7 @@ def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progr
     (keeps_blocks: whether the package would keep a GGUF file's blocks at all)."""
     if not adapters:
         return
-    merged = merge_adapters(source.model, adapters, family=source.family.name)
+    merged = merge_adapters(source.model, adapters, family=source.family.name, packed=source.family.lora_packed)
     for adapter in adapters:
         ranks = sorted({w.rank for w in adapter.modules.values()})
         left_out = f" ({len(adapter.ignored)} modules not targeted, left out)" if adapter.ignored else ""

@@ -46,6 +46,18 @@ from .family import Family, GGUFLayout
 VARIANT = llama.Variant("Phi-3/Phi-4-mini", window_always=True, gguf_class="Phi3ForCausalLM")
 ORIGINAL_CONTEXT = 4096  # transformers' Phi3Config default original_max_position_embeddings
 PARTS = {"qkv": ("self_attn.qkv_proj",), "up": ("mlp.gate_up_proj",)}  # the packed tensors, as stored
+# LoRA: PEFT adapts the packed linears as they are stored; the Decoder packs them again in the same row order
+LORA_PACKED = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+LORA_LINEARS = tuple(
+    (f"model.layers.%d.{path}", target)
+    for path, target in (
+        ("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "attention_out"), ("mlp.gate_up_proj", "up"),
+        ("mlp.down_proj", "down"),
+    )
+)  # fmt: skip
 FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # llama.cpp's LongRoPE factor tensors
 
 
@@ -218,5 +230,7 @@ ROWS = (
         details=details,
         tokens=llama.tokens,
         gguf=GGUFLayout(architecture="phi3", config=gguf_config, tensors=gguf_tensors, also_read=FACTORS),
+        lora_linears=LORA_LINEARS,
+        lora_packed=LORA_PACKED,
     ),
 )
