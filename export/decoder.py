@@ -92,10 +92,55 @@ class Norm:
 
 
 @dataclass
+class ShortConv:
+    """A short gated convolution in place of attention (LFM2): B, C, x = in_proj(h) split in three (channels
+    first), y = depthwise causal conv of B * x with a state of the last kernel - 1 inputs, out = out_proj(C * y)."""
+
+    in_proj: Linear  # out = 3 * n_embd: B, C, x
+    weight: np.ndarray  # (n_embd, 1, kernel): the depthwise kernel
+    bias: np.ndarray | None
+    out_proj: Linear
+
+    @property
+    def kernel(self) -> int:
+        return self.weight.shape[-1]
+
+
+@dataclass
+class DeltaNet:
+    """A Gated DeltaNet layer in place of attention (Qwen3.5): q, k, v from a depthwise causal conv (+ SiLU) over
+    in_proj(h), q and k L2-normalized, beta = sigmoid(h W_b), g = -exp(A_log) softplus(h W_a + dt_bias), the gated
+    delta rule (com.microsoft GatedDeltaNet, state (B, v_heads, v_dim, k_dim)), RMSNorm(out) * silu(h W_z),
+    out_proj."""
+
+    in_proj: Linear  # out = 2 * k_heads * k_dim + v_heads * v_dim: q, k, v
+    z: Linear  # out = v_heads * v_dim
+    b: Linear  # out = v_heads
+    a: Linear  # out = v_heads
+    conv_weight: np.ndarray  # (conv channels, 1, kernel)
+    a_log: np.ndarray  # (v_heads,)
+    dt_bias: np.ndarray  # (v_heads,)
+    norm: Norm  # (v_dim,)
+    out_proj: Linear
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    @property
+    def kernel(self) -> int:
+        return self.conv_weight.shape[-1]
+
+    @property
+    def channels(self) -> int:
+        return self.conv_weight.shape[0]
+
+
+@dataclass
 class Layer:
-    attention_norm: Norm
-    qkv: Linear  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim
-    attention_out: Linear
+    attention_norm: Norm  # the norm before attention, or before the layer's convolution
+    qkv: Linear | None  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim; None in a convolution layer
+    attention_out: Linear | None
     mlp_norm: Norm
     up: Linear  # gated MLP: gate and up packed, out = 2 * inner (gate first); else out = inner
     down: Linear
@@ -106,6 +151,25 @@ class Layer:
     sliding_window: int | None = None  # queries see the last this many positions (theirs included), with
     # the Decoder's local rotary caches; None: full causal attention
     rotary: bool = True  # False: Q and K of this layer take no positions (SmolLM3's NoPE layers)
+    conv: ShortConv | None = None  # a convolution layer (its state is past.%d.conv): no attention
+    delta_net: DeltaNet | None = None  # a linear-attention layer (past.%d.conv and past.%d.recurrent)
+    attention_gate: bool = False  # qkv also gives a gate after V: attention output * sigmoid(gate) (Qwen3.5)
+
+    def __post_init__(self) -> None:
+        mixers = (self.qkv is not None) + (self.conv is not None) + (self.delta_net is not None)
+        assert mixers == 1, "a layer has attention, a convolution or a DeltaNet"
+        assert not self.attention_gate or self.q_norm is not None, "the gate is split beside the head norms"
+
+    @property
+    def linears(self) -> list[Linear]:
+        if self.conv is not None:
+            mixer = [self.conv.in_proj, self.conv.out_proj]
+        elif self.delta_net is not None:
+            n = self.delta_net
+            mixer = [n.in_proj, n.z, n.b, n.a, n.out_proj]
+        else:
+            mixer = [self.qkv, self.attention_out]
+        return [*mixer, self.up, self.down]
 
 
 @dataclass

@@ -45,7 +45,7 @@ from edgelm.onnxfile import placeholder
 
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
-from .decoder import Decoder, Layer, Linear, NBits, Norm
+from .decoder import Decoder, DeltaNet, Layer, Linear, NBits, Norm, ShortConv
 
 MS_DOMAIN = "com.microsoft"
 
@@ -216,7 +216,13 @@ class _GraphBuilder:
             return [qkv, "", ""]
         d = decoder
         widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
-        self.split_qkv(qkv, prefix, d)
+        widths += [d.n_head * d.head_dim] if layer.attention_gate else []  # the gate after V (Qwen3.5)
+        if layer.attention_gate:
+            sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+            names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v", f"{prefix}/gate"]
+            self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        else:
+            self.split_qkv(qkv, prefix, d)
         heads = self.small_constant(f"{prefix}/head_shape", np.array([0, 0, -1, d.head_dim], dtype=np.int64))
         flat = self.small_constant(f"{prefix}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
         out = []
@@ -283,7 +289,91 @@ class _GraphBuilder:
                 **window,
             )
         )
-        return self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        out = self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        if not layer.attention_gate:
+            return out
+        gate = self.op("Sigmoid", [f"{prefix}/gate"], f"{prefix}/gate/Sigmoid")
+        return self.op("Mul", [out, gate], f"{prefix}/gated_attention")
+
+    def short_conv(self, h: str, prefix: str, conv: ShortConv, d: Decoder, past: str, present: str) -> str:
+        """A convolution layer (LFM2): in_proj, B * x through com.microsoft CausalConvWithState (its state
+        `past` -> `present`, (B, n_embd, kernel - 1)), times C, out_proj. Returns its (B, T, n_embd) output."""
+        gates = self.linear(h, f"{prefix}.conv.in_proj", conv.in_proj)  # (B, T, 3C)
+        channels = self.op("Transpose", [gates], f"{prefix}/conv/Transpose", perm=[0, 2, 1])  # (B, 3C, T)
+        sizes = self.small_constant(f"{prefix}/conv/sizes", np.array([d.n_embd] * 3, dtype=np.int64))
+        b, c, x = (f"{prefix}/conv/{name}" for name in "bcx")
+        self.nodes.append(helper.make_node("Split", [channels, sizes], [b, c, x], name=f"{prefix}/conv/Split", axis=1))
+        gated = self.op("Mul", [b, x], f"{prefix}/conv/gated")
+        bias = "" if conv.bias is None else self.constant(f"{prefix}.conv.bias", conv.bias)
+        inputs = [gated, self.constant(f"{prefix}.conv.weight", conv.weight), bias, past]
+        y = f"{prefix}/conv/CausalConvWithState"
+        self.nodes.append(helper.make_node("CausalConvWithState", inputs, [y, present], name=y, domain=MS_DOMAIN))
+        self.float_output(y, ["batch_size", d.n_embd, "sequence_length"])
+        out = self.op(
+            "Transpose", [self.op("Mul", [c, y], f"{prefix}/conv/out")], f"{prefix}/conv/back", perm=[0, 2, 1]
+        )
+        return self.linear(out, f"{prefix}.conv.out_proj", conv.out_proj)
+
+    def delta_net(self, h: str, prefix: str, n: DeltaNet, d: Decoder, io: IONames, i: int) -> str:
+        """A Gated DeltaNet layer (Qwen3.5): its conv state through com.microsoft CausalConvWithState (SiLU), the
+        recurrence through com.microsoft GatedDeltaNet (io's past.%d.recurrent -> present.%d.recurrent), the
+        gates in standard ops. Returns its (B, T, n_embd) output."""
+        p = f"{prefix}/delta"
+        mixed = self.linear(h, f"{prefix}.delta.in_proj", n.in_proj)  # (B, T, channels)
+        channels = self.op("Transpose", [mixed], f"{p}/Transpose", perm=[0, 2, 1])
+        conv = f"{p}/CausalConvWithState"
+        inputs = [channels, self.constant(f"{prefix}.delta.conv.weight", n.conv_weight), "", io.past_conv % i]
+        self.nodes.append(
+            helper.make_node(
+                "CausalConvWithState", inputs, [conv, io.present_conv % i], name=conv, domain=MS_DOMAIN,
+                activation="silu",
+            )
+        )  # fmt: skip
+        self.float_output(conv, ["batch_size", n.channels, "sequence_length"])
+        qkv = self.op("Transpose", [conv], f"{p}/back", perm=[0, 2, 1])  # (B, T, channels)
+        widths = [n.k_heads * n.k_dim, n.k_heads * n.k_dim, n.v_heads * n.v_dim]
+        sizes = self.small_constant(f"{p}/sizes", np.array(widths, dtype=np.int64))
+        names = [f"{p}/q", f"{p}/k", f"{p}/v"]
+        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{p}/Split", axis=-1))
+        heads = lambda x, count, size: self.op(  # noqa: E731
+            "Reshape", [x, self.small_constant(f"{x}/shape", np.array([0, 0, count, size], np.int64))], f"{x}/heads"
+        )
+        axis = self.small_constant(f"{p}/last_axis", np.array([-1], dtype=np.int64))
+        eps = self.small_constant(f"{p}/eps", np.array(1e-6, dtype=np.float32))
+        normed = []
+        for x in names[:2]:  # x / sqrt(sum(x^2) + 1e-6) per head, as transformers' l2norm
+            x = heads(x, n.k_heads, n.k_dim)
+            total = self.op("ReduceSum", [self.op("Mul", [x, x], f"{x}/sq"), axis], f"{x}/sum", keepdims=1)
+            inverse = self.op(
+                "Reciprocal", [self.op("Sqrt", [self.op("Add", [total, eps], f"{x}/eps")], f"{x}/sqrt")], f"{x}/inv"
+            )
+            normed.append(self.op("Mul", [x, inverse], f"{x}/l2"))
+        v = heads(names[2], n.v_heads, n.v_dim)
+        beta = self.op("Sigmoid", [self.linear(h, f"{prefix}.delta.b", n.b)], f"{p}/beta")  # (B, T, v_heads)
+        raw = self.op(
+            "Add",
+            [self.linear(h, f"{prefix}.delta.a", n.a), self.constant(f"{prefix}.delta.dt_bias", n.dt_bias)],
+            f"{p}/a",
+        )
+        decay_scale = self.constant(f"{prefix}.delta.neg_exp_a_log", -np.exp(n.a_log.astype(np.float32)))
+        decay = self.op("Mul", [self.op("Softplus", [raw], f"{p}/softplus"), decay_scale], f"{p}/decay")
+        rule = f"{p}/GatedDeltaNet"
+        self.nodes.append(
+            helper.make_node(
+                "GatedDeltaNet", [*normed, v, "", decay, beta, io.past_recurrent % i], [rule, io.present_recurrent % i],
+                name=rule, domain=MS_DOMAIN, update_rule="gated_delta",
+            )
+        )  # fmt: skip
+        self.float_output(rule, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
+        inputs = [rule, self.constant(f"{prefix}.delta.norm.weight", n.norm.weight)]
+        out = self.op("SimplifiedLayerNormalization", inputs, f"{p}/norm", axis=-1, epsilon=d.norm_eps)
+        self.float_output(out, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
+        z = heads(self.linear(h, f"{prefix}.delta.z", n.z), n.v_heads, n.v_dim)
+        gated = self.op(
+            "Mul", [out, self.op("Mul", [z, self.op("Sigmoid", [z], f"{p}/z_sigmoid")], f"{p}/z_silu")], f"{p}/gated"
+        )
+        flat = self.small_constant(f"{p}/flat", np.array([0, 0, -1], dtype=np.int64))
+        return self.linear(self.op("Reshape", [gated, flat], f"{p}/flat_out"), f"{prefix}.delta.out_proj", n.out_proj)
 
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
@@ -330,9 +420,14 @@ def build_fused_graph(
     h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
         p = f"layers.{i}"
-        caches = (local_rotary if layer.sliding_window is not None else rotary) if layer.rotary else None
-        attention = g.attention(h, p, layer, d, (io.past(i), io.present(i)), lengths, caches)
-        out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+        if layer.conv is not None:
+            out = g.short_conv(h, p, layer.conv, d, io.past_conv % i, io.present_conv % i)
+        elif layer.delta_net is not None:
+            out = g.delta_net(h, p, layer.delta_net, d, io, i)
+        else:
+            caches = (local_rotary if layer.sliding_window is not None else rotary) if layer.rotary else None
+            attention = g.attention(h, p, layer, d, (io.past(i), io.present(i)), lengths, caches)
+            out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
         if layer.attention_post_norm is not None:
             out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
         out = _scaled(g, out, d.residual_scale, f"{p}/attention_scaled")
@@ -477,7 +572,21 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
     outputs = [
         helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, ["batch_size", "logits_length", d.vocab_size])
     ]
-    for i in range(d.n_layer):
+    for i, layer in enumerate(d.layers):
+        if layer.conv is not None:  # a convolution layer's state, (B, n_embd, kernel - 1)
+            state = ["batch_size", d.n_embd, layer.conv.kernel - 1]
+            inputs.append(helper.make_tensor_value_info(io.past_conv % i, TensorProto.FLOAT, state))
+            outputs.append(helper.make_tensor_value_info(io.present_conv % i, TensorProto.FLOAT, state))
+            continue
+        if layer.delta_net is not None:  # (B, channels, kernel - 1) and (B, v_heads, v_dim, k_dim)
+            n = layer.delta_net
+            for kind, state in (("conv", ["batch_size", n.channels, n.kernel - 1]),
+                                ("recurrent", ["batch_size", n.v_heads, n.v_dim, n.k_dim])):  # fmt: skip
+                inputs.append(helper.make_tensor_value_info(getattr(io, f"past_{kind}") % i, TensorProto.FLOAT, state))
+                outputs.append(
+                    helper.make_tensor_value_info(getattr(io, f"present_{kind}") % i, TensorProto.FLOAT, state)
+                )
+            continue
         for past_name, present_name in zip(io.past(i), io.present(i), strict=True):
             inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, present_shape))

@@ -53,7 +53,7 @@ from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, pla
 from .parity import check_parity, check_parity_shared
 from .source import Source, open_source
 from .tokenizer_config import tokenizer_config
-from .traced import trace_graph
+from .traced import state_layout, trace_graph
 
 Progress = Callable[[str], None]
 
@@ -88,7 +88,7 @@ def gguf_types(quant_types: dict[str, str]) -> dict[str, dict[str, int]]:
 
 def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tuple[str, dict]:
     """(precision, recipe) of a package whose linears keep the GGUF file's own blocks where they can."""
-    linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.attention_out, layer.up, layer.down)]
+    linears = [linear for layer in decoder.layers for linear in layer.linears]
     kept = [linear.nbits for linear in linears if linear.nbits is not None]
     head = decoder.head_nbits
     types: dict[str, int] = {}
@@ -145,6 +145,7 @@ def build_manifest(
         head_dim=config.head_dim,
         details=source.family.details(source.model),
         genai_type=source.family.genai_type,
+        **state_layout(source.model),
     )
     tokens = Tokens(
         file=TOKENIZER_FILE if TOKENIZER_FILE in {*source.files, *source.texts} else None,

@@ -13,7 +13,6 @@ from typing import NoReturn
 import numpy as np
 
 from edgelm import __version__
-from edgelm.onnxfile import PROTOBUF_LIMIT
 
 from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime import PackageError, load
@@ -22,8 +21,9 @@ from ..runtime.files import read_text
 from ..runtime.onnx_external import external_data_locations
 from ..runtime.package import read_package
 from .calibration import DecoderCalibrationReader
-from .evaluate import evaluate_package
+from .evaluate import evaluate_package, text_chunks
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options
+from .weights import SourceModel
 
 MODES = tuple(RECIPES)
 MIN_CALIBRATION_TOKENS = 256
@@ -55,28 +55,24 @@ def _finite_logits(model) -> bool:
 
 def _check_weights(model_path: Path) -> None:
     """Refuse NaN or inf in a float weight of the source, naming it: the package cannot generate, and ONNX
-    Runtime's quantizers stop on it with an assertion. Reads the weights file through a memory map."""
+    Runtime's quantizers stop on it with an assertion. Reads the weights file a slab at a time."""
     import onnx
-    from onnx import numpy_helper
 
-    for tensor in onnx.load(str(model_path), load_external_data=False).graph.initializer:
+    source = SourceModel(model_path)
+    for name, tensor in source.initializers.items():
         if tensor.data_type != onnx.TensorProto.FLOAT:
             continue
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # the location was checked by read_package
-            info = {entry.key: entry.value for entry in tensor.external_data}
-            count = int(np.prod(tensor.dims, dtype=np.int64))
-            path, offset = model_path.parent / info["location"], int(info.get("offset", 0))
-            values = np.memmap(path, dtype=np.float32, mode="r", offset=offset, shape=(count,)) if count else []
-        else:
-            values = numpy_helper.to_array(tensor)
-        # the sum is non-finite where a value is (and where it overflows: the mask confirms), at a tenth of its cost
-        with np.errstate(over="ignore"):
-            finite = np.isfinite(np.sum(values)) or np.isfinite(values).all()
-        if not finite:
-            raise PackageError(
-                f"weight {tensor.name!r} of {model_path.parent.name} holds NaN or inf values: the package cannot "
-                "generate; re-export it from a checkpoint without them"
-            )
+        for start, stop in source.slabs(name):
+            values = source.rows(name, start, stop)
+            # the sum is non-finite where a value is (and where it overflows: the mask confirms), at a tenth of
+            # its cost
+            with np.errstate(over="ignore"):
+                finite = np.isfinite(np.sum(values)) or np.isfinite(values).all()
+            if not finite:
+                raise PackageError(
+                    f"weight {name!r} of {model_path.parent.name} holds NaN or inf values: the package cannot "
+                    "generate; re-export it from a checkpoint without them"
+                )
 
 
 def _non_finite(report: dict) -> list[str]:
@@ -86,6 +82,7 @@ def _non_finite(report: dict) -> list[str]:
 
 def _refuse(package: Path, source, figures: list[str]) -> NoReturn:
     """Quantize never leaves a package whose logits are not finite; a source that already gives them is named."""
+    source = source if source is not None else load(package, provider="cpu")
     if any(figure.startswith("reference_") for figure in figures) or not _finite_logits(source):
         raise PackageError(f"{package} gives logits that are not finite (NaN or inf): it cannot generate; re-export it")
     raise RuntimeError(
@@ -106,8 +103,6 @@ def _read_source(package: Path):
     if spec.precision != "fp32":
         raise PackageError(f"{package} is already quantized ({spec.precision}); quantize the fp32 package instead")
     weights = sorted(set(external_data_locations(spec.model_path)))  # model.onnx.data; none in older packages
-    if sum((spec.model_path.parent / n).stat().st_size for n in [spec.model_path.name, *weights]) > PROTOBUF_LIMIT:
-        raise PackageError("quantizing models over 2 GB is not supported yet (the quantizers serialize whole models)")
     _check_weights(spec.model_path)
     return spec, weights
 
@@ -189,7 +184,9 @@ def quantize_package(
     package, out_dir = Path(package), Path(out_dir)
     staged = StagedOutput(out_dir, inputs=[package, calibration_text, eval_text], overwrite=overwrite)
     spec, weights = _read_source(package)
-    source = load(package, provider="cpu")
+    evaluated = evaluate and eval_text is not None and recipe.evaluated
+    # the fp32 package runs only to calibrate or to be compared with: loading it costs its size in memory
+    source = load(package, provider="cpu") if recipe.calibrated or evaluated else None
     options = Options(
         per_channel=True if per_channel is None else per_channel,
         block_size=block_size,
@@ -197,9 +194,9 @@ def quantize_package(
         calibration_method=calibration_method,
         calibration=_calibration(recipe, source, calibration_text, samples=calibration_samples),
     )
-    evaluated = evaluate and eval_text is not None and recipe.evaluated
     if evaluated:
-        read_text(eval_text, "eval text")  # a file that is not UTF-8 text fails now, not after the work
+        for _ in text_chunks(eval_text, what="eval text"):  # text that is not UTF-8 fails now, not after the work
+            pass
 
     progress(f"quantizing {package} -> {out_dir} ({mode})")
     with staged as staging:

@@ -19,7 +19,6 @@ mode the same way). Why each recipe is as it is, with the measurements: docs/res
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,11 +27,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper
 
 from edgelm.nbits_gather import gather_from_nbits
-from edgelm.onnxfile import save_model
 
+from .calibration import calibrated_ranges
 from .tied_embedding import drop_unused_initializers, share_int8_embedding, tied_gathers
+from .weights import Deferred, Outputs, SourceModel, add_initializer, reading_from, write
 
 # onnxruntime.quantization logs every node at INFO and advises pre-processing on the root logger
 logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
@@ -57,30 +58,6 @@ class _QuietRootLogger:
         logging.getLogger().setLevel(self.level)
 
 
-class _FlatHistograms:
-    """onnxruntime's histogram calibrators (entropy, percentile) stack each tensor's values from all
-    calibration runs into one array, which fails when runs differ in shape, as a prompt pass and a
-    decode step do. A histogram only needs the values: flatten each run's array first."""
-
-    def __enter__(self):
-        from onnxruntime.quantization import calibrate
-
-        self.collector = calibrate.HistogramCollector
-        self.original = original = self.collector.collect
-
-        def collect(collector, name_to_arr):
-            flat = {
-                name: np.concatenate([np.ravel(a) for a in arrays]) if isinstance(arrays, list) else arrays
-                for name, arrays in name_to_arr.items()
-            }
-            return original(collector, flat)
-
-        self.collector.collect = collect
-
-    def __exit__(self, *exc):
-        self.collector.collect = self.original
-
-
 def _linear_matmuls(model: onnx.ModelProto) -> list[str]:
     """Names of MatMul nodes whose weight (input B) is an initializer: the model's linear layers. A weight that
     is also a graph input (a LoRA slot's A or B, runtime/lora_contract.py) is a run's to bind: it stays fp32."""
@@ -94,30 +71,86 @@ def _overridable_matmuls(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inputs]
 
 
-def _dynamic_int8(model: onnx.ModelProto | Path, dst: Path, *, nodes: list[str], per_channel: bool) -> None:
-    """int8 weights, activations quantized at run time, for the named MatMuls (the dynamic recipe;
-    static int8 uses it for the LM head)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def _with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with ONNX's inferred types and shapes (value_info, which onnxruntime's quantizers read), as
+    their own loaders would add them. Inference runs on a skeleton whose initializers carry type and dims only
+    (marked external): a model holding new weights in memory may be past protobuf's 2 GB limit."""
+    from onnxruntime.quantization.quant_utils import add_infer_metadata
 
-    quantize_dynamic(
-        model if isinstance(model, onnx.ModelProto) else str(model),
-        str(dst),
-        per_channel=per_channel,
-        reduce_range=True,  # 7-bit weights: see the module docstring
-        weight_type=QuantType.QInt8,
-        op_types_to_quantize=["MatMul"],
-        nodes_to_quantize=nodes,
-        # ONNX's shape inference cannot type contrib ops' outputs (Llama's SimplifiedLayerNormalization)
-        extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
+    graph = model.graph
+    skeleton = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    skeleton.graph.CopyFrom(
+        onnx.GraphProto(
+            name=graph.name, node=graph.node, input=graph.input, output=graph.output, value_info=graph.value_info
+        )
     )
+    for tensor in graph.initializer:
+        stub = skeleton.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        stub.data_location = onnx.TensorProto.EXTERNAL
+        stub.external_data.add(key="location", value="stub")
+    inferred = onnx.shape_inference.infer_shapes(skeleton)
+    del graph.value_info[:]
+    graph.value_info.extend(inferred.graph.value_info)
+    add_infer_metadata(model)
+    return model
+
+
+@contextlib.contextmanager
+def _on_the_graph(source: SourceModel):
+    """onnxruntime's quantizers working on the graph alone: weights read from the source one at a time
+    (weights.reading_from), and their shape inference (which would save the model and load it back, weights
+    and all) run in memory on the skeleton (_with_shapes)."""
+    from unittest import mock
+
+    from onnxruntime.quantization import base_quantizer, onnx_quantizer
+
+    with (
+        _QuietRootLogger(),
+        reading_from(source),
+        mock.patch.object(onnx_quantizer, "save_and_reload_model_with_shape_infer", _with_shapes),
+        mock.patch.object(base_quantizer, "save_and_reload_model_with_shape_infer", _with_shapes),
+    ):
+        yield
+
+
+def _dynamic_int8(
+    model: onnx.ModelProto, source: SourceModel, *, nodes: list[str], per_channel: bool
+) -> onnx.ModelProto:
+    """int8 weights, activations quantized at run time, for the named MatMuls (the dynamic recipe; static int8
+    uses it for the LM head): onnxruntime's quantize_dynamic, run on the graph with the weights read from the
+    source one at a time (weights.reading_from). Returns the quantized model, new weights in memory."""
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
+    from onnxruntime.quantization.quant_utils import QuantizationMode, update_opset_version
+
+    with _on_the_graph(source):
+        model = update_opset_version(_with_shapes(model), QuantType.QInt8)
+        quantizer = ONNXQuantizer(
+            model,
+            per_channel,
+            True,  # reduce_range, 7-bit weights: see the module docstring
+            QuantizationMode.IntegerOps,
+            False,  # static
+            QuantType.QInt8,
+            QuantType.QUInt8,  # activations, quantized at run time
+            None,
+            nodes,
+            [],
+            ["MatMul"],
+            # ONNX's shape inference cannot type contrib ops' outputs (Llama's SimplifiedLayerNormalization)
+            {"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
+        quantizer.quantize_model()
+    quantizer.model.topological_sort()  # as its save_model_to_file does
+    return quantizer.model.model
 
 
 def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> dict:
-    model = onnx.load(str(src))
-    tied = {g.input[0] for g in tied_gathers(model)}
-    with _QuietRootLogger():
-        _dynamic_int8(model, dst, nodes=_linear_matmuls(model), per_channel=per_channel)
-    _share_tied_int8(dst, tied)
+    source = SourceModel(src)
+    tied = {g.input[0] for g in tied_gathers(source.model)}
+    quantized = _dynamic_int8(source.model, source, nodes=_linear_matmuls(source.model), per_channel=per_channel)
+    _share_tied_int8(quantized, tied)
+    write(quantized, source, dst, {})
     return {
         "mode": "dynamic",
         "weights": "int8 symmetric, 7-bit range (reduce_range)",
@@ -133,11 +166,9 @@ def _lm_head(model: onnx.ModelProto) -> str | None:
     return next((n.name for n in model.graph.node if n.op_type == "MatMul" and n.output[0] in outputs), None)
 
 
-def _share_tied_int8(dst: Path, tied: set[str]) -> None:
-    """Point the tied embedding's Gather at the LM head's int8 weights in dst, dropping its fp32 copy."""
-    quantized = onnx.load(str(dst))
+def _share_tied_int8(quantized: onnx.ModelProto, tied: set[str]) -> None:
+    """Point the tied embedding's Gather at the LM head's int8 weights, dropping its fp32 copy."""
     share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
-    save_model(quantized, dst)
 
 
 _STATIC_OPTIONS = {
@@ -145,55 +176,55 @@ _STATIC_OPTIONS = {
     "DefaultTensorType": onnx.TensorProto.FLOAT,  # as in _dynamic_int8
     "WeightSymmetric": True,
     "ActivationSymmetric": False,
-    "CalibTensorRangeSymmetric": False,
-    "CalibPercentile": 99.999,
-    "CalibStridedMinMax": None,
     # a linear layer's output goes on in float (bias, GELU, attention, residual): quantizing
     # it would only add a Q/DQ round trip, costing accuracy and a requantizing kernel
     "OpTypesToExcludeOutputQuantization": ["MatMul"],
 }
 
 
-def _static_qdq(src: Path, dst: Path, *, reader, nodes: list[str], method: str, per_channel: bool) -> None:
-    """Static QDQ for the named MatMuls: int8 weights, uint8 activations with calibrated ranges."""
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+def _static_qdq(
+    model: onnx.ModelProto, source: SourceModel, *, ranges, nodes: list[str], per_channel: bool
+) -> onnx.ModelProto:
+    """Static QDQ for the named MatMuls: int8 weights, uint8 activations with the calibrated ranges
+    (quantize/calibration.py): onnxruntime's quantize_static after its calibration step, run on the graph
+    with the weights read from the source one at a time. Returns the quantized model, new weights in memory."""
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
+    from onnxruntime.quantization.quant_utils import update_opset_version
 
-    methods = {
-        "minmax": CalibrationMethod.MinMax,
-        "entropy": CalibrationMethod.Entropy,
-        "percentile": CalibrationMethod.Percentile,
-    }
-    # the histogram calibrators print their progress to stdout; our progress bar already says it
-    with _QuietRootLogger(), _FlatHistograms(), contextlib.redirect_stdout(io.StringIO()):
-        quantize_static(
-            str(src),
-            str(dst),
-            reader,
-            quant_format=QuantFormat.QDQ,
-            op_types_to_quantize=["MatMul"],
-            nodes_to_quantize=nodes,
-            per_channel=per_channel,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            calibrate_method=methods[method],
-            calibration_providers=["CPUExecutionProvider"],
-            extra_options=_STATIC_OPTIONS,
+    with _on_the_graph(source):
+        model = update_opset_version(_with_shapes(model), QuantType.QInt8, QuantType.QUInt8)
+        quantizer = QDQQuantizer(
+            model,
+            per_channel,
+            False,  # reduce_range
+            QuantType.QInt8,
+            QuantType.QUInt8,
+            ranges,
+            nodes,
+            [],
+            ["MatMul"],
+            _STATIC_OPTIONS,
         )
+        quantizer.quantize_model()
+    quantizer.model.topological_sort()  # as its save_model_to_file does
+    return quantizer.model.model
 
 
 def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percentile", per_channel: bool = True) -> dict:
-    model = onnx.load(str(src))
-    tied = {g.input[0] for g in tied_gathers(model)}
+    source = SourceModel(src)
+    tied = {g.input[0] for g in tied_gathers(source.model)}
     # The LM head's input is where one 8-bit range for all tokens costs most (docs/results.md,
     # "Quantization accuracy"), so the head gets int8 weights with its activations quantized at run
     # time, per call (the dynamic recipe), and the blocks' linear layers are static QDQ.
-    head = _lm_head(model)
-    blocks = [n for n in _linear_matmuls(model) if n != head]
-    _static_qdq(src, dst, reader=reader, nodes=blocks, method=method, per_channel=per_channel)
+    head = _lm_head(source.model)
+    blocks = [n for n in _linear_matmuls(source.model) if n != head]
+    ranges = calibrated_ranges(source, reader, nodes=blocks, method=method)
+    quantized = _static_qdq(source.model, source, ranges=ranges, nodes=blocks, per_channel=per_channel)
     if head is not None:
-        with _QuietRootLogger():
-            _dynamic_int8(dst, dst, nodes=[head], per_channel=per_channel)
-    _share_tied_int8(dst, tied)
+        quantized = _dynamic_int8(quantized, source, nodes=[head], per_channel=per_channel)
+    _share_tied_int8(quantized, tied)
+    write(quantized, source, dst, {})
     return {
         "mode": "static",
         "format": "QDQ",
@@ -218,23 +249,57 @@ def _check_block_size(model: onnx.ModelProto, block_size: int) -> None:
             raise ValueError(f"block size {block_size} does not divide the embedding width {n_embd}; use a smaller one")
 
 
-def _nbits_blocks(model: onnx.ModelProto, *, bits: int, block_size: int, head: str | None, head_bits: int):
-    """Every MatMul with a constant weight as MatMulNBits with `bits`-bit blocks, the head with head_bits.
-    MatMuls without a constant weight (attention products of the standard graph) are left as they are."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+def _blocks(source: SourceModel, name: str, *, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A (K, N) weight as MatMulNBits' symmetric blocks: packed values (N, blocks, blob) and scales (N, blocks),
+    from onnxruntime's own kernels (what its MatMulNBitsQuantizer calls, DefaultWeightOnlyQuantizer). Blocks
+    run along K and are quantized each on its own, so the weight is read a slab of rows at a time."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-    # accuracy_level 4: the kernel quantizes activations to int8 per block and runs integer dot products
-    # (the other levels, compared in docs/results.md, were no more accurate and slower)
-    nbits = dict(block_size=block_size, is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
-    slots = _overridable_matmuls(model)
-    excluded = [head] if head is not None and head_bits != bits else []
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, nodes_to_exclude=excluded + slots, **nbits)
-    quantizer.process()
-    if not excluded:
-        return quantizer.model.model
-    quantizer = MatMulNBitsQuantizer(quantizer.model.model, bits=head_bits, nodes_to_exclude=slots, **nbits)
-    quantizer.process()  # the head is the one MatMul left with a constant weight
-    return quantizer.model.model
+    quantize = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    rows, cols = source.dims(name)
+    blob = block_size * bits // 8
+    packed = np.zeros((cols, -(-rows // block_size), blob), dtype=np.uint8)
+    scales = np.zeros((cols, -(-rows // block_size)), dtype=np.float32)
+    for start, stop in source.slabs(name, multiple=block_size):
+        weight = np.ascontiguousarray(source.rows(name, start, stop), dtype=np.float32)
+        k_blocks = -(-(stop - start) // block_size)
+        if k_blocks * block_size != stop - start:  # the last block of K, padded with zeros
+            weight = np.pad(weight, ((0, k_blocks * block_size - (stop - start)), (0, 0)))
+        slab_packed = np.zeros((cols, k_blocks, blob), dtype=np.uint8)
+        slab_scales = np.zeros((cols, k_blocks), dtype=np.float32)
+        zero_points = np.zeros((cols, -(-k_blocks * bits // 8)), dtype=np.uint8)  # unused: symmetric
+        quantize(slab_packed, weight, slab_scales, zero_points, block_size, cols, stop - start, True)
+        first = start // block_size
+        packed[:, first : first + k_blocks] = slab_packed
+        scales[:, first : first + k_blocks] = slab_scales
+    return packed, scales
+
+
+def _nbits_node(node, source: SourceModel, model: onnx.ModelProto, weights: dict, *, bits: int, block_size: int):
+    """The MatMulNBits node (names as onnxruntime's MatMulNBitsQuantizer gives them) replacing a MatMul,
+    its packed weights and scales added to the model as placeholders computed when written."""
+    name = node.input[1]
+    rows, cols = source.dims(name)
+    k_blocks = -(-rows // block_size)
+    outputs = Outputs(lambda: _blocks(source, name, bits=bits, block_size=block_size))
+    add_initializer(
+        model, weights, f"{name}_Q{bits}", outputs.part(0, (cols, k_blocks, block_size * bits // 8), np.uint8)
+    )
+    add_initializer(model, weights, f"{name}_scales", outputs.part(1, (cols, k_blocks), np.float32))
+    return helper.make_node(
+        "MatMulNBits",
+        [node.input[0], f"{name}_Q{bits}", f"{name}_scales"],
+        list(node.output),
+        name=f"{node.name}_Q{bits}" if node.name else "",
+        domain="com.microsoft",
+        K=rows,
+        N=cols,
+        bits=bits,
+        block_size=block_size,
+        # the kernel quantizes activations to int8 per block and runs integer dot products (the other
+        # levels, compared in docs/results.md, were no more accurate and slower)
+        accuracy_level=4,
+    )
 
 
 def _gather_tied_from_nbits(quantized: onnx.ModelProto, block_size: int) -> None:
@@ -254,17 +319,28 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
     the kernel, so a row's result does not depend on the other rows of a batch. bits=4 is the int4
     recipe: lm_head="int8" keeps the LM head (and the tied embedding that reads it) at 8 bits, since its
     rounding errors are the ones that change the most likely token. bits=8 is int8-weight-only: every
-    linear layer in 8-bit blocks."""
+    linear layer in 8-bit blocks. Each weight is quantized as it is written (quantize/weights.py)."""
     if lm_head not in INT4_LM_HEADS:
         raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(INT4_LM_HEADS)}")
-    model = onnx.load(str(src))
+    source = SourceModel(src)
+    model = source.model
     _check_block_size(model, block_size)
     head = _lm_head(model)
     assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
     head_bits = 8 if lm_head == "int8" else bits
-    quantized = _nbits_blocks(model, bits=bits, block_size=block_size, head=head, head_bits=head_bits)
-    _gather_tied_from_nbits(quantized, block_size)
-    save_model(quantized, dst)
+    linear, weights = set(_linear_matmuls(model)), {}
+    nodes = [
+        _nbits_node(n, source, model, weights, bits=head_bits if n.name == head else bits, block_size=block_size)
+        if n.name in linear and len(source.dims(n.input[1])) == 2
+        else n
+        for n in model.graph.node
+    ]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.add(domain="com.microsoft", version=1)
+    _gather_tied_from_nbits(model, block_size)
+    write(model, source, dst, weights)
     return {
         "mode": "int4" if bits == 4 else "int8-weight-only",
         "bits": bits,
@@ -278,12 +354,39 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
     }
 
 
-def convert_fp16(src: Path, dst: Path) -> dict:
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+def _to_fp16(source: SourceModel, name: str) -> np.ndarray:
+    """onnxruntime's float32 -> float16 conversion of one weight (it clamps to float16's finite range and keeps
+    tiny values from becoming 0), a slab at a time: the conversion is per value."""
+    from onnxruntime.transformers.float16 import convert_np_to_float16
 
-    model = onnx.load(str(src))
-    converted = convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
-    save_model(converted, dst)
+    out = np.empty(source.dims(name), dtype=np.float16)
+    for start, stop in source.slabs(name):
+        out[start:stop] = convert_np_to_float16(np.asarray(source.rows(name, start, stop)))
+    return out
+
+
+def convert_fp16(src: Path, dst: Path) -> dict:
+    """onnxruntime's convert_float_to_float16 on the graph; the float weights it converts (in its graph, a
+    type change) are converted as they are written."""
+    from unittest import mock
+
+    from onnxruntime.transformers import float16
+
+    source = SourceModel(src)
+    # the converter reads a converted weight's values only for its shape (make_value_info_from_tensor): the dims
+    # say it without reading the weight
+    value_info = lambda tensor: helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)  # noqa: E731
+    with mock.patch.object(float16, "make_value_info_from_tensor", value_info):
+        converted = float16.convert_float_to_float16(source.model, keep_io_types=False, disable_shape_infer=True)
+    weights = {}
+    for tensor in converted.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type == onnx.TensorProto.FLOAT16:
+            assert source.initializers[tensor.name].data_type == onnx.TensorProto.FLOAT, tensor.name
+            shape = source.dims(tensor.name)
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+            weights[tensor.name] = Deferred(shape, np.float16, lambda name=tensor.name: _to_fp16(source, name))
+    write(converted, source, dst, weights)
     return {"mode": "fp16", "note": "for GPU execution providers; KV cache and logits in float16"}
 
 

@@ -30,6 +30,19 @@ SMALL = dict(
 )  # fmt: skip
 GPT2 = dict(vocab_size=2048, n_embd=96, n_head=6, n_layer=2, n_positions=128, bos_token_id=EOS, eos_token_id=EOS,
             pad_token_id=EOS, initializer_range=0.15)  # fmt: skip
+LFM2 = dict(
+    vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+    intermediate_size=128, max_position_embeddings=128, layer_types=["conv", "full_attention"] * 2,
+    bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
+)  # fmt: skip
+# 2 key heads shared by 4 value heads, key and value head sizes apart (a swapped axis shows); attention heads of 64,
+# a quarter rotated: 16, the least GroupQueryAttention's partial rotary takes
+QWEN35 = dict(
+    vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
+    intermediate_size=128, max_position_embeddings=128, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2,
+    bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
+)  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}  # fmt: skip
 PHI3 = SMALL | dict(
@@ -53,6 +66,7 @@ class Case:
     config: dict
     gguf: bool = False  # also exported from a GGUF file of the same weights
     image_text_of: str | None = None  # Gemma 3's image-and-text folder holding this case's text model
+    graphs: tuple[str, ...] = ("fused", "standard")  # the graphs its row builds
 
 
 CASES = {
@@ -110,6 +124,10 @@ CASES = {
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
     # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
+    # short convolutions (kernel 3: a state of 2 columns) and attention layers
+    "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True),
+    # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
+    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35),
 }  # fmt: skip
 
 
@@ -208,11 +226,20 @@ GPT2_NAMES = {
     "mlp.c_fc.weight": "ffn_up.weight", "mlp.c_fc.bias": "ffn_up.bias", "mlp.c_proj.weight": "ffn_down.weight",
     "mlp.c_proj.bias": "ffn_down.bias",
 }  # fmt: skip
+LFM2_NAMES = {  # llama.cpp's LFM2 names (gguf-py's tensor map)
+    "operator_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight", "conv.conv.weight": "shortconv.conv.weight",
+    "conv.in_proj.weight": "shortconv.in_proj.weight", "conv.out_proj.weight": "shortconv.out_proj.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.out_proj.weight": "attn_output.weight",
+    "self_attn.q_layernorm.weight": "attn_q_norm.weight", "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+}  # fmt: skip
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
     "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
-    "lm_head.weight": "output.weight",
+    "lm_head.weight": "output.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
 }  # fmt: skip
 
 
@@ -304,6 +331,25 @@ def _write_gpt2_metadata(writer, c) -> None:
     writer.add_float32("gpt2.attention.layer_norm_epsilon", c.layer_norm_epsilon)
 
 
+def _write_lfm2_metadata(writer, c) -> None:
+    """What conversion/lfm2.py writes: head_count_kv per layer (0 for a convolution layer), the MLP width after
+    block_auto_adjust_ff_dim, shortconv.l_cache."""
+    from edgelm.export.families.lfm2 import intermediate_size
+
+    writer.add_uint32("lfm2.context_length", c.max_position_embeddings)
+    writer.add_uint32("lfm2.embedding_length", c.hidden_size)
+    writer.add_uint32("lfm2.feed_forward_length", intermediate_size(c.to_dict()))
+    writer.add_uint32("lfm2.block_count", c.num_hidden_layers)
+    writer.add_uint32("lfm2.attention.head_count", c.num_attention_heads)
+    writer.add_array(
+        "lfm2.attention.head_count_kv", [c.num_key_value_heads if t != "conv" else 0 for t in c.layer_types]
+    )
+    writer.add_float32("lfm2.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_uint32("lfm2.vocab_size", c.vocab_size)
+    writer.add_uint32("lfm2.shortconv.l_cache", c.conv_L_cache)
+    writer.add_float32("lfm2.attention.layer_norm_rms_epsilon", c.norm_eps)
+
+
 def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
     """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys)."""
     import gguf
@@ -311,9 +357,10 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
 
     c = hf.config
     arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
-    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES, "phi3": PHI3_NAMES}.get(arch, LLAMA_NAMES)
+    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES, "phi3": PHI3_NAMES, "lfm2": LFM2_NAMES}.get(arch, LLAMA_NAMES)
     writer = gguf.GGUFWriter(path, arch)
-    _write_gpt2_metadata(writer, c) if arch == "gpt2" else _write_metadata(writer, c, arch)
+    metadata = {"gpt2": _write_gpt2_metadata, "lfm2": _write_lfm2_metadata}
+    metadata[arch](writer, c) if arch in metadata else _write_metadata(writer, c, arch)
     if arch == "phi3":
         _write_phi3_extras(writer, c)
     for name, tensor in hf.state_dict().items():
@@ -324,6 +371,8 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
         weight = tensor.float().numpy()
         if arch == "gpt2" and weight.ndim == 2 and ".h." in name:
             weight = weight.T  # Conv1D (in, out), stored (out, in)
+        if arch == "lfm2" and name.endswith("conv.conv.weight"):
+            weight = weight.squeeze(1)  # "conv op requires 2d tensor"
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = _permute(weight, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0

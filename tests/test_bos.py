@@ -112,3 +112,20 @@ def test_switch_and_cli(packages):
         assert done.returncode == 0, done.stderr
         counts.append(json.loads(done.stdout)["prompt_tokens"])
     assert counts[0] == counts[1] + 1
+
+
+@pytest.mark.parametrize("name", ["folder-bos", "folder-plain"])
+def test_eval_scores_the_text_after_the_tokenizers_bos(packages, name, tmp_path):
+    """eval streams its text, and the ids it scores start with what transformers' tokenizer.encode(text) puts
+    first: BOS where the post-processor adds it (the first scored token is the text's first), none otherwise."""
+    from transformers import AutoTokenizer
+
+    from edgelm.quantize.evaluate import evaluate_package
+
+    source, package, bos = packages[name]
+    text = tmp_path / "text.txt"
+    text.write_text("hello world a b c hello world x")
+    expected = AutoTokenizer.from_pretrained(source).encode(text.read_text())
+    assert (expected[0] == BOS) is bos
+    report = evaluate_package(package, text)
+    assert report["tokens"] == len(expected) - 1  # every id after the first is scored

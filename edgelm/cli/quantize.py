@@ -128,6 +128,13 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--text", required=True, type=text_file, help="UTF-8 text file to evaluate on")
     p.add_argument("--reference", default=None, help="reference package (e.g. the fp32 export)")
     p.add_argument("--max-tokens", type=int_in(2), default=None, help="evaluate on the first N tokens only (N >= 2)")
+    p.add_argument(
+        "--window",
+        type=int_in(2),
+        default=None,
+        help="tokens each sliding window scores with (default: the context length, at most 2048); memory and time "
+        "grow with it",
+    )
     add_json(p)
     add_runtime(p)
     p.set_defaults(run=run_eval)
@@ -141,6 +148,7 @@ def run_eval(args: argparse.Namespace) -> int:
         args.text,
         reference=args.reference,
         max_tokens=args.max_tokens,
+        window=args.window,
         provider=args.provider,
         threads=args.threads,
         verify=not args.no_verify,
