@@ -19,6 +19,11 @@ complete, and removes the hidden folder. Only kill -9 (or a power cut) can leave
 is STAGING_PREFIX plus 8 random characters (so it fits wherever the output's name fits), and it holds
 OWNER_FILE naming the writer's pid, host and start time; the next run that writes into the same parent
 folder removes the ones whose writer is gone, and never one of a live writer or of another host.
+
+Single files (an adapter and its record) go the same way through StagedFiles: each path is refused when it
+is a symlink (dangling or not), not a regular file, an input (by identity: a hard link too) or inside one,
+and an existing file is replaced only with overwrite; the files are written in a staging folder beside
+them and renamed into place at the end, a new one without replacing anything that appeared meanwhile.
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ def _check_apart(out: Path, given: str | Path) -> None:
         raise ValueError(f"the output {out} contains the input {given}{another}; give a folder outside it")
     if source in target.parents or (source_identity is not None and source_identity in out_lineage):
         raise ValueError(f"the output {out} lies inside the input {given}{another}; give a folder outside it")
-    if out_identity is not None and source.is_file():  # a hard link to the input inside the old package
+    if out_identity is not None and out.is_dir() and source.is_file():  # a hard link to the input in the package
         for entry in os.scandir(out):
             if _identity(Path(entry.path)) == source_identity:
                 raise ValueError(
@@ -157,19 +162,42 @@ def _check_replaceable(out: Path) -> None:
         )
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the OS cannot."""
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # renameat2's flags (linux/fs.h)
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2(a, b, flags); False where the OS or the file system cannot, OSError if it failed."""
     name = ctypes.util.find_library("c")
     renameat2 = getattr(ctypes.CDLL(name, use_errno=True), "renameat2", None) if name else None
     if renameat2 is None:
         return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
         return True
     error = ctypes.get_errno()
     if error in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the file system cannot; fall back
         return False
     raise OSError(error, os.strerror(error), str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (RENAME_EXCHANGE); False where the OS cannot."""
+    return _renameat2(a, b, RENAME_EXCHANGE)
+
+
+def _place_new(staged: Path, out: Path) -> None:
+    """Rename staged to out, never replacing what appeared at out meanwhile (RENAME_NOREPLACE, else a
+    hard link, which fails on an existing name too)."""
+    try:
+        if _renameat2(staged, out, RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        raise FileExistsError(f"{out} appeared while it was written; nothing was replaced") from None
+    try:
+        os.link(staged, out)
+    except FileExistsError:
+        raise FileExistsError(f"{out} appeared while it was written; nothing was replaced") from None
+    os.unlink(staged)
 
 
 def _start_time(pid: int) -> int | None:
@@ -320,6 +348,64 @@ class StagedOutput:
                 old.rename(self.out_dir)
                 raise
         # the staging folder now holds the old package; __exit__ removes it
+
+
+def check_file_output(path: str | Path, *, inputs: Iterable[str | Path | None] = (), overwrite: bool = False) -> Path:
+    """Raise (ValueError, FileExistsError) if writing the file `path` could lose anything (module docstring)."""
+    out = Path(path)
+    if not str(path) or "\x00" in str(path):
+        raise ValueError(f"the output file must be a path, got {str(path)!r}")
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # a name too long, a parent that is a file
+        raise ValueError(f"the output {str(out)[:300]} cannot be used: {e.strerror or e}") from None
+    if mode is not None and stat.S_ISLNK(mode):
+        raise ValueError(f"the output {out} is a symlink; give the real file's path (never written through)")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ValueError(f"the output {out} exists and is not a regular file; give a file's path")
+    for given in inputs:
+        if given is not None:
+            _check_apart(out, given)
+    if mode is not None and not overwrite:
+        raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
+    return out
+
+
+class StagedFiles(StagedOutput):
+    """StagedOutput for single files in one folder (an adapter and its record): checks every path when made,
+    and the block writes each file under its own name into the folder it is given; they are moved into
+    place, in the order given, when it succeeds."""
+
+    def __init__(self, paths: list[str | Path], *, inputs: Iterable[str | Path | None] = (), overwrite: bool = False):
+        self.inputs = [i for i in inputs if i is not None]
+        self.overwrite = overwrite
+        self.paths = [check_file_output(p, inputs=self.inputs, overwrite=overwrite) for p in paths]
+        parents = {p.absolute().parent for p in self.paths}
+        assert len(parents) == 1 and len({p.name for p in self.paths}) == len(self.paths), "one folder, distinct names"
+        self.out_dir = self.paths[0]  # StagedOutput stages beside it
+        self.path = None
+        self._handlers = {}
+        self._made = []
+
+    def _commit(self) -> None:
+        assert self.path is not None
+        placed: list[Path] = []
+        try:
+            for out in self.paths:
+                staged = self.path / STAGED_PACKAGE / out.name
+                assert staged.is_file() and not staged.is_symlink(), f"{out.name} was not written"
+                check_file_output(out, inputs=self.inputs, overwrite=self.overwrite)  # again: it may have changed
+                if self.overwrite and os.path.lexists(out):
+                    os.replace(staged, out)
+                else:
+                    _place_new(staged, out)
+                    placed.append(out)
+        except BaseException:
+            for out in placed:  # new files this run made: without the rest they are no use
+                out.unlink(missing_ok=True)
+            raise
 
 
 def write_json(path: str | Path, data: dict) -> None:

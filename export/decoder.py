@@ -13,6 +13,8 @@ stated as data (fields named after what they do), and the weights in MatMul layo
     Gemma 3 also      -                                an embedding scale, norms after attention and the MLP,
                                                        its attention scale, sliding-window layers with their
                                                        own rotary caches
+    others also       -                                layers without rotary (SmolLM3), Granite's multipliers,
+                                                       partial rotary and LongRoPE's long tables (Phi-3)
 
 Each family module (export/families/) turns its reference model into a Decoder; export/graph.py builds the
 graph from a Decoder alone and never asks which family it has. A family made of mechanisms the Decoder has
@@ -90,10 +92,55 @@ class Norm:
 
 
 @dataclass
+class ShortConv:
+    """A short gated convolution in place of attention (LFM2): B, C, x = in_proj(h) split in three (channels
+    first), y = depthwise causal conv of B * x with a state of the last kernel - 1 inputs, out = out_proj(C * y)."""
+
+    in_proj: Linear  # out = 3 * n_embd: B, C, x
+    weight: np.ndarray  # (n_embd, 1, kernel): the depthwise kernel
+    bias: np.ndarray | None
+    out_proj: Linear
+
+    @property
+    def kernel(self) -> int:
+        return self.weight.shape[-1]
+
+
+@dataclass
+class DeltaNet:
+    """A Gated DeltaNet layer in place of attention (Qwen3.5): q, k, v from a depthwise causal conv (+ SiLU) over
+    in_proj(h), q and k L2-normalized, beta = sigmoid(h W_b), g = -exp(A_log) softplus(h W_a + dt_bias), the gated
+    delta rule (com.microsoft GatedDeltaNet, state (B, v_heads, v_dim, k_dim)), RMSNorm(out) * silu(h W_z),
+    out_proj."""
+
+    in_proj: Linear  # out = 2 * k_heads * k_dim + v_heads * v_dim: q, k, v
+    z: Linear  # out = v_heads * v_dim
+    b: Linear  # out = v_heads
+    a: Linear  # out = v_heads
+    conv_weight: np.ndarray  # (conv channels, 1, kernel)
+    a_log: np.ndarray  # (v_heads,)
+    dt_bias: np.ndarray  # (v_heads,)
+    norm: Norm  # (v_dim,)
+    out_proj: Linear
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    @property
+    def kernel(self) -> int:
+        return self.conv_weight.shape[-1]
+
+    @property
+    def channels(self) -> int:
+        return self.conv_weight.shape[0]
+
+
+@dataclass
 class Layer:
-    attention_norm: Norm
-    qkv: Linear  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim
-    attention_out: Linear
+    attention_norm: Norm  # the norm before attention, or before the layer's convolution
+    qkv: Linear | None  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim; None in a convolution layer
+    attention_out: Linear | None
     mlp_norm: Norm
     up: Linear  # gated MLP: gate and up packed, out = 2 * inner (gate first); else out = inner
     down: Linear
@@ -103,6 +150,26 @@ class Layer:
     mlp_post_norm: Norm | None = None  # on the MLP output, before the residual Add (Gemma 3)
     sliding_window: int | None = None  # queries see the last this many positions (theirs included), with
     # the Decoder's local rotary caches; None: full causal attention
+    rotary: bool = True  # False: Q and K of this layer take no positions (SmolLM3's NoPE layers)
+    conv: ShortConv | None = None  # a convolution layer (its state is past.%d.conv): no attention
+    delta_net: DeltaNet | None = None  # a linear-attention layer (past.%d.conv and past.%d.recurrent)
+    attention_gate: bool = False  # qkv also gives a gate after V: attention output * sigmoid(gate) (Qwen3.5)
+
+    def __post_init__(self) -> None:
+        mixers = (self.qkv is not None) + (self.conv is not None) + (self.delta_net is not None)
+        assert mixers == 1, "a layer has attention, a convolution or a DeltaNet"
+        assert not self.attention_gate or self.q_norm is not None, "the gate is split beside the head norms"
+
+    @property
+    def linears(self) -> list[Linear]:
+        if self.conv is not None:
+            mixer = [self.conv.in_proj, self.conv.out_proj]
+        elif self.delta_net is not None:
+            n = self.delta_net
+            mixer = [n.in_proj, n.z, n.b, n.a, n.out_proj]
+        else:
+            mixer = [self.qkv, self.attention_out]
+        return [*mixer, self.up, self.down]
 
 
 @dataclass
@@ -126,12 +193,17 @@ class Decoder:
     head_nbits: NBits | None = None  # the LM head (and a tied embedding) as blocks
     embedding_nbits: NBits | None = None  # untied: the token embedding as blocks, its rows gathered from them
     position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
-    rotary_cos: np.ndarray | None = None  # (P, head_dim / 2): rotary positions inside attention (Llama)
-    rotary_sin: np.ndarray | None = None
+    rotary_cos: np.ndarray | None = None  # (P, rotary_dim / 2): rotary positions inside attention (Llama); narrower
+    rotary_sin: np.ndarray | None = None  # than head_dim / 2: the first rotary_dim values of a head rotate (Phi-3)
     rotary_cos_local: np.ndarray | None = None  # (P, head_dim / 2): the sliding-window layers' (Gemma 3)
     rotary_sin_local: np.ndarray | None = None
     embedding_scale: float | None = None  # token embeddings times this (Gemma 3: sqrt(n_embd) in fp32)
     attention_scale: float | None = None  # scores times this; None: 1 / sqrt(head_dim)
+    residual_scale: float | None = None  # attention and MLP outputs times this before the residual Add (Granite)
+    logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
+    rotary_cos_long: np.ndarray | None = None  # (P, rotary_dim / 2): LongRoPE's long-factor tables, which a row
+    rotary_sin_long: np.ndarray | None = None  # longer than rotary_long_after tokens rotates by (Phi-3)
+    rotary_long_after: int | None = None
 
     def __post_init__(self) -> None:
         assert self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}"
@@ -140,6 +212,8 @@ class Decoder:
         assert (self.position_table is None) != (self.rotary_cos is None), "positions: a table or rotary, not both"
         sliding = any(layer.sliding_window is not None for layer in self.layers)
         assert not sliding or self.rotary_cos_local is not None, "sliding-window layers need local rotary caches"
+        assert (self.rotary_long_after is None) == (self.rotary_cos_long is None), "long tables and their threshold"
+        assert not (sliding and self.rotary_cos_long is not None), "long rotary tables with sliding layers"
 
     @property
     def n_layer(self) -> int:

@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 from .families import Family, gguf_family
 from .gguf_blocks import SUPPORTED_TYPES, Runs, by_rows, to_runs
 from .gguf_header import HeaderError, read_header
-from .gguf_metadata import Entry, GGUFError
+from .gguf_metadata import Entry, GGUFError, number
 from .gguf_tokenizer import build_tokenizer_json
 
 __all__ = ["GGUFError", "GGUFModel", "read_gguf"]
@@ -137,7 +137,11 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
             raise GGUFError(f"tensor {name} has type {t.tensor_type.name}, not supported")
     if "token_embd.weight" not in stored:
         raise GGUFError("tensor token_embd.weight is missing")
-    vocab = int(stored["token_embd.weight"].shape[1])
+    embedding = tuple(reversed(stored["token_embd.weight"].shape))
+    if len(embedding) != 2:  # its rows are the vocabulary the config is made with, before _check_tensors
+        hidden = number(meta, f"{arch}.embedding_length")
+        raise GGUFError(f"tensor token_embd.weight has shape {embedding}, expected (vocabulary, {hidden})")
+    vocab = int(embedding[0])
     config = family.gguf.config(meta, stored, vocab)
     blocks = meta[f"{arch}.block_count"]  # every llama.cpp architecture's key, checked by the family's config
     if blocks > len(stored):  # before the tensor map makes an entry for each

@@ -1,9 +1,11 @@
 """A bounded read of a GGUF file's header: its metadata, and where each tensor's data lies.
 
 Every count, length and offset is checked against the file size as it is read, so a hostile file (a string
-array that claims 2**63 entries, a tensor past the end) costs at most one pass over its header and gives a
-HeaderError. It replaces `gguf.GGUFReader`'s header walk, which trusts what it reads and builds a numpy view
-per metadata element; the `gguf` package still supplies the tensor types and dequantizes.
+array that claims 2**63 entries, a tensor past the end, tensors sharing bytes) costs at most one pass over its
+header and gives a HeaderError. No two tensors share bytes, so their data together fits in the file and what a
+file can ask export to dequantize is bounded by its size. It replaces `gguf.GGUFReader`'s header walk, which
+trusts what it reads and builds a numpy view per metadata element; the `gguf` package still supplies the tensor
+types and dequantizes.
 Layout (little-endian, version 2 or 3): https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
@@ -147,7 +149,8 @@ def _read_tensor_entry(cursor: _Cursor) -> tuple[bytes, str, list[int], int, int
 
 
 def _tensor_infos(tensors: list[tuple], *, data_start: int, size: int) -> list[TensorInfo]:
-    """The tensor descriptions checked: known types, possible dimensions, data inside the file, names once."""
+    """The tensor descriptions checked: known types, possible dimensions, data inside the file and not shared
+    with another tensor, names once."""
     infos, seen = [], set()
     for raw_name, name, dims, raw_type, offset in tensors:
         try:
@@ -168,4 +171,17 @@ def _tensor_infos(tensors: list[tuple], *, data_start: int, size: int) -> list[T
             raise HeaderError(f"tensor {name} appears twice")
         seen.add(raw_name)
         infos.append(TensorInfo(raw_name.decode("utf-8"), tuple(dims), tensor_type, data_start + offset, nbytes))
+    _check_no_overlap(infos)
     return infos
+
+
+def _check_no_overlap(infos: list[TensorInfo]) -> None:
+    """Each tensor's bytes its own (llama.cpp lays them out one after another): a file whose tensors share
+    bytes, one layer's data read as 400 layers, would ask for more work and memory than its size holds."""
+    by_start = sorted(infos, key=lambda t: t.start)
+    for before, after in zip(by_start, by_start[1:], strict=False):
+        if after.start < before.start + before.nbytes:
+            raise HeaderError(
+                f"tensors {_printable(before.name.encode())} and {_printable(after.name.encode())} overlap "
+                f"(bytes {before.start}-{before.start + before.nbytes} and {after.start}-{after.start + after.nbytes})"
+            )

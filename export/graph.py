@@ -34,6 +34,8 @@ it, for edgelm.onnxfile.save_model to write one at a time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -43,7 +45,7 @@ from edgelm.onnxfile import placeholder
 
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
-from .decoder import Decoder, Layer, Linear, NBits, Norm
+from .decoder import Decoder, DeltaNet, Layer, Linear, NBits, Norm, ShortConv
 
 MS_DOMAIN = "com.microsoft"
 
@@ -199,6 +201,14 @@ class _GraphBuilder:
         shape = ["batch_size", "sequence_length", decoder.n_embd]
         return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
 
+    def split_qkv(self, qkv: str, prefix: str, d: Decoder) -> list[str]:
+        """Q, K and V split from the packed product."""
+        widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
+        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
+        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        return names
+
     def head_norms(self, qkv: str, prefix: str, layer: Layer, decoder: Decoder) -> list[str]:
         """GroupQueryAttention's query, key and value inputs: the packed product alone, or, with per-head norms
         (Qwen3, Gemma 3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is)."""
@@ -206,9 +216,13 @@ class _GraphBuilder:
             return [qkv, "", ""]
         d = decoder
         widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
-        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
-        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
-        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        widths += [d.n_head * d.head_dim] if layer.attention_gate else []  # the gate after V (Qwen3.5)
+        if layer.attention_gate:
+            sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+            names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v", f"{prefix}/gate"]
+            self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
+        else:
+            self.split_qkv(qkv, prefix, d)
         heads = self.small_constant(f"{prefix}/head_shape", np.array([0, 0, -1, d.head_dim], dtype=np.int64))
         flat = self.small_constant(f"{prefix}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
         out = []
@@ -222,31 +236,144 @@ class _GraphBuilder:
             out.append(self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed"))  # (B, T, heads * hs)
         return [*out, f"{prefix}/v"]
 
+    def rotated(self, qkv: list[str], prefix: str, d: Decoder, rotary: _Rotary) -> list[str]:
+        """Q and K rotated before attention, each row at its own positions into the tables (com.microsoft
+        RotaryEmbedding; the first rotary_dim values of each head), V as it is."""
+        if qkv[1] == "":
+            qkv = self.split_qkv(qkv[0], prefix, d)
+        q, k, v = qkv
+        width = 2 * d.rotary_cos.shape[1]
+        inputs = [rotary.positions, *rotary.caches]
+        q = self.op("RotaryEmbedding", [q, *inputs], f"{prefix}/q_rotary", domain=MS_DOMAIN, num_heads=d.n_head,
+                    rotary_embedding_dim=width)  # fmt: skip
+        k = self.op("RotaryEmbedding", [k, *inputs], f"{prefix}/k_rotary", domain=MS_DOMAIN, num_heads=d.n_kv_head,
+                    rotary_embedding_dim=width)  # fmt: skip
+        self.float_output(q, ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        self.float_output(k, ["batch_size", "sequence_length", d.n_kv_head * d.head_dim])
+        return [q, k, v]
+
     def attention(
-        self, h: str, prefix: str, layer: Layer, d: Decoder, past: tuple[str, str], present: tuple[str, str], extra
+        self,
+        h: str,
+        prefix: str,
+        layer: Layer,
+        d: Decoder,
+        io: tuple[tuple[str, str], tuple[str, str]],
+        lengths: list[str],
+        rotary: _Rotary | None,
     ) -> str:
-        """One GroupQueryAttention node on the packed Q/K/V product of h; `extra`: seqlens_k, the total length
-        and the layer's rotary caches. Returns its (B, T, n_head * head_dim) output."""
+        """One GroupQueryAttention node on the packed Q/K/V product of h; `lengths`: seqlens_k and the total length;
+        `rotary`: the layer's rotary caches (None: no positions), applied inside the node or, where it cannot
+        (per-row tables, a rotary width it does not take), before it. Returns its (B, T, n_head * head_dim) output."""
+        past, present = io
         qkv = self.linear(h, f"{prefix}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
+        inputs = self.head_norms(qkv, prefix, layer, d)
         # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
         # own position in local_window_size, as transformers' sliding_window does: checked against it)
         window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}
-        rotary = d.rotary_cos is not None
+        inside = rotary is not None and rotary.positions is None
+        if rotary is not None and not inside:
+            inputs = self.rotated(inputs, prefix, d, rotary)
+        caches = rotary.caches if inside else []
         self.nodes.append(
             helper.make_node(
                 "GroupQueryAttention",
-                [*self.head_norms(qkv, prefix, layer, d), *past, *extra],
+                [*inputs, *past, *lengths, *caches],
                 [f"{prefix}/attention", *present],
                 name=f"{prefix}/GroupQueryAttention",
                 domain=MS_DOMAIN,
                 num_heads=d.n_head,
                 kv_num_heads=d.n_kv_head,
                 scale=d.attention_scale or 1.0 / float(np.sqrt(d.head_dim)),
-                **({"do_rotary": 1, "rotary_interleaved": 0} if rotary else {}),
+                **({"do_rotary": 1, "rotary_interleaved": 0} if inside else {}),
                 **window,
             )
         )
-        return self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        out = self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        if not layer.attention_gate:
+            return out
+        gate = self.op("Sigmoid", [f"{prefix}/gate"], f"{prefix}/gate/Sigmoid")
+        return self.op("Mul", [out, gate], f"{prefix}/gated_attention")
+
+    def short_conv(self, h: str, prefix: str, conv: ShortConv, d: Decoder, past: str, present: str) -> str:
+        """A convolution layer (LFM2): in_proj, B * x through com.microsoft CausalConvWithState (its state
+        `past` -> `present`, (B, n_embd, kernel - 1)), times C, out_proj. Returns its (B, T, n_embd) output."""
+        gates = self.linear(h, f"{prefix}.conv.in_proj", conv.in_proj)  # (B, T, 3C)
+        channels = self.op("Transpose", [gates], f"{prefix}/conv/Transpose", perm=[0, 2, 1])  # (B, 3C, T)
+        sizes = self.small_constant(f"{prefix}/conv/sizes", np.array([d.n_embd] * 3, dtype=np.int64))
+        b, c, x = (f"{prefix}/conv/{name}" for name in "bcx")
+        self.nodes.append(helper.make_node("Split", [channels, sizes], [b, c, x], name=f"{prefix}/conv/Split", axis=1))
+        gated = self.op("Mul", [b, x], f"{prefix}/conv/gated")
+        bias = "" if conv.bias is None else self.constant(f"{prefix}.conv.bias", conv.bias)
+        inputs = [gated, self.constant(f"{prefix}.conv.weight", conv.weight), bias, past]
+        y = f"{prefix}/conv/CausalConvWithState"
+        self.nodes.append(helper.make_node("CausalConvWithState", inputs, [y, present], name=y, domain=MS_DOMAIN))
+        self.float_output(y, ["batch_size", d.n_embd, "sequence_length"])
+        out = self.op(
+            "Transpose", [self.op("Mul", [c, y], f"{prefix}/conv/out")], f"{prefix}/conv/back", perm=[0, 2, 1]
+        )
+        return self.linear(out, f"{prefix}.conv.out_proj", conv.out_proj)
+
+    def delta_net(self, h: str, prefix: str, n: DeltaNet, d: Decoder, io: IONames, i: int) -> str:
+        """A Gated DeltaNet layer (Qwen3.5): its conv state through com.microsoft CausalConvWithState (SiLU), the
+        recurrence through com.microsoft GatedDeltaNet (io's past.%d.recurrent -> present.%d.recurrent), the
+        gates in standard ops. Returns its (B, T, n_embd) output."""
+        p = f"{prefix}/delta"
+        mixed = self.linear(h, f"{prefix}.delta.in_proj", n.in_proj)  # (B, T, channels)
+        channels = self.op("Transpose", [mixed], f"{p}/Transpose", perm=[0, 2, 1])
+        conv = f"{p}/CausalConvWithState"
+        inputs = [channels, self.constant(f"{prefix}.delta.conv.weight", n.conv_weight), "", io.past_conv % i]
+        self.nodes.append(
+            helper.make_node(
+                "CausalConvWithState", inputs, [conv, io.present_conv % i], name=conv, domain=MS_DOMAIN,
+                activation="silu",
+            )
+        )  # fmt: skip
+        self.float_output(conv, ["batch_size", n.channels, "sequence_length"])
+        qkv = self.op("Transpose", [conv], f"{p}/back", perm=[0, 2, 1])  # (B, T, channels)
+        widths = [n.k_heads * n.k_dim, n.k_heads * n.k_dim, n.v_heads * n.v_dim]
+        sizes = self.small_constant(f"{p}/sizes", np.array(widths, dtype=np.int64))
+        names = [f"{p}/q", f"{p}/k", f"{p}/v"]
+        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{p}/Split", axis=-1))
+        heads = lambda x, count, size: self.op(  # noqa: E731
+            "Reshape", [x, self.small_constant(f"{x}/shape", np.array([0, 0, count, size], np.int64))], f"{x}/heads"
+        )
+        axis = self.small_constant(f"{p}/last_axis", np.array([-1], dtype=np.int64))
+        eps = self.small_constant(f"{p}/eps", np.array(1e-6, dtype=np.float32))
+        normed = []
+        for x in names[:2]:  # x / sqrt(sum(x^2) + 1e-6) per head, as transformers' l2norm
+            x = heads(x, n.k_heads, n.k_dim)
+            total = self.op("ReduceSum", [self.op("Mul", [x, x], f"{x}/sq"), axis], f"{x}/sum", keepdims=1)
+            inverse = self.op(
+                "Reciprocal", [self.op("Sqrt", [self.op("Add", [total, eps], f"{x}/eps")], f"{x}/sqrt")], f"{x}/inv"
+            )
+            normed.append(self.op("Mul", [x, inverse], f"{x}/l2"))
+        v = heads(names[2], n.v_heads, n.v_dim)
+        beta = self.op("Sigmoid", [self.linear(h, f"{prefix}.delta.b", n.b)], f"{p}/beta")  # (B, T, v_heads)
+        raw = self.op(
+            "Add",
+            [self.linear(h, f"{prefix}.delta.a", n.a), self.constant(f"{prefix}.delta.dt_bias", n.dt_bias)],
+            f"{p}/a",
+        )
+        decay_scale = self.constant(f"{prefix}.delta.neg_exp_a_log", -np.exp(n.a_log.astype(np.float32)))
+        decay = self.op("Mul", [self.op("Softplus", [raw], f"{p}/softplus"), decay_scale], f"{p}/decay")
+        rule = f"{p}/GatedDeltaNet"
+        self.nodes.append(
+            helper.make_node(
+                "GatedDeltaNet", [*normed, v, "", decay, beta, io.past_recurrent % i], [rule, io.present_recurrent % i],
+                name=rule, domain=MS_DOMAIN, update_rule="gated_delta",
+            )
+        )  # fmt: skip
+        self.float_output(rule, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
+        inputs = [rule, self.constant(f"{prefix}.delta.norm.weight", n.norm.weight)]
+        out = self.op("SimplifiedLayerNormalization", inputs, f"{p}/norm", axis=-1, epsilon=d.norm_eps)
+        self.float_output(out, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
+        z = heads(self.linear(h, f"{prefix}.delta.z", n.z), n.v_heads, n.v_dim)
+        gated = self.op(
+            "Mul", [out, self.op("Mul", [z, self.op("Sigmoid", [z], f"{p}/z_sigmoid")], f"{p}/z_silu")], f"{p}/gated"
+        )
+        flat = self.small_constant(f"{p}/flat", np.array([0, 0, -1], dtype=np.int64))
+        return self.linear(self.op("Reshape", [gated, flat], f"{p}/flat_out"), f"{prefix}.delta.out_proj", n.out_proj)
 
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
         """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
@@ -280,7 +407,6 @@ def build_fused_graph(
     one = g.small_constant("const_one", np.array(1, dtype=np.int64))
     axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
     x, head = _embeddings(g, d, io)
-    rotary, local_rotary = _rotary_caches(g, d)
 
     # Each row's length and the longest total, from the attention mask, for every attention node.
     lengths = g.op("ReduceSum", [io.attention_mask, axis_1], "mask/ReduceSum", keepdims=0)  # (B,)
@@ -289,19 +415,27 @@ def build_fused_graph(
     mask_shape = g.op("Shape", [io.attention_mask], "mask/Shape")
     total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
     lengths = [seqlens_k, g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)]
+    rotary, local_rotary = _rotary_caches(g, d, io, seqlens_k)
 
     h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
         p = f"layers.{i}"
-        caches = local_rotary if layer.sliding_window is not None else rotary
-        attention = g.attention(h, p, layer, d, io.past(i), io.present(i), [*lengths, *caches])
-        out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+        if layer.conv is not None:
+            out = g.short_conv(h, p, layer.conv, d, io.past_conv % i, io.present_conv % i)
+        elif layer.delta_net is not None:
+            out = g.delta_net(h, p, layer.delta_net, d, io, i)
+        else:
+            caches = (local_rotary if layer.sliding_window is not None else rotary) if layer.rotary else None
+            attention = g.attention(h, p, layer, d, (io.past(i), io.present(i)), lengths, caches)
+            out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
         if layer.attention_post_norm is not None:
             out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
+        out = _scaled(g, out, d.residual_scale, f"{p}/attention_scaled")
         h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
         down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
         if layer.mlp_post_norm is not None:
             down = g.norm(down, f"{p}.mlp_post_norm", layer.mlp_post_norm, d)
+        down = _scaled(g, down, d.residual_scale, f"{p}/mlp_scaled")
         if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
             nxt = f"layers.{i + 1}.attention_norm"
             h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")
@@ -347,15 +481,58 @@ def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | N
     return x, head
 
 
-def _rotary_caches(g: _GraphBuilder, d: Decoder) -> tuple[list[str], list[str]]:
-    """GroupQueryAttention's cos and sin caches: the full layers' and the sliding layers' ([] where none)."""
-    rotary, local_rotary = [], []
+@dataclass
+class _Rotary:
+    caches: list[str]  # cos and sin tables
+    positions: str | None = None  # (B, T) rows of the tables, per row; None: GroupQueryAttention rotates itself
+
+
+def _rotary_caches(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) -> tuple[_Rotary | None, _Rotary | None]:
+    """The full layers' and the sliding layers' rotary caches (None where none). GroupQueryAttention rotates by
+    them itself where it can: one table for every row, of a width that is a multiple of 8 (ONNX Runtime 1.32's
+    rule). Otherwise Q and K rotate before it, by positions computed here as it computes them (0 .. T - 1 in a
+    prompt, past .. past + T - 1 after), a LongRoPE row past rotary_long_after tokens reading the long tables,
+    stacked after the short ones."""
+    rotary = local_rotary = None
     if d.rotary_cos is not None:
-        rotary = [g.constant("rotary.cos", d.rotary_cos), g.constant("rotary.sin", d.rotary_sin)]
+        cos, sin = d.rotary_cos, d.rotary_sin
+        if d.rotary_cos_long is not None:
+            cos, sin = np.concatenate([cos, d.rotary_cos_long]), np.concatenate([sin, d.rotary_sin_long])
+        rotary = _Rotary([g.constant("rotary.cos", cos), g.constant("rotary.sin", sin)])
+        if d.rotary_cos_long is not None or d.rotary_cos.shape[1] % 8:
+            rotary.positions = _row_positions(g, d, io, seqlens_k)
     if d.rotary_cos_local is not None:
-        local_rotary = [g.constant("rotary.cos_local", d.rotary_cos_local)]
-        local_rotary.append(g.constant("rotary.sin_local", d.rotary_sin_local))
+        local = [g.constant("rotary.cos_local", d.rotary_cos_local)]
+        local_rotary = _Rotary(local + [g.constant("rotary.sin_local", d.rotary_sin_local)])
     return rotary, local_rotary
+
+
+def _row_positions(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) -> str:
+    """(B, T) int64: each row's positions, max(seqlens_k + 1 - T, 0) + 0 .. T - 1, plus the table length for a
+    LongRoPE row longer than rotary_long_after (seqlens_k + 1 tokens)."""
+    ids_shape = g.op("Shape", [io.input_ids], "positions/Shape")
+    width = g.op("Gather", [ids_shape, g.small_constant("positions/one", np.array(1))], "positions/T", axis=0)
+    zero = g.small_constant("positions/zero", np.array(0, dtype=np.int64))
+    step = g.small_constant("positions/step", np.array(1, dtype=np.int64))
+    offsets = g.op("Range", [zero, width, step], "positions/Range")  # (T,)
+    lengths = g.op("Add", [g.op("Cast", [seqlens_k], "positions/lengths", to=TensorProto.INT64), step],
+                   "positions/total")  # fmt: skip
+    start = g.op("Max", [g.op("Sub", [lengths, width], "positions/Sub"), zero], "positions/start")  # (B,)
+    if d.rotary_long_after is not None:
+        after = g.small_constant("positions/long_after", np.array(d.rotary_long_after, dtype=np.int64))
+        long = g.op("Cast", [g.op("Greater", [lengths, after], "positions/long")], "positions/long_int",
+                    to=TensorProto.INT64)  # fmt: skip
+        table = g.small_constant("positions/table", np.array(d.rotary_cos.shape[0], dtype=np.int64))
+        start = g.op("Add", [start, g.op("Mul", [long, table], "positions/long_rows")], "positions/first")
+    column = g.op("Unsqueeze", [start, g.small_constant("positions/axis", np.array([1]))], "positions/column")
+    return g.op("Add", [column, offsets], "positions")  # (B, T)
+
+
+def _scaled(g: _GraphBuilder, x: str, scale: float | None, name: str) -> str:
+    """x times `scale` (Granite's residual multiplier), or x where there is none."""
+    if scale is None:
+        return x
+    return g.op("Mul", [x, g.small_constant(f"{name}/scale", np.array(scale, dtype=np.float32))], name)
 
 
 def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, head: str | None, axis_1: str) -> None:
@@ -370,10 +547,14 @@ def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, hea
     # of C is cheap beside the LM head, and one Slice after it is a node fewer than one on each input.
     x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
     x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
+    logits = io.logits if d.logits_divisor is None else "lm_head/logits"
     if d.head_nbits is not None:
-        g.matmul_nbits(x, "lm_head", d.head_nbits, io.logits)
+        g.matmul_nbits(x, "lm_head", d.head_nbits, logits)
     else:
-        g.op("MatMul", [x, head], io.logits)
+        g.op("MatMul", [x, head], logits)
+    if d.logits_divisor is not None:  # Granite's logits_scaling
+        divisor = g.small_constant("lm_head/divisor", np.array(d.logits_divisor, dtype=np.float32))
+        g.op("Div", [logits, divisor], io.logits)
 
 
 def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
@@ -391,7 +572,21 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
     outputs = [
         helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, ["batch_size", "logits_length", d.vocab_size])
     ]
-    for i in range(d.n_layer):
+    for i, layer in enumerate(d.layers):
+        if layer.conv is not None:  # a convolution layer's state, (B, n_embd, kernel - 1)
+            state = ["batch_size", d.n_embd, layer.conv.kernel - 1]
+            inputs.append(helper.make_tensor_value_info(io.past_conv % i, TensorProto.FLOAT, state))
+            outputs.append(helper.make_tensor_value_info(io.present_conv % i, TensorProto.FLOAT, state))
+            continue
+        if layer.delta_net is not None:  # (B, channels, kernel - 1) and (B, v_heads, v_dim, k_dim)
+            n = layer.delta_net
+            for kind, state in (("conv", ["batch_size", n.channels, n.kernel - 1]),
+                                ("recurrent", ["batch_size", n.v_heads, n.v_dim, n.k_dim])):  # fmt: skip
+                inputs.append(helper.make_tensor_value_info(getattr(io, f"past_{kind}") % i, TensorProto.FLOAT, state))
+                outputs.append(
+                    helper.make_tensor_value_info(getattr(io, f"present_{kind}") % i, TensorProto.FLOAT, state)
+                )
+            continue
         for past_name, present_name in zip(io.past(i), io.present(i), strict=True):
             inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, present_shape))

@@ -44,6 +44,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # LongRoPE (Phi-3): per-frequency divisors for contexts up to and past the original one, and the factor cos
+    # and sin are multiplied by
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"),
 }
 
 
@@ -60,6 +63,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base: frequency i is rope_theta ** (-2i / head_dim)
     rope_scaling: dict | None = None  # None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}
+    # a GGUF file's rope_freqs.weight: frequency i divided by factor i after rope_scaling (llama.cpp's
+    # freq_factors; its Llama 3 files hold their rope scaling this way); None: no factors
+    rope_freq_factors: list[float] | None = None
     attention_bias: bool = False  # biases on Q/K/V (Qwen2); o_proj never has one
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotary (Qwen3)
     tie_word_embeddings: bool = True  # LM head shares the token-embedding matrix
@@ -76,6 +82,13 @@ class LlamaConfig:
     layer_types: ClassVar[list[str] | None] = None  # per layer, one of LAYER_TYPES; None: all full attention
     sliding_window: ClassVar[int | None] = None  # a sliding layer's query sees the last this many positions
     rope_local_theta: ClassVar[float] = 10000.0  # the sliding layers' rotary base (no scaling)
+    # Parts other families' configs (export/families/) turn on the same way
+    rotary_layers: ClassVar[list[bool] | None] = None  # per layer, whether it rotates Q and K (SmolLM3's NoPE)
+    partial_rotary_factor: ClassVar[float] = 1.0  # the first int(head_dim * this) values of a head rotate (Phi-3)
+    embedding_multiplier: ClassVar[float | None] = None  # token embeddings times this (Granite)
+    residual_multiplier: ClassVar[float | None] = None  # attention and MLP outputs times this before the Add
+    attention_multiplier: ClassVar[float | None] = None  # attention scores times this (Granite's scale)
+    logits_scaling: ClassVar[float | None] = None  # logits divided by this (Granite)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -89,8 +102,12 @@ class LlamaConfig:
                 raise ValueError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.head_dim % 2 != 0 or self.rotary_dim % 2 != 0:
+            raise ValueError(f"head_dim and its rotary part must be even, got {self.head_dim}, {self.rotary_dim}")
+        if self.rotary_layers is not None and len(self.rotary_layers) != self.n_layer:
+            raise ValueError(f"rotary_layers must name {self.n_layer} layers, got {self.rotary_layers!r}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.rotary_dim // 2:
+            raise ValueError(f"rope_freq_factors must be {self.rotary_dim // 2} factors (rotary_dim / 2)")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in ROPE_SCALING_KEYS:
@@ -100,6 +117,11 @@ class LlamaConfig:
             missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's values rotate (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -160,13 +182,27 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def rope_inv_freq(config: LlamaConfig, *, local: bool = False) -> torch.Tensor:
-    """Rotary frequencies (head_dim/2,): theta ** (-2i / head_dim), with the config's scaling applied; local:
-    the sliding layers' (rope_local_theta, unscaled)."""
-    dim = config.head_dim
+def rope_inv_freq(config: LlamaConfig, *, local: bool = False, long: bool = False) -> torch.Tensor:
+    """Rotary frequencies (rotary_dim/2,): theta ** (-2i / rotary_dim), with the config's scaling applied, then
+    divided by its rope_freq_factors; local: the sliding layers' (rope_local_theta, unscaled); long: LongRoPE's
+    long factors (else its short ones)."""
+    dim = config.rotary_dim
     theta = config.rope_local_theta if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = None if local else config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":  # transformers' _compute_longrope_parameters
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if local:
+        return inv_freq
+    inv_freq = _scaled(inv_freq, scaling)
+    if config.rope_freq_factors is not None:  # as llama.cpp's rope divides by freq_factors
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """The frequencies under rope_scaling (None: as they are)."""
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
@@ -186,17 +222,30 @@ def rope_inv_freq(config: LlamaConfig, *, local: bool = False) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-def rope_cos_sin(config: LlamaConfig, n_positions: int, *, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency, each (n_positions, head_dim/2): the caches ONNX Runtime's
-    GroupQueryAttention (do_rotary=1, rotary_interleaved=0) takes."""
+def rotary_factor(config: LlamaConfig) -> float:
+    """What cos and sin are multiplied by (LongRoPE's attention factor; 1 otherwise)."""
+    scaling = config.rope_scaling or {}
+    return float(scaling.get("attention_factor", 1.0)) if scaling.get("rope_type") == "longrope" else 1.0
+
+
+def rope_cos_sin(
+    config: LlamaConfig, n_positions: int, *, local: bool = False, long: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, each (n_positions, rotary_dim/2), times the rotary factor: the caches
+    ONNX Runtime's GroupQueryAttention (do_rotary=1, rotary_interleaved=0) takes."""
     check_table_memory(n_positions, config.head_dim, "the rotary cos and sin tables, (positions, head_dim / 2) each,")
-    inv_freq = rope_inv_freq(config, local=local)
-    angles = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1) * inv_freq  # (P, hs/2)
-    return torch.cos(angles), torch.sin(angles)
+    inv_freq = rope_inv_freq(config, local=local, long=long)
+    angles = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1) * inv_freq  # (P, rotary_dim/2)
+    factor = 1.0 if local else rotary_factor(config)
+    return torch.cos(angles) * factor, torch.sin(angles) * factor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + hs/2]) by the angle of their frequency. x (B, nh, T, hs); cos, sin (B, 1, T, hs)."""
+    """Rotate pairs (x[i], x[i + r/2]) by the angle of their frequency, r the rotary width (the head's, or its first
+    r values: partial rotary). x (B, nh, T, hs); cos, sin (B, 1, T, r)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated_half * sin
@@ -227,14 +276,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
-        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.scale = config.attention_multiplier or (config.query_pre_attn_scalar or config.head_dim) ** -0.5
 
     def forward(
         self,
         x: torch.Tensor,
         bias: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         past: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, _ = x.shape
@@ -243,7 +292,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.qk_norm:  # per head, over its head_dim values
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the cache holds rotated keys
+        if cos is not None:  # None: a layer without positions (SmolLM3's NoPE layers)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # the cache holds rotated keys
         if past is not None:
             k = torch.cat([past[0], k], dim=2)  # (B, nkv, past + T, hs)
             v = torch.cat([past[1], v], dim=2)
@@ -272,7 +322,7 @@ class GatedMLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, sliding: bool = False):
+    def __init__(self, config: LlamaConfig, sliding: bool = False, rotary: bool = True):
         super().__init__()
         eps, offset = config.rms_norm_eps, config.norm_offset
         self.input_layernorm = RMSNorm(config.n_embd, eps, offset)
@@ -284,14 +334,21 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.n_embd, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(config.n_embd, eps, offset)
         self.sliding = sliding  # a sliding-window layer: the local mask and rotary
+        self.rotary = rotary  # False: no rotary positions (SmolLM3's NoPE layers)
+        self.residual_multiplier = config.residual_multiplier
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier is None else x * self.residual_multiplier
 
     def forward(self, x, bias, cos, sin, past):
+        if not self.rotary:
+            cos = sin = None
         attn_out, present = self.self_attn(self.input_layernorm(x), bias, cos, sin, past)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn_out)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), present
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.residual(attn_out)
+        x = x + self.residual(self.mlp(self.post_attention_layernorm(x)))
         return x, present
 
 
@@ -300,10 +357,11 @@ class Llama(ReferenceModel):
         super().__init__()
         self.config = config
         self.layer_types = config.layer_types or ["full_attention"] * config.n_layer
+        layers = zip(self.layer_types, config.rotary_layers or [True] * config.n_layer, strict=True)
         self.model = nn.ModuleDict(
             dict(
                 embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
-                layers=nn.ModuleList([Block(config, kind == "sliding_attention") for kind in self.layer_types]),
+                layers=nn.ModuleList([Block(config, kind == "sliding_attention", rotary) for kind, rotary in layers]),
                 norm=RMSNorm(config.n_embd, config.rms_norm_eps, config.norm_offset),
             )
         )
@@ -312,6 +370,7 @@ class Llama(ReferenceModel):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (hs/2,)
         self.register_buffer("inv_freq_local", rope_inv_freq(config, local=True), persistent=False)
+        self.register_buffer("inv_freq_long", rope_inv_freq(config, long=True), persistent=False)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -342,17 +401,19 @@ class Llama(ReferenceModel):
         window = self.config.sliding_window
         local_bias = attention_bias(attention_mask, past_length, T, window, position_ids) if sliding else bias
 
-        def cos_sin(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            angles = position_ids.unsqueeze(-1).float() * inv_freq  # (B, T, hs/2)
-            angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, hs): both halves of a pair
-            return angles.cos(), angles.sin()
+        def cos_sin(inv_freq: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+            angles = position_ids.unsqueeze(-1).float() * inv_freq  # (B, T, r/2)
+            angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, r): both halves of a pair
+            return angles.cos() * factor, angles.sin() * factor
 
-        rotary = cos_sin(self.inv_freq)
+        rotary = cos_sin(self._inv_freq(attention_mask), rotary_factor(self.config))
         local_rotary = cos_sin(self.inv_freq_local) if sliding else rotary
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         if self.config.embedding_scale:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        if self.config.embedding_multiplier is not None:
+            x = x * self.config.embedding_multiplier
         present: Past = []
         for i, block in enumerate(self.model.layers):
             layer_bias, (cos, sin) = (local_bias, local_rotary) if block.sliding else (bias, rotary)
@@ -361,4 +422,15 @@ class Llama(ReferenceModel):
         x = self.model.norm(x)
         if last_token_logits:
             x = x[:, -1:, :]
-        return self.lm_head(x), present
+        logits = self.lm_head(x)
+        return logits if self.config.logits_scaling is None else logits / self.config.logits_scaling, present
+
+    def _inv_freq(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The rotary frequencies, (r/2,), or with LongRoPE (B, 1, r/2): a row longer than the original context
+        (its tokens so far, these included) rotates by the long factors. transformers decides so for a sequence
+        alone (by its largest position); deciding per row keeps a row of a padded batch what it is alone."""
+        scaling = self.config.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return self.inv_freq
+        long = attention_mask.sum(-1, keepdim=True) > scaling["original_max_position_embeddings"]  # (B, 1)
+        return torch.where(long, self.inv_freq_long, self.inv_freq).unsqueeze(1)

@@ -17,7 +17,6 @@ holds each part's B in its own rows and columns.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from ..package_writer import StagedFiles, write_json
 from ..runtime.contract import MANIFEST_FILE, Manifest
 from ..runtime.errors import AdapterError
 from ..runtime.lora_contract import (
@@ -40,7 +40,7 @@ from ..runtime.lora_contract import (
 from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
-from .peft_adapter import PeftAdapter, read_peft_adapter
+from .peft_adapter import OUTPUT_LAYER, LoraWeights, PeftAdapter, read_peft_adapter
 
 Progress = Callable[[str], None]
 MAX_RANK = 1024
@@ -68,8 +68,8 @@ def parse_slot_argument(text: str) -> SlotSpec:
 
 def slots_from_adapters(adapters: list[PeftAdapter]) -> SlotSpec:
     """Slots that fit every adapter given: the modules any of them adapts, at the largest rank among them."""
-    names = sorted({path.rsplit(".", 1)[-1] for adapter in adapters for path in adapter.modules})
-    return SlotSpec(names, max(w.rank for adapter in adapters for w in adapter.modules.values()))
+    names = sorted({path.rsplit(".", 1)[-1] for adapter in adapters for path in adapter.pairs})
+    return SlotSpec(names, max(rank for adapter in adapters for rank in adapter.ranks))
 
 
 def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
@@ -82,18 +82,83 @@ def merge_slot_specs(specs: list[SlotSpec]) -> SlotSpec | None:
 # ---- merge ------------------------------------------------------------------------------------------
 
 
-def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, family: str) -> set[str]:
-    """Add every adapter's scale * B @ A to the model's linears, in order; returns the weights changed
-    (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError before any change when a
-    module is not a linear of this model or a shape differs."""
+def packed_paths(modules: dict[str, torch.nn.Module], packed: tuple) -> dict[str, list[str]]:
+    """Each checkpoint linear the model holds split (Family.lora_packed), by full path -> its parts' paths."""
+    out = {}
+    for name in modules:
+        for whole, parts in packed:
+            if name.endswith(f".{parts[0]}"):
+                stem = name.removesuffix(parts[0])
+                out[f"{stem}{whole}"] = [f"{stem}{part}" for part in parts]
+    return out
+
+
+def _linear_features(modules: dict[str, torch.nn.Module], split: dict[str, list[str]], path: str) -> tuple[int, int]:
+    """(in_features, out_features) of a linear, a packed one's being its parts' together."""
+    parts = [modules[part] for part in split.get(path, [path])]
+    return parts[0].in_features, sum(part.out_features for part in parts)
+
+
+def _split_packed(adapter: PeftAdapter, modules: dict, split: dict[str, list[str]]) -> dict[str, LoraWeights]:
+    """The adapter's modules on the reference model's linears: a packed linear's B split by rows into its parts
+    (A shared), as the packed weight's rows are."""
+    out = {}
+    for path, weights in adapter.modules.items():
+        if path not in split:
+            out[path] = weights
+            continue
+        in_features, out_features = _linear_features(modules, split, path)
+        if (weights.b.shape[0], weights.a.shape[1]) != (out_features, in_features):
+            raise AdapterError(
+                f"LoRA adapter {adapter.name}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) "
+                f"weight but the model's is {(out_features, in_features)} (shape mismatch: an adapter for another "
+                "model size?)"
+            )
+        rows = np.cumsum([modules[part].out_features for part in split[path]])[:-1]
+        pieces = zip(split[path], np.split(weights.b, rows), strict=True)
+        out |= {part: LoraWeights(weights.a, b, weights.scale) for part, b in pieces}
+    return out
+
+
+def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, family: str, packed: tuple = ()) -> set[str]:
+    """Add every adapter's scale * B @ A to the model's linears PEFT's targeting selects (PeftAdapter.select), in
+    order; returns the weights changed (checkpoint names, "model.layers.0.self_attn.q_proj.weight"). AdapterError
+    before any change when a module is not a linear of this model, a shape differs, or the weight is shared
+    with another module; a tied LM head is untied first (its own copy, as export's --untie), so that the input
+    embedding stays the base's, as in PEFT's forward. packed: Family.lora_packed, the checkpoint's packed linears
+    (Phi-3's qkv_proj) that PEFT adapts whole and the reference model holds split."""
     modules = dict(model.named_modules())
+    split = packed_paths(modules, packed)
+    parts = {part for names in split.values() for part in names}
+    linears = {name: isinstance(m, torch.nn.Linear) for name, m in modules.items() if name not in parts}
+    expanded = []
+    sharing: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        sharing.setdefault(id(parameter), []).append(name)
     for adapter in adapters:
-        for path, weights in adapter.modules.items():
+        adapter.select(linears | dict.fromkeys(split, True), model_type=family)
+        for path, saved in adapter.base_weights.items():  # PEFT loads them over the model's: they must be its own
+            module = modules.get(path)
+            if module is None or not np.array_equal(saved, module.weight.detach().numpy()):
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: it carries its own {path} weight (PEFT's save_embedding_layers) "
+                    "and it differs from this model's (a resized vocabulary?); edgelm merges only LoRA weights"
+                )
+        expanded.append(_split_packed(adapter, modules, split))
+        for path, weights in expanded[-1].items():
             module = modules.get(path)
             if not isinstance(module, torch.nn.Linear):
                 raise AdapterError(
                     f"LoRA adapter {adapter.name}: {path} is not a linear layer of this {family} model "
                     "(an adapter for another architecture?)"
+                )
+            shared = [name for name in sharing[id(module.weight)] if name != f"{path}.weight"]
+            tied_head = path == OUTPUT_LAYER and getattr(model.config, "tie_word_embeddings", False)  # untied below
+            if shared and not tied_head:
+                raise AdapterError(
+                    f"LoRA adapter {adapter.name}: {path} shares its weight with {shared[0]} (tied word embeddings); "
+                    "merging it would change that too, so edgelm refuses it: train the adapter without "
+                    f"{path.rsplit('.', 1)[-1]} in target_modules, or untie the base's embeddings first"
                 )
             expected = (module.out_features, module.in_features)
             if (weights.b.shape[0], weights.a.shape[1]) != expected:
@@ -101,11 +166,16 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
                     f"LoRA adapter {adapter.name}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) "
                     f"weight but the model's is {expected} (shape mismatch: an adapter for another model size?)"
                 )
+    if any(OUTPUT_LAYER in adapter.modules for adapter in adapters) and model.config.tie_word_embeddings:
+        head = modules[OUTPUT_LAYER]
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     with torch.no_grad():
-        for adapter in adapters:
-            for path, weights in adapter.modules.items():
+        for targets in expanded:
+            for path, weights in targets.items():
                 modules[path].weight += torch.from_numpy(weights.delta())
-    return {f"{path}.weight" for adapter in adapters for path in adapter.modules}
+    changed = [*(path for adapter in adapters for path in adapter.modules), *(p for t in expanded for p in t)]
+    return {f"{path}.weight" for path in changed}  # a packed linear's parts and its own name (a GGUF file's blocks)
 
 
 def without_blocks(blocks, merged: set[str]):
@@ -134,18 +204,19 @@ def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSl
             f"no linear named {', '.join(unknown)} in a {family.name} model; slots can be {', '.join(known)}"
         )
     modules = dict(model.named_modules())
+    split = packed_paths(modules, family.lora_packed)
     linears: dict[str, SlotLinear] = {}
     offsets: dict[str, int] = {}
     for template, linear in table:  # in the packed order: a part's offset counts the parts before it
-        module = modules[template % 0]
+        in_features, out_features = _linear_features(modules, split, template % 0)
         offset = offsets.get(linear, 0)
-        offsets[linear] = offset + module.out_features
+        offsets[linear] = offset + out_features
         if not _selected(template, spec.modules):
             continue
         slot = linears.setdefault(
-            linear, SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", module.in_features, 0, [])
+            linear, SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", in_features, 0, [])
         )
-        slot.parts.append({"module": template, "offset": offset, "width": module.out_features})
+        slot.parts.append({"module": template, "offset": offset, "width": out_features})
     for linear, slot in linears.items():
         slot.out_features = offsets[linear]
     n_layer = model.config.n_layer
@@ -205,17 +276,28 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
     return tensors
 
 
-def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0) -> Path:
-    """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base.
-    AdapterError for a package without slots or an adapter that does not fit them."""
+def convert_adapter(
+    adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0, overwrite: bool = False
+) -> Path:
+    """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base, written
+    through edgelm/package_writer.py's StagedFiles (no symlink written through, nothing replaced without
+    overwrite, nothing inside an input). AdapterError for a package without slots or an adapter that does
+    not fit them."""
     out = Path(out)
     if out.suffix != ADAPTER_SUFFIX:
         raise AdapterError(f"the adapter file's name must end in {ADAPTER_SUFFIX}, got {out.name}")
+    record_path = out.with_name(f"{out.name}{RECORD_SUFFIX}")
+    staged = StagedFiles([out, record_path], inputs=[adapter_dir, package], overwrite=overwrite)  # before any work
     spec = read_package(package)
     slots = parse_slots(spec.manifest.lora if spec.manifest else None, MANIFEST_FILE)
     if slots is None:
         raise AdapterError(f"{package} has no LoRA slots: export the base with --lora-slots MODULES:MAX_RANK")
     adapter = read_peft_adapter(adapter_dir, scale=scale)
+    adapter.select_by_name(model_type=spec.manifest.architecture.type if spec.manifest else None)
+    if adapter.base_weights:
+        saved = next(iter(adapter.base_weights))
+        raise AdapterError(f"LoRA adapter {adapter.name}: {saved} (a layer saved with its LoRA) has no LoRA slot; "
+                           "merge this adapter at export with --lora instead")  # fmt: skip
     tensors = _slot_tensors(slots, adapter, f"LoRA adapter {adapter.name}")
     dtype = np.float16 if spec.io.kv_dtype == "float16" else np.float32  # an fp16 package's inputs are half
     writer = ort.AdapterFormat()
@@ -223,10 +305,10 @@ def convert_adapter(adapter_dir: str | Path, package: str | Path, out: str | Pat
     writer.set_model_version(model_version(slots.base_sha256))
     arrays = {name: np.ascontiguousarray(t, dtype=dtype) for name, t in tensors.items()}  # alive while written
     writer.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer.export_adapter(str(out))
-    record = AdapterRecord(file_sha256(out), slots.base_sha256, slots.max_rank, adapter.record())
-    Path(f"{out}{RECORD_SUFFIX}").write_text(json.dumps(record.to_json(), indent=2) + "\n", encoding="utf-8")
+    with staged as folder:
+        writer.export_adapter(str(folder / out.name))
+        record = AdapterRecord(file_sha256(folder / out.name), slots.base_sha256, slots.max_rank, adapter.record())
+        write_json(folder / record_path.name, record.to_json())
     return out
 
 
@@ -243,11 +325,12 @@ def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progr
     (keeps_blocks: whether the package would keep a GGUF file's blocks at all)."""
     if not adapters:
         return
-    merged = merge_adapters(source.model, adapters, family=source.family.name)
+    merged = merge_adapters(source.model, adapters, family=source.family.name, packed=source.family.lora_packed)
     for adapter in adapters:
         ranks = sorted({w.rank for w in adapter.modules.values()})
+        left_out = f" ({len(adapter.ignored)} modules not targeted, left out)" if adapter.ignored else ""
         progress(f"      merged LoRA adapter {adapter.name}: {len(adapter.modules)} linears, rank "
-                 f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}")  # fmt: skip
+                 f"{'/'.join(map(str, ranks))}, scale {adapter.user_scale:g}{left_out}")  # fmt: skip
     if source.blocks is not None:
         source.blocks = without_blocks(source.blocks, merged)
         if keeps_blocks:

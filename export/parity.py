@@ -17,8 +17,9 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ..runtime.contract import IONames
+from ..runtime.contract import LAYER_STATES, IONames
 from .checkpoint import CheckpointError
+from .traced import state_layout
 
 
 def _worst(worst: float, ort_logits: np.ndarray, torch_logits: np.ndarray) -> float:
@@ -80,12 +81,17 @@ def check_parity(
     attention_mask[1, :2] = 0  # second row left-padded by two
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
+    layer_types = state_layout(model).get("layer_types")
+
     def ort_feed(ids, mask, positions, past):
         feed = {io.input_ids: ids.numpy(), io.attention_mask: mask.numpy(), io.position_ids: positions.numpy()}
-        return feed | dict(zip(io.past_names(config.n_layer), past, strict=True))
+        return feed | dict(zip(io.past_names(config.n_layer, layer_types), past, strict=True))
 
-    empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
-    ort_past = [empty] * (2 * config.n_layer)
+    if layer_types is None:
+        empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
+        ort_past = [empty] * (2 * config.n_layer)
+    else:  # a hybrid model's own empty state, flattened in the graph's order
+        ort_past = [t.numpy() for layer in model.empty_state(2) for t in layer]
     torch_past = None
     worst = 0.0
     with _one_thread():
@@ -122,10 +128,13 @@ def _float64(model: torch.nn.Module) -> Iterator[None]:
 
 def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) -> list[dict]:
     """The runs check_parity_shared compares, with PyTorch's float64 logits: a batch of 2 right-padded prompts
-    of different lengths with all-position logits, then one-token steps (greedy on the reference)."""
+    of different lengths with all-position logits, then one-token steps (greedy on the reference). A hybrid
+    model's prompts are of one length: right padding would enter its states, so the runtime prefills a batch of
+    unequal prompts row by row (runtime/kvcache.py SharedStateCache)."""
     config = model.config
     generator = torch.Generator().manual_seed(seed)
-    lengths = [min(7, config.n_positions - decode_steps), min(5, config.n_positions - decode_steps)]
+    short = 7 if state_layout(model) else 5
+    lengths = [min(7, config.n_positions - decode_steps), min(short, config.n_positions - decode_steps)]
     width = max(lengths)
     input_ids = torch.randint(0, config.vocab_size, (2, width), generator=generator)
     mask = torch.zeros(2, width, dtype=torch.long)
@@ -173,8 +182,18 @@ def check_parity_shared(
     capacity = steps[0]["ids"].shape[1] + decode_steps
     binding = session.io_binding()
     binding.bind_output(io.logits)  # first, so it is get_outputs()[0]; allocated by each run
-    past, present = io.past_names(config.n_layer), io.present_names(config.n_layer)
-    for past_name, present_name in zip(past, present, strict=True):
+    layout = state_layout(model)
+    layer_types = layout.get("layer_types")
+    past, present = io.past_names(config.n_layer, layer_types), io.present_names(config.n_layer, layer_types)
+    states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run
+    kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
+    for past_name, present_name, kind in zip(past, present, kinds, strict=True):
+        if kind in ("conv", "recurrent"):
+            values = [
+                ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), np.float32)) for _ in "ab"
+            ]
+            states.append([past_name, present_name, *values])
+            continue
         zeros = np.zeros((2, config.n_kv_head, capacity, config.head_dim), dtype=np.float32)
         buffer = ort.OrtValue.ortvalue_from_numpy(zeros)
         binding.bind_ortvalue_input(past_name, buffer)
@@ -190,6 +209,10 @@ def check_parity_shared(
         keep = ort.OrtValue.ortvalue_from_numpy(np.array(step["keep"], dtype=np.int64))
         binding.bind_ortvalue_input(io.logits_to_keep, keep)
         binding.bind_output(io.logits)  # unallocated again: its length changes between calls
+        for state in states:
+            binding.bind_ortvalue_input(state[0], state[2])
+            binding.bind_ortvalue_output(state[1], state[3])
+            state[2], state[3] = state[3], state[2]  # the present is the next run's past
         session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()
         assert logits.shape == step["logits"].shape, f"ONNX logits {logits.shape} vs {step['logits'].shape}"

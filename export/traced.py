@@ -21,25 +21,35 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ..runtime.contract import MODEL_FILE, IONames
+from ..runtime.contract import LAYER_STATES, MODEL_FILE, IONames
 
 
-def io_names(n_layer: int, io: IONames) -> tuple[list[str], list[str]]:
+def state_layout(model: torch.nn.Module) -> dict:
+    """A hybrid reference model's layer_types, conv_state and recurrent_state (export/lfm2.py); {} for the others,
+    whose every layer holds a key and a value."""
+    return model.state_layout() if hasattr(model, "state_layout") else {}
+
+
+def io_names(n_layer: int, io: IONames, layer_types: list[str] | None = None) -> tuple[list[str], list[str]]:
     """The graph's input and output names in _FlatDecoder's order."""
-    inputs = [io.input_ids, io.attention_mask, io.position_ids, *io.past_names(n_layer)]
-    return inputs, [io.logits, *io.present_names(n_layer)]
+    inputs = [io.input_ids, io.attention_mask, io.position_ids, *io.past_names(n_layer, layer_types)]
+    return inputs, [io.logits, *io.present_names(n_layer, layer_types)]
 
 
 class _FlatDecoder(torch.nn.Module):
-    """The model with flat tensor inputs and outputs, in the order of io_names()."""
+    """The model with flat tensor inputs and outputs, in the order of io_names(): each layer's cache tensors (key
+    and value, or a hybrid layer's states) one after another."""
 
     def __init__(self, model: torch.nn.Module, last_token_logits: bool):
         super().__init__()
         self.model = model
         self.last_token_logits = last_token_logits
+        kinds = state_layout(model).get("layer_types") or ["full_attention"] * model.config.n_layer
+        self.counts = [len(LAYER_STATES[kind]) for kind in kinds]
 
     def forward(self, input_ids, attention_mask, position_ids, *past_flat):
-        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
+        starts = [sum(self.counts[:i]) for i in range(len(self.counts))]
+        past = [tuple(past_flat[start : start + n]) for start, n in zip(starts, self.counts, strict=True)]
         logits, present = self.model(
             input_ids, attention_mask, position_ids, past, last_token_logits=self.last_token_logits
         )
@@ -77,12 +87,39 @@ def _share_tied_embedding(model: onnx.ModelProto) -> None:
             return
 
 
+# Placeholder nodes a reference model's torch.autograd.Function emits (its `symbolic`, domain "edgelm") for what
+# has no practical standard form, and ONNX Runtime's contrib op each becomes: op name -> (its attributes, the
+# positions of the optional inputs the placeholder leaves out). export/qwen35.py's gated delta rule.
+MICROSOFT_OPS = {"GatedDeltaNet": ({"update_rule": "gated_delta"}, (3,))}  # 3: cu_seqlens (uniform batches)
+
+
+def _microsoft_ops(model: onnx.ModelProto) -> None:
+    """The placeholders as com.microsoft nodes, the skipped optional inputs given as empty names."""
+    found = False
+    for node in model.graph.node:
+        if node.domain == "edgelm" and node.op_type in MICROSOFT_OPS:
+            attributes, skipped = MICROSOFT_OPS[node.op_type]
+            inputs = list(node.input)
+            for position in skipped:
+                inputs.insert(position, "")
+            del node.input[:]
+            node.input.extend(inputs)
+            node.domain = "com.microsoft"
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
+            found = True
+    imports = [o for o in model.opset_import if o.domain != "edgelm"]
+    del model.opset_import[:]
+    model.opset_import.extend(imports + ([helper.make_opsetid("com.microsoft", 1)] if found else []))
+
+
 def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_logits: bool = False) -> onnx.ModelProto:
     """The reference model traced to ONNX with the manifest's I/O names (`io`); a tied embedding is stored once
     (see _share_tied_embedding)."""
     config = model.config
     model = model.eval()
-    input_names, output_names = io_names(config.n_layer, io)
+    layout = state_layout(model)
+    layer_types = layout.get("layer_types")
+    input_names, output_names = io_names(config.n_layer, io, layer_types)
     # Trace with distinct sizes (batch 2, 3 new tokens, 5 past) so no axis is mistaken for another.
     batch, seq, past = 2, 3, 5
     dummy = [
@@ -90,8 +127,13 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
         torch.ones(batch, past + seq, dtype=torch.long),
         torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous(),
     ]
-    for _ in range(config.n_layer):
-        dummy += [torch.zeros(batch, config.n_kv_head, past, config.head_dim) for _ in range(2)]
+    shapes = {
+        "key": (batch, config.n_kv_head, past, config.head_dim),
+        "value": (batch, config.n_kv_head, past, config.head_dim),
+    }
+    shapes |= {kind: (batch, *layout[f"{kind}_state"]) for kind in ("conv", "recurrent") if f"{kind}_state" in layout}
+    kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
+    dummy += [torch.zeros(shapes[kind]) for kind in kinds]
     ids, mask, positions = input_names[:3]
     dynamic_axes = {
         ids: {0: "batch_size", 1: "sequence_length"},
@@ -99,10 +141,14 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
         positions: {0: "batch_size", 1: "sequence_length"},
         output_names[0]: {0: "batch_size", 1: "sequence_length"} if not last_token_logits else {0: "batch_size"},
     }
-    for name in input_names[3:]:
-        dynamic_axes[name] = {0: "batch_size", 2: "past_sequence_length"}
-    for name in output_names[1:]:
-        dynamic_axes[name] = {0: "batch_size", 2: "total_sequence_length"}
+    for name, kind in zip(input_names[3:], kinds, strict=True):
+        dynamic_axes[name] = (
+            {0: "batch_size", 2: "past_sequence_length"} if kind in ("key", "value") else {0: "batch_size"}
+        )
+    for name, kind in zip(output_names[1:], kinds, strict=True):
+        dynamic_axes[name] = (
+            {0: "batch_size", 2: "total_sequence_length"} if kind in ("key", "value") else {0: "batch_size"}
+        )
 
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
@@ -117,9 +163,12 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
             opset_version=opset,
             do_constant_folding=True,
             dynamo=False,
+            # the placeholders' domain, where a layer has one (a recurrent state's rule); torch warns of it otherwise
+            custom_opsets={"edgelm": 1} if "recurrent_state" in layout else None,
         )
         onnx_model = onnx.load(str(traced_path))  # loads external data too, if the exporter wrote any
 
+    _microsoft_ops(onnx_model)
     if config.tie_word_embeddings:
         _share_tied_embedding(onnx_model)
     return onnx_model

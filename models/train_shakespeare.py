@@ -1,6 +1,6 @@
 """Train the bundled default model: a small GPT-2 on Tiny Shakespeare, on the CPU.
 
-    python models/train_shakespeare.py --out models/shakespeare
+    python models/train_shakespeare.py --out models/shakespeare --overwrite
 
 Data: data/tinyshakespeare.txt (sha256 checked). The first 90% of the characters train; the last
 10% are held out, never seen by the tokenizer or the model. Tokenizer: byte-level BPE (GPT-2's
@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from edgelm.export.families.gpt2 import save_checkpoint
+from edgelm.export.families.gpt2 import check_checkpoint_output, save_checkpoint
 from edgelm.export.gpt2 import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
+OUT_FILES = ("tokenizer.json", "tokenizer_config.json", "training.json")  # beside config.json, model.safetensors
 DATA = REPO / "data" / "tinyshakespeare.txt"
 DATA_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 EOT = "<|endoftext|>"
@@ -100,6 +101,7 @@ def heldout_bits_per_byte(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "models" / "shakespeare"), help="checkpoint folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint's files in --out")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=8)
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args(argv)
+    check_checkpoint_output(args.out, extra=OUT_FILES, overwrite=args.overwrite)  # before training, not after
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -198,9 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     model.load_state_dict(best_state)
     model.config.dropout = 0.0  # the saved model is for inference
     out = Path(args.out)
-    save_checkpoint(model, out)
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
+    tokenizer_config = (
         json.dumps(
             {
                 "tokenizer_class": "GPT2TokenizerFast",
@@ -226,9 +227,14 @@ def main(argv: list[str] | None = None) -> None:
         "history": history,
         "hyperparameters": vars(args),
     }
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    files = {"tokenizer.json": tokenizer.to_str(pretty=True), "tokenizer_config.json": tokenizer_config,
+             "training.json": json.dumps(record, indent=2) + "\n"}  # fmt: skip
+    save_checkpoint(model, out, extra=files, overwrite=args.overwrite)
     print(f"wrote {out}: held-out {best_bpb:.4f} bits/byte, {wall / 60:.1f} min")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileExistsError) as e:  # an output refused before training: one line, no traceback
+        sys.exit(f"error: {e}")

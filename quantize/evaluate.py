@@ -158,6 +158,17 @@ def _windows(ids: Iterator[int], context: int, text_path: Path) -> Iterator[tupl
         first = context - stride  # the positions scored by an earlier window
 
 
+def _leading_special_ids(tokenizer) -> list[int]:
+    """The ids tokenizer.json's post-processor puts before a text (BOS, for tokenizers that add it), as
+    transformers' tokenizer.encode(text) and llama.cpp's perplexity tool start the text with them."""
+    bare = tokenizer.encode("x")
+    full = tokenizer.encode("x", add_special_tokens=True)
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start]
+    return []
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     logits = logits.astype(np.float64)
     logits -= logits.max(axis=-1, keepdims=True)
@@ -250,7 +261,7 @@ def evaluate_package(
             read[0] += len(text.encode("utf-8"))
             yield text
 
-    ids = token_stream(model.tokenizer, chunks())
+    ids = itertools.chain(_leading_special_ids(model.tokenizer), token_stream(model.tokenizer, chunks()))
     kept = None
     if max_tokens is not None:  # the bytes these cover: the decoded ids', as the text's first part
         kept = list(itertools.islice(ids, max_tokens + 1))

@@ -62,9 +62,13 @@ def _read_record(path: Path, slots: LoraSlots, *, verify: bool) -> AdapterRecord
             )
         return None
     try:
-        record = AdapterRecord.parse(json.loads(record_path.read_text(encoding="utf-8")), record_path.name)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{record_path.name} is not valid JSON: {e}") from None
+        data = json.loads(record_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested past Python's limit
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise AdapterError(f"{record_path.name} is not valid JSON: {reason}") from None
+    except OSError as e:
+        raise AdapterError(f"{record_path.name} cannot be read: {e.strerror or e}") from None
+    record = AdapterRecord.parse(data, record_path.name)
     if record.base_sha256 != slots.base_sha256:
         raise AdapterError(
             f"{path.name} was converted for another base model (weights {record.base_sha256[:12]}..., this package's "

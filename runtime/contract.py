@@ -30,6 +30,11 @@ GENAI_CONFIG_FILE = "genai_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # special tokens and chat template for transformers and genai
 KV_CACHE_KINDS = ("concat", "shared_buffer")
+# what a layer keeps between steps (architecture.layer_types, onnxruntime-genai's words): attention layers a KV
+# cache, convolution layers a convolution state, linear-attention layers a convolution and a recurrent state
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+LAYER_STATES = {"full_attention": ("key", "value"), "sliding_attention": ("key", "value"), "conv": ("conv",),
+                "linear_attention": ("conv", "recurrent")}  # fmt: skip
 KV_DTYPES = ("float32", "float16")
 LOGITS_TO_KEEP = "num_logits_to_keep"  # the fused graph's optional input name (IONames.logits_to_keep)
 
@@ -47,6 +52,11 @@ class IONames:
     past_value: str = "past_key_values.%d.value"
     present_key: str = "present.%d.key"
     present_value: str = "present.%d.value"
+    # a state layer's (architecture.layer_types): conv (B, *conv_state), recurrent (B, *recurrent_state)
+    past_conv: str = "past.%d.conv"
+    present_conv: str = "present.%d.conv"
+    past_recurrent: str = "past.%d.recurrent"
+    present_recurrent: str = "present.%d.recurrent"
     logits_to_keep: str | None = None  # optional scalar input: how many last positions get logits (0 = all)
     # "concat": past in, past + new out (left padding); "shared_buffer": one buffer per cache tensor bound
     # as both past and present, written in place at each row's length (right padding)
@@ -59,11 +69,18 @@ class IONames:
     def present(self, layer: int) -> tuple[str, str]:
         return self.present_key % layer, self.present_value % layer
 
-    def past_names(self, n_layer: int) -> list[str]:
-        return [name for layer in range(n_layer) for name in self.past(layer)]
+    def past_names(self, n_layer: int, layer_types: list[str] | None = None) -> list[str]:
+        """Every layer's cache inputs in order: key and value, or its states (layer_types: the architecture's)."""
+        return [getattr(self, f"past_{kind}") % i for i, kind in _layer_states(n_layer, layer_types)]
 
-    def present_names(self, n_layer: int) -> list[str]:
-        return [name for layer in range(n_layer) for name in self.present(layer)]
+    def present_names(self, n_layer: int, layer_types: list[str] | None = None) -> list[str]:
+        return [getattr(self, f"present_{kind}") % i for i, kind in _layer_states(n_layer, layer_types)]
+
+
+def _layer_states(n_layer: int, layer_types: list[str] | None) -> list[tuple[int, str]]:
+    """(layer, "key" / "value" / "conv" / "recurrent") for every cache tensor, in the graph's order."""
+    kinds = layer_types or ["full_attention"] * n_layer
+    return [(i, state) for i, kind in enumerate(kinds) for state in LAYER_STATES[kind]]
 
 
 @dataclass
@@ -80,6 +97,25 @@ class Architecture:
     head_dim: int
     details: dict = field(default_factory=dict)
     genai_type: str | None = None  # onnxruntime-genai's model type (the family's); None in packages before it
+    # hybrid models: per layer, a key of LAYER_STATES (None: every layer attention); a row's state shapes
+    layer_types: list[str] | None = None
+    conv_state: list[int] | None = None  # (channels, kernel - 1) of a convolution state
+    recurrent_state: list[int] | None = None  # (value heads, key head size, value head size)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layer keeps a state that folds tokens in (it cannot be cut back to any length)."""
+        return any(kind not in ATTENTION_LAYERS for kind in self.layer_types or ())
+
+    def cache_shape(self, kind: str, batch: int) -> tuple[int, ...]:
+        """An empty cache tensor of one kind ("key", "value", "conv", "recurrent") for `batch` rows."""
+        if kind in ("key", "value"):
+            return (batch, self.n_kv_head, 0, self.head_dim)
+        return (batch, *(self.conv_state if kind == "conv" else self.recurrent_state))
+
+    def cache_kinds(self) -> list[str]:
+        """The kind of every cache tensor, in past_names order."""
+        return [kind for _, kind in _layer_states(self.n_layer, self.layer_types)]
 
 
 @dataclass
@@ -159,6 +195,12 @@ class Manifest:
         for key in ("lora", "sampling"):  # packages without them keep the manifest they always had
             if data[key] is None:
                 del data[key]
+        for key in ("layer_types", "conv_state", "recurrent_state"):
+            if data["architecture"][key] is None:
+                del data["architecture"][key]
+        if self.architecture.layer_types is None:  # the state names only in hybrid packages' manifests
+            for name in ("past_conv", "present_conv", "past_recurrent", "present_recurrent"):
+                del data["io"][name]
         return data
 
     def derive(self, **changes) -> Manifest:
@@ -226,7 +268,32 @@ def _parse_architecture(arch: dict, where: str) -> Architecture:
         head_dim=integer(arch, "head_dim", where, minimum=1),
         details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
         genai_type=arch.get("genai_type") if isinstance(arch.get("genai_type"), str) else None,
+        **_parse_layers(arch, where),
     )
+
+
+def _parse_layers(arch: dict, where: str) -> dict:
+    """A hybrid model's layer_types and the state shapes its state layers need."""
+    kinds = arch.get("layer_types")
+    if kinds is None:
+        return {}
+    n_layer = arch["n_layer"]
+    if not isinstance(kinds, list) or len(kinds) != n_layer or not all(kind in LAYER_STATES for kind in kinds):
+        raise PackageError(f"{where}: layer_types must list {n_layer} of {', '.join(LAYER_STATES)}, got {kinds!r:.80}")
+    shapes = {}
+    for key, size, needed in (
+        ("conv_state", 2, {"conv", "linear_attention"}),
+        ("recurrent_state", 3, {"linear_attention"}),
+    ):
+        shape = arch.get(key)
+        if shape is None and not needed & set(kinds):
+            continue
+        if not isinstance(shape, list) or len(shape) != size:
+            raise PackageError(f"{where}: {key} must list {size} sizes, got {shape!r:.60}")
+        shapes[key] = [integer({key: n}, key, where, minimum=1) for n in shape]
+    if not any(kind in ATTENTION_LAYERS for kind in kinds):
+        raise PackageError(f"{where}: layer_types has no attention layer")
+    return {"layer_types": kinds, **shapes}
 
 
 def _parse_tokens(tok: dict, where: str) -> Tokens:
@@ -243,7 +310,8 @@ def _parse_tokens(tok: dict, where: str) -> Tokens:
 
 def _parse_io(io: dict, where: str) -> IONames:
     names = {f.name: f.default for f in fields(IONames)}
-    per_layer = ("past_key", "past_value", "present_key", "present_value")
+    per_layer = ("past_key", "past_value", "present_key", "present_value", "past_conv", "present_conv",
+                 "past_recurrent", "present_recurrent")  # fmt: skip
     optional = ("position_ids", "logits_to_keep")
     return IONames(
         **{
@@ -304,6 +372,15 @@ def _genai_decoder(manifest: Manifest) -> dict:
     if io.position_ids is not None:
         inputs["position_ids"] = io.position_ids
     inputs |= {"past_key_names": io.past_key, "past_value_names": io.past_value}
+    outputs = {"logits": io.logits, "present_key_names": io.present_key, "present_value_names": io.present_value}
+    states = {kind for _, kind in _layer_states(arch.n_layer, arch.layer_types)}
+    for kind in ("conv", "recurrent"):
+        if kind in states:
+            inputs[f"past_{kind}_names"] = getattr(io, f"past_{kind}")
+            outputs[f"present_{kind}_names"] = getattr(io, f"present_{kind}")
+    hybrid = {"layer_types": arch.layer_types} if arch.layer_types else {}
+    if arch.conv_state:
+        hybrid["conv_cache_size"] = arch.conv_state[1]
     return {
         "filename": manifest.model_file,
         "session_options": {
@@ -317,11 +394,8 @@ def _genai_decoder(manifest: Manifest) -> dict:
         "num_key_value_heads": arch.n_kv_head,
         "num_hidden_layers": arch.n_layer,
         "inputs": inputs,
-        "outputs": {
-            "logits": io.logits,
-            "present_key_names": io.present_key,
-            "present_value_names": io.present_value,
-        },
+        "outputs": outputs,
+        **hybrid,
     }
 
 

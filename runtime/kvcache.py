@@ -1,6 +1,7 @@
-"""The KV cache: how past keys and values move between decode steps, for the two kinds of graph.
+"""The KV cache: how past keys and values move between decode steps, for the two kinds of graph; and, for hybrid
+models (LFM2, Qwen3.5), the convolution and recurrent states beside them (StateCache, SharedStateCache).
 
-Both drivers implement the `Cache` protocol that the decode loops drive (gpt-fast's KVCache has one job too):
+Every driver implements the `Cache` protocol that the decode loops drive (gpt-fast's KVCache has one job too):
 
     cache = make_cache(model, prompts, capacity=...)
     logits = cache.prompt()          # (B, V): each row's last prompt position
@@ -66,7 +67,8 @@ def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -
     run, in present_names order, or None for an empty cache). Every row is unpadded."""
     spec = model.spec
     batch, length = input_ids.shape
-    past_length = 0 if past is None else past[0].shape[2]
+    kinds = spec.arch.cache_kinds()
+    past_length = 0 if past is None else past[kinds.index("key")].shape[2]
     feed = {
         spec.io.input_ids: input_ids.astype(np.int64),
         spec.io.attention_mask: np.ones((batch, past_length + length), dtype=np.int64),
@@ -75,9 +77,8 @@ def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -
         positions = np.arange(past_length, past_length + length, dtype=np.int64)
         feed[spec.io.position_ids] = np.broadcast_to(positions, (batch, length)).copy()
     if past is None:
-        empty = np.zeros((batch, spec.arch.n_kv_head, 0, spec.arch.head_dim), dtype=model.kv_dtype)
-        past = [empty] * (2 * spec.arch.n_layer)
-    feed.update(zip(spec.io.past_names(spec.arch.n_layer), past, strict=True))
+        past = [np.zeros(spec.arch.cache_shape(kind, batch), dtype=model.kv_dtype) for kind in kinds]
+    feed.update(zip(spec.io.past_names(spec.arch.n_layer, spec.arch.layer_types), past, strict=True))
     return feed
 
 
@@ -89,9 +90,15 @@ MAX_GENERATION_BYTES = 64 << 30
 
 
 def kv_cache_bytes(spec: PackageSpec, *, batch: int, capacity: int, itemsize: int = 4) -> int:
-    """Bytes of a (batch, n_kv_head, capacity, head_dim) key and value buffer for every layer."""
+    """Bytes of a (batch, n_kv_head, capacity, head_dim) key and value buffer for every attention layer, plus a
+    hybrid model's fixed-size states (which do not grow with the context)."""
     arch = spec.arch
-    return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
+    if arch.layer_types is None:
+        return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
+    kinds = arch.cache_kinds()
+    kv = kinds.count("key") * 2 * batch * arch.n_kv_head * capacity * arch.head_dim
+    states = sum(int(np.prod(arch.cache_shape(kind, batch))) for kind in kinds if kind in ("conv", "recurrent"))
+    return (kv + states) * itemsize
 
 
 def available_memory_bytes() -> int:
@@ -128,8 +135,15 @@ def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new
         )
 
 
+STATE_KINDS = ("conv", "recurrent")  # cache tensors that hold a state, not keys or values
+
+
 def make_cache(model: Runner, prompts: list[list[int]], *, capacity: int) -> Cache:
-    """The driver the package's graph wants (its manifest's io.kv_cache)."""
+    """The driver the package's graph wants (its manifest's io.kv_cache; a hybrid model's layer states)."""
+    if model.spec.arch.has_state:
+        if model.spec.io.kv_cache == "shared_buffer":
+            return SharedStateCache(model, prompts, capacity=capacity)
+        return StateCache(model, prompts)
     if model.spec.io.kv_cache == "shared_buffer":
         return SharedCache(model, prompts, capacity=capacity)
     return ConcatCache(model, prompts)
@@ -153,9 +167,9 @@ class ConcatCache:
         self.binding = model.session.io_binding()
 
     def _empty(self, batch: int) -> list[ort.OrtValue]:
-        arch = self.spec.arch
-        empty = np.zeros((batch, arch.n_kv_head, 0, arch.head_dim), dtype=self.model.kv_dtype)
-        return [ort.OrtValue.ortvalue_from_numpy(empty, self.model.device) for _ in range(2 * arch.n_layer)]
+        arch, device = self.spec.arch, self.model.device
+        shapes = [arch.cache_shape(kind, batch) for kind in arch.cache_kinds()]
+        return [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.model.kv_dtype), device) for shape in shapes]
 
     def prompt(self) -> np.ndarray:
         self.lengths += self.attention_mask.sum(axis=1)
@@ -195,15 +209,116 @@ class ConcatCache:
             # positions count real tokens only, so a left-padded row starts at 0 like an unpadded one
             positions = np.cumsum(self.attention_mask, axis=1)[:, -input_ids.shape[1] :] - 1
             binding.bind_cpu_input(io.position_ids, np.maximum(positions, 0).astype(np.int64))
-        for name, value in zip(io.past_names(self.spec.arch.n_layer), self.past, strict=True):
+        arch = self.spec.arch
+        for name, value in zip(io.past_names(arch.n_layer, arch.layer_types), self.past, strict=True):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output(io.logits, "cpu")
-        for name in io.present_names(self.spec.arch.n_layer):
+        for name in io.present_names(arch.n_layer, arch.layer_types):
             binding.bind_output(name, device)
         self.model.run(binding)
         outputs = binding.get_outputs()
         self.past = outputs[1:]
         return outputs[0].numpy()[:, -1, :] if last else outputs[0].numpy()  # (B, V) or (B, T, V)
+
+
+class _Snapshots:
+    """Rewinding a cache whose states fold every token in (a hybrid model's convolution and recurrent states),
+    for batch 1: snapshots of the states at the lengths where a turn or a multi-token step began or ended (the
+    prompt's end, before and after each `extend`; the latest MAX_SNAPSHOTS, and the empty state always), and the
+    ids the cache holds. `rewind_point(length)` is the longest snapshot <= length: a Conversation rewinds there
+    and feeds the rest itself. `rewind(length)` to any other length restores the snapshot before it and feeds
+    the ids between again, so speculative decoding's rollback of rejected guesses is exact too (one more run).
+    The attention layers' keys and values are cut as a KV cache's are. A driver supplies _read_states and
+    _write_states; the rest of the protocol is the KV driver it is mixed into."""
+
+    MAX_SNAPSHOTS = 16
+    lengths: np.ndarray
+
+    def _start_snapshots(self, prompts: list[list[int]]) -> None:
+        self.ids: list[int] = []  # batch 1: the ids the cache holds
+        self._prompt = list(prompts[0]) if len(prompts) == 1 else []
+        self.snapshots: dict[int, list[np.ndarray]] = {0: self._read_states()}
+        self._boundaries: set[int] = {0}  # snapshot lengths at turn boundaries (not a speculative step's)
+        self._transient: int | None = None  # the last speculative step's snapshot
+
+    def _read_states(self) -> list[np.ndarray]:
+        """Copies of the states, never views (OrtValue.numpy() may share a buffer that goes with the OrtValue)."""
+        raise NotImplementedError
+
+    def _write_states(self, arrays: list[np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _snapshot(self) -> None:
+        if len(self.lengths) != 1:
+            return
+        self.snapshots[int(self.lengths[0])] = self._read_states()
+        while len(self.snapshots) > self.MAX_SNAPSHOTS + 1:  # the oldest beyond the empty state goes first
+            del self.snapshots[min(k for k in self.snapshots if k)]
+
+    def prompt(self) -> np.ndarray:
+        logits = super().prompt()
+        self.ids = list(self._prompt)
+        self._snapshot()
+        self._boundaries.add(int(self.lengths[0]))
+        return logits
+
+    def next(self, next_ids: np.ndarray) -> np.ndarray:
+        if len(self.lengths) == 1:
+            self.ids.append(int(next_ids[0, 0]))
+        return super().next(next_ids)
+
+    def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
+        """A turn's tokens: snapshots before and after. A speculative step's guesses (all_logits): one snapshot
+        before, kept only until the next such step, so a long generation does not push the turns' out."""
+        if all_logits and self._transient in self.snapshots and self._transient not in self._boundaries:
+            del self.snapshots[self._transient]
+        self._snapshot()
+        self._transient = int(self.lengths[0]) if all_logits else None
+        if not all_logits:
+            self._boundaries.add(int(self.lengths[0]))
+        logits = super().extend(ids, all_logits=all_logits)
+        self.ids += ids
+        if not all_logits:
+            self._snapshot()
+            self._boundaries.add(int(self.lengths[0]))
+        return logits
+
+    def rewind_point(self, length: int) -> int:
+        length = max(0, min(length, int(self.lengths[0])))
+        return max(k for k in self.snapshots if k <= length)
+
+    def rewind(self, length: int) -> None:
+        assert len(self.lengths) == 1 and 0 <= length <= self.lengths[0], f"cannot rewind to {length}"
+        if length == self.lengths[0]:
+            return
+        point = self.rewind_point(length)
+        ids = self.ids[point:length]
+        super().rewind(point)  # the keys and values; the states are put back here
+        self._write_states(self.snapshots[point])
+        self.ids = self.ids[:point]
+        self.snapshots = {k: v for k, v in self.snapshots.items() if k <= point}
+        self._boundaries = {k for k in self._boundaries if k <= point}
+        if ids:  # fed again as a speculative step is: its snapshot transient, not a turn boundary
+            self.extend(ids, all_logits=True)
+
+
+class StateCache(_Snapshots, ConcatCache):
+    """A hybrid model's cache in the standard graph (left padding): KV for attention layers, and for the others
+    a convolution or recurrent state (rewound through _Snapshots). A left-padded row's state is exact: the
+    graph zeroes a padded position's input, which leaves an empty state empty."""
+
+    def __init__(self, model: Runner, prompts: list[list[int]]):
+        super().__init__(model, prompts)
+        kinds = self.spec.arch.cache_kinds()
+        self.states = [i for i, kind in enumerate(kinds) if kind in STATE_KINDS]  # indices into past
+        self._start_snapshots(prompts)
+
+    def _read_states(self) -> list[np.ndarray]:
+        return [np.array(self.past[i].numpy()) for i in self.states]
+
+    def _write_states(self, arrays: list[np.ndarray]) -> None:
+        for i, array in zip(self.states, arrays, strict=True):
+            self.past[i] = ort.OrtValue.ortvalue_from_numpy(np.array(array), self.model.device)
 
 
 class SharedCache:
@@ -229,6 +344,7 @@ class SharedCache:
         self.step_ids = np.zeros((batch, 1), dtype=np.int64)
         self.step_positions = np.zeros((batch, 1), dtype=np.int64)
         self.logits = np.empty((batch, 1, spec.arch.vocab_size), dtype=model.logits_dtype)
+        self.state_pairs: list[list[ort.OrtValue]] = []  # a hybrid's states: [past, present], swapped after a run
         self._allocate(batch, capacity)
 
     def _allocate(self, batch: int, capacity: int, old: list[ort.OrtValue] | None = None) -> None:
@@ -238,18 +354,39 @@ class SharedCache:
         binding = self.binding = model.session.io_binding()
         binding.bind_output(io.logits, "cpu")  # bound first: a prompt's logits are get_outputs()[0]
         shape = (batch, arch.n_kv_head, capacity, arch.head_dim)
-        past, present = io.past_names(arch.n_layer), io.present_names(arch.n_layer)
-        self.buffers = []
-        for i, (past_name, present_name) in enumerate(zip(past, present, strict=True)):
+        past, present = io.past_names(arch.n_layer, arch.layer_types), io.present_names(arch.n_layer, arch.layer_types)
+        self.buffers, self.state_names, pairs = [], [], []
+        for past_name, present_name, kind in zip(past, present, arch.cache_kinds(), strict=True):
+            if kind in STATE_KINDS:  # fixed size: kept as they are when the buffers grow
+                state_shape = arch.cache_shape(kind, batch)
+                new = [ort.OrtValue.ortvalue_from_numpy(np.zeros(state_shape, model.kv_dtype), model.device)]
+                new.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(state_shape, model.kv_dtype), model.device))
+                pairs.append(self.state_pairs[len(pairs)] if old is not None else new)
+                self.state_names.append((past_name, present_name))
+                continue
             array = np.zeros(shape, model.kv_dtype)
             if old is not None:
-                kept = old[i].numpy()[:, :, : min(capacity, old[i].shape()[2])]
+                kept = old[len(self.buffers)].numpy()[:, :, : min(capacity, old[len(self.buffers)].shape()[2])]
                 array[:, :, : kept.shape[2]] = kept
             self.buffers.append(ort.OrtValue.ortvalue_from_numpy(array, model.device))
             binding.bind_ortvalue_input(past_name, self.buffers[-1])
             binding.bind_ortvalue_output(present_name, self.buffers[-1])
+        self.state_pairs = pairs
+        self._bind_states()
         self.mask = (np.arange(capacity)[None, :] < self.lengths[:, None]).astype(np.int64)  # (B, capacity)
         self._decode_bound = False
+
+    def _bind_states(self) -> None:
+        for (past_name, present_name), (past, present) in zip(self.state_names, self.state_pairs, strict=True):
+            self.binding.bind_ortvalue_input(past_name, past)
+            self.binding.bind_ortvalue_output(present_name, present)
+
+    def _run(self) -> None:
+        """Run the bound step; a state's present becomes the next step's past."""
+        self.model.run(self.binding)
+        if self.state_pairs:
+            self.state_pairs = [[present, past] for past, present in self.state_pairs]
+            self._bind_states()
 
     def prompt(self) -> np.ndarray:
         batch, width = self.input_ids.shape
@@ -294,7 +431,7 @@ class SharedCache:
         if self.keep:
             binding.bind_ortvalue_input(io.logits_to_keep, self.keep[1 if keep_last else 0])
         binding.bind_output(io.logits, "cpu")
-        self.model.run(binding)
+        self._run()
         self._decode_bound = False  # the next decode step binds its own arrays again
         return binding.get_outputs()[0].numpy()  # (B, T or 1, V)
 
@@ -318,5 +455,35 @@ class SharedCache:
         self.step_positions[:, 0] = self.lengths  # the new token's position is the row's current length
         self.mask[self.rows, self.lengths] = 1
         self.lengths += 1
-        self.model.run(binding)
+        self._run()
         return self.logits[:, -1, :]
+
+
+class SharedStateCache(_Snapshots, SharedCache):
+    """A hybrid model's cache in the fused graph: the attention layers' shared KV buffers, each state as two
+    buffers bound as past and present in turn (a state is replaced, not appended), rewound through _Snapshots.
+    Right padding would fold a shorter row's padding into its state, so a batch of unequal prompts is prefilled
+    row by row, each its own run, and then decoded together: a decode step feeds every row one real token."""
+
+    def __init__(self, model: Runner, prompts: list[list[int]], *, capacity: int):
+        super().__init__(model, prompts, capacity=capacity)
+        self.prompts = prompts
+        self._start_snapshots(prompts)
+
+    def _read_states(self) -> list[np.ndarray]:
+        return [np.array(past.numpy()) for past, _ in self.state_pairs]
+
+    def _write_states(self, arrays: list[np.ndarray]) -> None:
+        for (past, _), array in zip(self.state_pairs, arrays, strict=True):
+            past.update_inplace(np.ascontiguousarray(array))
+
+    def prompt(self) -> np.ndarray:
+        if len(set(self.lengths.tolist())) == 1:
+            return super().prompt()
+        rows = [SharedStateCache(self.model, [ids], capacity=self.capacity) for ids in self.prompts]
+        logits = np.concatenate([row.prompt() for row in rows])
+        for i, buffer in enumerate(self.buffers):
+            buffer.update_inplace(np.concatenate([row.buffers[i].numpy() for row in rows]))
+        states = zip(*(row._read_states() for row in rows), strict=True)  # per state, every row's
+        self._write_states([np.concatenate(arrays) for arrays in states])
+        return logits

@@ -26,7 +26,7 @@ import numpy as np
 
 from .adapters import AdapterMixin
 from .decode import DecodeState, GenerationOptions, decode, decode_texts, generation_options, text_pieces
-from .errors import ContextLengthError, InvalidInputError, PackageError, ProviderError
+from .errors import ContextLengthError, InvalidInputError, InvalidParameterError, PackageError, ProviderError
 from .kvcache import plain_feed
 from .onnx_external import external_data_locations
 from .package import PackageSpec, read_package
@@ -132,7 +132,8 @@ class Model(AdapterMixin):
         """One plain run, for evaluation and calibration: input_ids (B, T) after `past` (the present
         list of the previous call, or None for an empty cache). Returns logits (B, T, V) for every
         position (the graph's default) and the present keys/values. adapter: a loaded LoRA adapter's name."""
-        names = [self.spec.io.logits, *self.spec.io.present_names(self.spec.arch.n_layer)]
+        arch = self.spec.arch
+        names = [self.spec.io.logits, *self.spec.io.present_names(arch.n_layer, arch.layer_types)]
         feed = plain_feed(self, input_ids, past) | ({} if adapter is None else self._adapter(adapter).arrays)
         try:
             outputs = self.session.run(names, feed)
@@ -197,8 +198,12 @@ class Model(AdapterMixin):
 
     # ---- input handling ------------------------------------------------------------------------
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Text or token ids -> validated token ids (an empty prompt becomes [BOS] when there is one)."""
+    def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Text or token ids -> validated token ids (an empty prompt becomes [BOS] when there is one). Text gets
+        the special tokens the tokenizer adds (BOS where its add_bos_token says so: docs/tokenization.md) unless
+        add_special_tokens is False; token ids are taken as they are."""
+        if not isinstance(add_special_tokens, bool):
+            raise InvalidParameterError(f"add_special_tokens must be True or False, got {add_special_tokens!r}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidInputError("this package has no tokenizer.json: pass token ids instead of text")
@@ -206,7 +211,7 @@ class Model(AdapterMixin):
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad UTF-16 decode
                 raise InvalidInputError(f"the prompt is not valid Unicode text: {e.reason} at {e.start}") from None
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
                 raise InvalidInputError(f"a token-id array must be one-dimensional, got shape {prompt.shape}")
@@ -255,8 +260,14 @@ class Model(AdapterMixin):
         """Validate generation options once (TypeError for an unknown name, InvalidParameterError for a bad value)."""
         return generation_options(max_new_tokens, options, tokenizer=self.tokenizer, runner=self)
 
-    def _encode_all(self, prompts: Sequence[str | Sequence[int]], options: GenerationOptions) -> list[list[int]]:
-        return [self._fit_context(self.encode(p), options.max_new_tokens, options.truncate_prompt) for p in prompts]
+    def _encode_all(
+        self, prompts: Sequence[str | Sequence[int]], options: GenerationOptions, add_special_tokens: bool
+    ) -> list[list[int]]:
+        return [
+            self._fit_context(self.encode(p, add_special_tokens=add_special_tokens), options.max_new_tokens,
+                              options.truncate_prompt)
+            for p in prompts
+        ]  # fmt: skip
 
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64, **options: Any
@@ -266,15 +277,17 @@ class Model(AdapterMixin):
         truncate_prompt, ignore_eos (keep generating past EOS, for benchmarks), speculative ("lookup", a draft
         package or Model: runtime/speculative.py; a batch of several prompts decodes plainly). Row r samples with
         seed + r; greedy output equals running each prompt alone, except with dynamic/static int8 packages, whose
-        activation scale spans the batch (README, "Batches"). adapter: a loaded LoRA adapter's name, None = base."""
+        activation scale spans the batch (README, "Batches"). adapter: a loaded LoRA adapter's name, None = base.
+        add_special_tokens: False tokenizes text prompts without the BOS the tokenizer adds (docs/tokenization.md)."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
         runner = self.runner(options.pop("adapter", None))
+        add_special_tokens = options.pop("add_special_tokens", True)
         checked = generation_options(
             max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self, rows=len(prompts)
         )
-        encoded = self._encode_all(prompts, checked)
+        encoded = self._encode_all(prompts, checked, add_special_tokens)
         state = DecodeState.start(len(encoded))
         generated, texts = decode_texts(runner, encoded, state, checked, self.tokenizer)
         ended = time.perf_counter()
@@ -300,8 +313,9 @@ class Model(AdapterMixin):
         Options are validated here, before the first piece is asked for."""
         started = time.perf_counter()
         runner = self.runner(options.pop("adapter", None))
+        add_special_tokens = options.pop("add_special_tokens", True)
         checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="stream()", runner=self)
-        (ids,) = self._encode_all([prompt], checked)
+        (ids,) = self._encode_all([prompt], checked, add_special_tokens)
         if self.tokenizer is None:
             raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
         stream: Stream

@@ -115,9 +115,10 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
     described = {"edgelm": MANIFEST_FILE, "genai": GENAI_CONFIG_FILE}.get(spec.kind, HF_CONFIG_FILE)  # the JSON
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
-    if 2 * arch.n_layer > len(inputs):  # before building 2 * n_layer names: n_layer may be huge
+    # before building 2 * n_layer names: n_layer may be huge (a hybrid's layer_types is a list the JSON holds)
+    if (2 * arch.n_layer if arch.layer_types is None else len(arch.cache_kinds())) > len(inputs):
         raise PackageError(f"{described} says {arch.n_layer} layers, but {name} has only {len(inputs)} inputs")
-    past, present = io.past_names(arch.n_layer), io.present_names(arch.n_layer)
+    past, present = io.past_names(arch.n_layer, arch.layer_types), io.present_names(arch.n_layer, arch.layer_types)
     needed_in = [io.input_ids, io.attention_mask, *past]
     needed_out = [io.logits, *present]
     missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
@@ -139,8 +140,15 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
         raise PackageError(f"{name} has inputs {described} does not name: {', '.join(unbound[:3])}")
     # fixed axes must agree with the JSON: caches (B, n_kv_head, T, head_dim), logits (B, T, vocab)
     agrees = lambda dim, expected: not isinstance(dim, int) or dim == expected  # a symbolic axis always does
-    for n in past + present:
+    for n, kind in zip(past + present, 2 * arch.cache_kinds(), strict=True):
         shape = inputs[n].shape if n in inputs else outputs[n].shape
+        if kind not in ("key", "value"):  # a state: (batch, *the manifest's state shape)
+            expected = arch.cache_shape(kind, 1)[1:]
+            if len(shape) != 1 + len(expected) or not all(map(agrees, shape[1:], expected)):
+                raise PackageError(
+                    f"{n} in {name} has shape {shape}; {described} says (batch, {', '.join(map(str, expected))})"
+                )
+            continue
         if len(shape) != 4 or not (agrees(shape[1], arch.n_kv_head) and agrees(shape[3], arch.head_dim)):
             raise PackageError(
                 f"{n} in {name} has shape {shape}; {described} says (batch, {arch.n_kv_head}, length, {arch.head_dim})"

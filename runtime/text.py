@@ -29,8 +29,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """text -> ids. add_special_tokens: what tokenizer.json's post-processor adds around them (BOS, for
+        tokenizers whose add_bos_token is true), as transformers' tokenizer.encode(text) and llama.cpp do for a
+        text prompt; a chat template writes its own."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """encode(text), with each id's (start, end) character span in text."""

@@ -39,23 +39,29 @@ def make_chat_folder(
     seed: int = 0,
     vocab: int | None = None,
     extra_special: tuple[str, ...] = (),
+    family: str = "llama",
 ) -> Path:
-    """A Llama checkpoint folder: random weights, the tokenizer above (with extra_special control tokens after the
-    others), tests/data/chat_templates/<template>.jinja or a path to a template (no template for template=""),
-    EOS ids [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's; default: the tokenizer's)."""
+    """A Llama checkpoint folder (or family="lfm2": LFM2, convolution and attention layers alternating): random
+    weights, the tokenizer above (with extra_special control tokens after the others),
+    tests/data/chat_templates/<template>.jinja or a path to a template (no template for template=""), EOS ids
+    [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's; default: the tokenizer's)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    shared = dict(
         vocab_size=vocab or VOCAB + len(extra_special), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=layers,
-        intermediate_size=128, max_position_embeddings=context, rope_theta=1e4, rms_norm_eps=1e-5,
-        bos_token_id=BEGIN, eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
+        num_hidden_layers=layers, intermediate_size=128, max_position_embeddings=context, bos_token_id=BEGIN,
+        eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
         initializer_range=0.1,  # not near-uniform logits: a wrong position or cache would change the tokens
     )  # fmt: skip
+    if family == "lfm2":
+        kinds = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**shared, layer_types=kinds))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shared, rope_theta=1e4, rms_norm_eps=1e-5))
     folder.mkdir(parents=True, exist_ok=True)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    model.eval().save_pretrained(folder)
     make_tokenizer(folder, extra_special)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))

@@ -8,7 +8,9 @@ GPT-2's Conv1D weights as (out, in), Gemma's norms as 1 + w, a tied head left ou
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +30,28 @@ SMALL = dict(
 )  # fmt: skip
 GPT2 = dict(vocab_size=2048, n_embd=96, n_head=6, n_layer=2, n_positions=128, bos_token_id=EOS, eos_token_id=EOS,
             pad_token_id=EOS, initializer_range=0.15)  # fmt: skip
+LFM2 = dict(
+    vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+    intermediate_size=128, max_position_embeddings=128, layer_types=["conv", "full_attention"] * 2,
+    bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
+)  # fmt: skip
+# 2 key heads shared by 4 value heads, key and value head sizes apart (a swapped axis shows); attention heads of 64,
+# a quarter rotated: 16, the least GroupQueryAttention's partial rotary takes
+QWEN35 = dict(
+    vocab_size=2048, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
+    intermediate_size=128, max_position_embeddings=128, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2,
+    bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.15,
+)  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}  # fmt: skip
+PHI3 = SMALL | dict(
+    hidden_size=128, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, sliding_window=None,
+    rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.05 * i for i in range(12)], "long_factor": [1.0 + 0.5 * i for i in range(12)],
+    },
+)  # fmt: skip
 PROMPTS = [  # three lengths: the padded batch
     [5, 99, 1200, 7, 640, 33, 1800, 412, 77],
     [300, 12, 2001, 5],
@@ -44,14 +66,15 @@ class Case:
     config: dict
     gguf: bool = False  # also exported from a GGUF file of the same weights
     image_text_of: str | None = None  # Gemma 3's image-and-text folder holding this case's text model
+    graphs: tuple[str, ...] = ("fused", "standard")  # the graphs its row builds
 
 
 CASES = {
     "gpt2": Case("gpt2", ("GPT2Config", "GPT2LMHeadModel"), GPT2, gguf=True),
-    # llama3 scaling with original context 32: no GGUF (llama.cpp keeps Llama 3's usual parameters only;
-    # Llama GGUF files: tests/test_gguf_export.py)
+    # llama3 scaling with original context 32, not Llama 3's usual 8192: its GGUF holds the scaling as llama.cpp's
+    # converter writes it, rope_freqs.weight (more Llama GGUF files: tests/test_gguf_export.py)
     "llama-llama3-tied": Case("llama", ("LlamaConfig", "LlamaForCausalLM"), SMALL | dict(rope_scaling=LLAMA3,
-                              tie_word_embeddings=True)),  # fmt: skip
+                              tie_word_embeddings=True), gguf=True),  # fmt: skip
     "qwen2-biases-untied": Case("qwen2", ("Qwen2Config", "Qwen2ForCausalLM"), SMALL | dict(tie_word_embeddings=False),
                                 gguf=True),  # fmt: skip
     "mistral-untied": Case("mistral", ("MistralConfig", "MistralForCausalLM"), SMALL | dict(tie_word_embeddings=False,
@@ -74,9 +97,37 @@ CASES = {
         ),
         gguf=True,
     ),
+    # four layers: the fourth takes no positions (NoPE), as llama.cpp's fixed interval says
+    "smollm3": Case("smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM"), SMALL | dict(num_hidden_layers=4,
+                    tie_word_embeddings=True), gguf=True),  # fmt: skip
+    # multipliers away from 1 (Granite 3's own values but the attention scale, which is head_dim ** -0.5 there)
+    "granite": Case("granite", ("GraniteConfig", "GraniteForCausalLM"), SMALL | dict(tie_word_embeddings=False,
+                    embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
+                    logits_scaling=2.5, initializer_range=0.05), gguf=True),  # fmt: skip
+    # the dense Granite 4.0's layout: attention layers only, no experts, the MLP as shared_mlp
+    "granitemoehybrid": Case(
+        "granitemoehybrid",
+        ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+        SMALL | dict(
+            tie_word_embeddings=False, embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
+            logits_scaling=2.5, layer_types=["attention"] * 2, num_local_experts=0, num_experts_per_tok=0,
+            shared_intermediate_size=128, position_embedding_type="rope", mamba_n_heads=2,
+        ),
+    ),
+    # Phi-4-mini's parts: packed qkv_proj and gate_up_proj, rotary on 3/4 of each head, LongRoPE: an original
+    # context of 64 (every test sequence within it: the short factors) or of 3 (every one past it: the long ones);
+    # tests/test_phi3.py goes past it while generating
+    "phi3-longrope-short": Case("phi3", ("Phi3Config", "Phi3ForCausalLM"), PHI3 | dict(
+                                original_max_position_embeddings=64), gguf=True),  # fmt: skip
+    "phi3-longrope-long": Case("phi3", ("Phi3Config", "Phi3ForCausalLM"), PHI3 | dict(
+                               original_max_position_embeddings=3), gguf=True),  # fmt: skip
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
     # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
+    # short convolutions (kernel 3: a state of 2 columns) and attention layers
+    "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True),
+    # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
+    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35),
 }  # fmt: skip
 
 
@@ -97,7 +148,9 @@ class Families:
                 hf, text_folder = self.model(spec.image_text_of)
                 self._models[case] = (hf, write_image_text_folder(text_folder, self.root / case))
             else:
-                self._models[case] = (save_random_model(self.root / case, spec.classes, spec.config), self.root / case)
+                # a deep copy: transformers writes into a config's rope_parameters, which cases may share
+                config = copy.deepcopy(spec.config)
+                self._models[case] = (save_random_model(self.root / case, spec.classes, config), self.root / case)
         return self._models[case]
 
     def gguf(self, case: str) -> Path:
@@ -165,6 +218,7 @@ GEMMA_NAMES = LLAMA_NAMES | {  # Gemma's norms around attention and the MLP
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+PHI3_NAMES = LLAMA_NAMES | {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 GPT2_NAMES = {
     "ln_1.weight": "attn_norm.weight", "ln_1.bias": "attn_norm.bias", "attn.c_attn.weight": "attn_qkv.weight",
     "attn.c_attn.bias": "attn_qkv.bias", "attn.c_proj.weight": "attn_output.weight",
@@ -172,12 +226,24 @@ GPT2_NAMES = {
     "mlp.c_fc.weight": "ffn_up.weight", "mlp.c_fc.bias": "ffn_up.bias", "mlp.c_proj.weight": "ffn_down.weight",
     "mlp.c_proj.bias": "ffn_down.bias",
 }  # fmt: skip
+LFM2_NAMES = {  # llama.cpp's LFM2 names (gguf-py's tensor map)
+    "operator_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight", "conv.conv.weight": "shortconv.conv.weight",
+    "conv.in_proj.weight": "shortconv.in_proj.weight", "conv.out_proj.weight": "shortconv.out_proj.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.out_proj.weight": "attn_output.weight",
+    "self_attn.q_layernorm.weight": "attn_q_norm.weight", "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+}  # fmt: skip
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
     "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
-    "lm_head.weight": "output.weight",
+    "lm_head.weight": "output.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
 }  # fmt: skip
+
+
+PERMUTED = ("llama", "smollm3", "granite")  # architectures whose converter (Llama's) permutes the Q/K rows
 
 
 def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -191,6 +257,25 @@ def _gguf_name(name: str, names: dict) -> str:
             layer, rest = name.removeprefix(prefix).split(".", 1)
             return f"blk.{layer}.{names[rest]}"
     return GLOBAL_NAMES[name]
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it from a llama3 rope scaling (convert_hf_to_gguf.py,
+    LlamaModel.generate_extra_tensors): each frequency's divisor."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _write_metadata(writer, c, arch: str) -> None:
@@ -212,7 +297,29 @@ def _write_metadata(writer, c, arch: str) -> None:
         writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
     if arch == "gemma3":
         writer.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+    if arch == "granite":  # what llama.cpp's GraniteModel converter adds
+        writer.add_float32("granite.attention.scale", c.attention_multiplier)
+        writer.add_float32("granite.embedding_scale", c.embedding_multiplier)
+        writer.add_float32("granite.residual_scale", c.residual_multiplier)
+        writer.add_float32("granite.logit_scale", c.logits_scaling)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+
+
+def _write_phi3_extras(writer, c) -> None:
+    """What llama.cpp's Phi3MiniModel converter adds: the rotary width, the original context, LongRoPE's attention
+    factor (from max / original) and its factors as tensors."""
+    import math
+
+    rope, original = c.rope_parameters, c.original_max_position_embeddings
+    writer.add_uint32(
+        "phi3.rope.dimension_count", int(rope["partial_rotary_factor"] * c.hidden_size) // c.num_attention_heads
+    )
+    writer.add_uint32("phi3.rope.scaling.original_context_length", original)
+    writer.add_uint32("phi3.attention.sliding_window", 0)
+    scale = c.max_position_embeddings / original
+    writer.add_float32("phi3.rope.scaling.attn_factor", math.sqrt(1 + math.log(scale) / math.log(original)))
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _write_gpt2_metadata(writer, c) -> None:
@@ -224,6 +331,25 @@ def _write_gpt2_metadata(writer, c) -> None:
     writer.add_float32("gpt2.attention.layer_norm_epsilon", c.layer_norm_epsilon)
 
 
+def _write_lfm2_metadata(writer, c) -> None:
+    """What conversion/lfm2.py writes: head_count_kv per layer (0 for a convolution layer), the MLP width after
+    block_auto_adjust_ff_dim, shortconv.l_cache."""
+    from edgelm.export.families.lfm2 import intermediate_size
+
+    writer.add_uint32("lfm2.context_length", c.max_position_embeddings)
+    writer.add_uint32("lfm2.embedding_length", c.hidden_size)
+    writer.add_uint32("lfm2.feed_forward_length", intermediate_size(c.to_dict()))
+    writer.add_uint32("lfm2.block_count", c.num_hidden_layers)
+    writer.add_uint32("lfm2.attention.head_count", c.num_attention_heads)
+    writer.add_array(
+        "lfm2.attention.head_count_kv", [c.num_key_value_heads if t != "conv" else 0 for t in c.layer_types]
+    )
+    writer.add_float32("lfm2.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_uint32("lfm2.vocab_size", c.vocab_size)
+    writer.add_uint32("lfm2.shortconv.l_cache", c.conv_L_cache)
+    writer.add_float32("lfm2.attention.layer_norm_rms_epsilon", c.norm_eps)
+
+
 def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
     """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys)."""
     import gguf
@@ -231,9 +357,12 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
 
     c = hf.config
     arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
-    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES}.get(arch, LLAMA_NAMES)
+    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES, "phi3": PHI3_NAMES, "lfm2": LFM2_NAMES}.get(arch, LLAMA_NAMES)
     writer = gguf.GGUFWriter(path, arch)
-    _write_gpt2_metadata(writer, c) if arch == "gpt2" else _write_metadata(writer, c, arch)
+    metadata = {"gpt2": _write_gpt2_metadata, "lfm2": _write_lfm2_metadata}
+    metadata[arch](writer, c) if arch in metadata else _write_metadata(writer, c, arch)
+    if arch == "phi3":
+        _write_phi3_extras(writer, c)
     for name, tensor in hf.state_dict().items():
         tied_head = name == "lm_head.weight" and c.tie_word_embeddings
         mask_buffer = name.endswith(("attn.bias", "attn.masked_bias")) and not name.endswith("c_attn.bias")
@@ -242,10 +371,18 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
         weight = tensor.float().numpy()
         if arch == "gpt2" and weight.ndim == 2 and ".h." in name:
             weight = weight.T  # Conv1D (in, out), stored (out, in)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "lfm2" and name.endswith("conv.conv.weight"):
+            weight = weight.squeeze(1)  # "conv op requires 2d tensor"
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = _permute(weight, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(weight) + np.float32(shift))
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor(
+            "rope_freqs.weight",
+            llama3_rope_factors(rope, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads),
+        )
     _add_tokenizer(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

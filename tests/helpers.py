@@ -114,9 +114,13 @@ def genai_greedy(folder: Path, prompt: list[int], new_tokens: int) -> list[int]:
     return sequence[len(prompt) :]
 
 
-def rewrite_gguf(source: Path, target: Path, changes: dict, *, add: Callable | None = None) -> Path:
+def rewrite_gguf(
+    source: Path, target: Path, changes: dict, *, add: Callable | None = None, tensors: dict | None = None
+) -> Path:
     """The GGUF file `source` with metadata `changes` applied: key -> (value, type) or (value, ARRAY, item type),
-    None removes it; then `add(writer)`, if given, writes more keys. Tensors are copied as they are."""
+    None removes it; then `add(writer)`, if given, writes more keys (and tensors, first). Tensors are copied as
+    they are but those `tensors` names: name -> its new float array (written F32), None removes it."""
+    tensors = tensors or {}
     from gguf import GGUFReader, GGUFWriter
 
     reader = GGUFReader(source)
@@ -132,7 +136,10 @@ def rewrite_gguf(source: Path, target: Path, changes: dict, *, add: Callable | N
     if add is not None:
         add(writer)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        if tensor.name not in tensors:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        elif tensors[tensor.name] is not None:
+            writer.add_tensor(tensor.name, np.asarray(tensors[tensor.name], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,12 +1,15 @@
 """The desktop example (examples/desktop/app.py) on a virtual X display: a two-turn chat on a package
 with a chat template (screenshot), a reply stopped mid-way, New chat; text completion on a package
-without one; bad input shown in the window instead of raised. Drives the app in-process through its
-buttons and pumps Tk's event loop by hand, as mainloop() would. With EDGELM_SCREENSHOTS=DIR set, the
-chat's screenshot is also copied there (docs/desktop-chat.png comes from it)."""
+without one; bad input shown in the window instead of raised; tools, Thinking and typed tool results.
+Drives the app in-process through its buttons and pumps Tk's event loop by hand, as mainloop() would.
+With EDGELM_SCREENSHOTS=DIR set, the chat's screenshot is also copied there (docs/desktop-chat.png comes
+from it). The app's pure helpers (the tools file, a tool call's line, a piece's parts) are tested without
+a display."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -22,16 +25,22 @@ STEP_DELAY_S = 0.02  # see SlowSession below
 SCREENSHOTS = os.environ.get("EDGELM_SCREENSHOTS")
 
 tkinter = pytest.importorskip("tkinter", reason="tkinter is not installed (Debian: apt-get install python3-tk)")
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("Xvfb") and shutil.which("import") and shutil.which("identify")),
-    reason="needs Xvfb and ImageMagick's import/identify (Debian: apt-get install xvfb imagemagick)",
-)
+HAS_DISPLAY_TOOLS = bool(shutil.which("Xvfb") and shutil.which("import") and shutil.which("identify"))
+
+
+def load_app_module():
+    spec = importlib.util.spec_from_file_location("desktop_app", APP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def display(tmp_path_factory) -> Iterator[str]:
     """A private Xvfb server. -displayfd makes Xvfb pick a free display number itself and write it
     to the pipe once it accepts connections, so there is neither a guessed number nor a sleep."""
+    if not HAS_DISPLAY_TOOLS:
+        pytest.skip("needs Xvfb and ImageMagick's import/identify (Debian: apt-get install xvfb imagemagick)")
     log = tmp_path_factory.mktemp("xvfb") / "xvfb.log"  # a file, not a pipe nobody reads that could fill up
     read_end, write_end = os.pipe()
     with open(log, "wb") as log_file:
@@ -62,9 +71,7 @@ def display(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture
 def app(display):
-    spec = importlib.util.spec_from_file_location("desktop_app", APP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_app_module()
     root = tkinter.Tk()
     root.geometry("800x500+0+0")
     # Tk prints exceptions raised in callbacks and carries on; collect them so the test can fail on one
@@ -317,3 +324,100 @@ def test_adapter_menu_on_a_package_with_lora_slots(app, chat_package, tmp_path):
     assert app.conversation.last_turn.adapter_switched and "prefilled again" in app.status_text
     app.load_adapter(str(tmp_path / "missing.onnx_adapter"))
     assert app.status_text.startswith("Error:") and app.model.adapters == ["pirate"]
+
+
+# ---- tools and reasoning (issue 37) ----------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tools_file_tool_call_line_and_piece_parts(tmp_path):
+    """Without a display: the tools file is read as `edgelm chat --tools` reads it, a call's line, the tool
+    message, and a streamed piece split into reasoning, content and tool call lines."""
+    from edgelm.runtime import Piece, ToolCall
+
+    module = load_app_module()
+    good = tmp_path / "tools.json"
+    good.write_text(json.dumps([WEATHER]))
+    assert module.read_tools(str(good)) == [WEATHER]
+    for name, text, expected in [
+        ("object.json", json.dumps(WEATHER), "must hold a list of tool specs"),
+        ("broken.json", "[{", "is not JSON"),
+        ("number.json", "[3]", "tool 0 is a int"),
+    ]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=expected):
+            module.read_tools(str(tmp_path / name))
+    with pytest.raises(ValueError, match="does not exist"):
+        module.read_tools(str(tmp_path / "missing.json"))
+
+    call = ToolCall("call_1", "get_weather", {"city": "Zürich"})
+    assert module.tool_call_line(call) == '→ get_weather({"city": "Zürich"})'
+    assert module.tool_message(call, "sunny") == {
+        "role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny",
+    }  # fmt: skip
+    piece = Piece("</think>Let me check.<tool_call>...</tool_call>", "Let me check.", "hmm", [call])
+    assert module.piece_parts(piece) == [
+        ("hmm", "reasoning"), ("Let me check.", ""), ('\n→ get_weather({"city": "Zürich"})\n', "tool"),
+    ]  # fmt: skip
+    assert module.piece_parts(Piece("<think>", "", "")) == []  # markup held back: nothing to show yet
+    assert module.piece_parts("plain text") == [("plain text", "")]  # text completion's pieces
+
+
+@pytest.fixture(scope="module")
+def qwen3_package(tmp_path_factory) -> Path:
+    """The tiny chat model with Qwen3's template: tools, <think> reasoning and enable_thinking."""
+    template = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"
+    # context 1024: the tool spec alone is some 300 tokens of the Shakespeare tokenizer
+    return make_chat_package(tmp_path_factory.mktemp("desktop-qwen3") / "fused", template=str(template), context=1024)
+
+
+def test_tools_thinking_and_typed_tool_results(app, chat_package, qwen3_package, tmp_path):
+    """Tools... gives the template its tools and Thinking its enable_thinking (the prompt equals the runtime's
+    rendering with both); a reply's tool calls make the next messages their results, sent together as
+    role "tool" messages once each call has one."""
+    from edgelm.runtime import ToolCall
+    from edgelm.runtime.template import chat_prompt_ids
+
+    load_tiny(app, chat_package, "chat")
+    assert str(app.thinking_box["state"]) == "disabled", "smollm2's template does not read enable_thinking"
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    app.load_tools(str(tmp_path / "missing.json"))
+    assert app.status_text.startswith("Error:") and app.tools is None
+    load_tiny(app, qwen3_package, "chat")
+    assert str(app.thinking_box["state"]) == "normal"
+    app.load_tools(str(tools))
+    assert app.conversation.tools == [WEATHER] and "get_weather" in app.tools_label["text"]
+    app.thinking.set(False)
+    set_input(app, "", max_new_tokens="6", temperature="0", top_k="0", top_p="1.0", seed="")
+    app.system_prompt.set("")
+    send(app, "Weather in Paris?")
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    expected = chat_prompt_ids(
+        app.conversation.template, app.model.tokenizer, messages, tools=[WEATHER], enable_thinking=False
+    )
+    assert app.last_result.prompt_token_ids == expected
+
+    # as if the reply had called two tools: the first result waits, the second sends both
+    calls = [ToolCall("call_1", "get_weather", {"city": "Paris"}), ToolCall("call_2", "get_weather", {"city": "Rome"})]
+    app.pending_calls = list(calls)
+    app.input.insert("1.0", "sunny")
+    app.send_button.invoke()
+    assert not app.is_generating and app.pending_calls == calls[1:], app.status_text
+    assert 'get_weather({"city": "Rome"})' in app.status_text
+    assert app.history_text().endswith("Result of get_weather\nsunny\n\n")
+    send(app, "rain")
+    assert app.pending_calls == [] and app.last_result.finish_reason in ("length", "eos")
+    assert app.conversation.messages[-3:-1] == [
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "name": "get_weather", "content": "rain"},
+    ]
+    assert "Result of get_weather\nrain\n\nAssistant\n" in app.history_text()

@@ -461,3 +461,31 @@ def test_cli_export_bad_input(checkpoint, tmp_path, problem):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("edgelm export: error:")
     assert out.exists() == (problem == "out-dir-exists")
+
+
+def test_save_checkpoint_is_staged_and_refuses_what_export_refuses(tmp_path):
+    """models/train_shakespeare.py's checkpoint goes through the package writer: a symlinked folder or file is
+    never written through, existing files are replaced only with overwrite, and the extra files come along."""
+    model = GPT(GPTConfig(**TINY, bos_token_id=0, eos_token_id=0)).eval()
+    save_checkpoint(model, tmp_path / "ckpt", extra={"training.json": "{}\n"})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "training.json",
+    ]
+    before = (tmp_path / "ckpt" / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        save_checkpoint(model, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == before
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="symlink"):
+        save_checkpoint(model, tmp_path / "link", overwrite=True)
+    (tmp_path / "ckpt" / "config.json").unlink()
+    (tmp_path / "ckpt" / "config.json").symlink_to(tmp_path / "elsewhere" / "target.json")
+    with pytest.raises(ValueError, match="symlink"):
+        save_checkpoint(model, tmp_path / "ckpt", overwrite=True)
+    assert not list((tmp_path / "elsewhere").iterdir())
+    (tmp_path / "ckpt" / "config.json").unlink()
+    save_checkpoint(model, tmp_path / "ckpt", overwrite=True)
+    assert load_checkpoint(tmp_path / "ckpt").config.n_layer == model.config.n_layer

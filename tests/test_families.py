@@ -18,7 +18,7 @@ from edgelm.export.families import FAMILIES
 from edgelm.runtime import load
 
 TOLERANCE = 1e-4
-RUNS = [(case, source) for case in sorted(CASES) for source in ("fused", "standard", *(("gguf",) * CASES[case].gguf))]
+RUNS = [(case, source) for case in sorted(CASES) for source in (*CASES[case].graphs, *(("gguf",) * CASES[case].gguf))]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,7 +44,8 @@ def test_logits_equal_transformers(case, source, families):
     difference = float(np.abs(logits - reference).max())
     print(f"{case} {source}: max |logit difference| {difference:.2e}")
     assert difference < TOLERANCE
-    assert present[0].shape[1] == kv_heads(hf.config)  # the cache holds the KV heads only
+    key = model.spec.arch.cache_kinds().index("key")  # a hybrid model's first layers may hold a state
+    assert present[key].shape[1] == kv_heads(hf.config)  # the cache holds the KV heads only
 
 
 @pytest.mark.parametrize("case,source", RUNS)
@@ -71,10 +72,22 @@ def test_reference_model_equals_transformers(case, families):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_onnxruntime_genai_runs_the_package(case, families):
-    package = families.package(case, "fused")
+    package = families.package(case, CASES[case].graphs[0])
     genai = json.loads((package / "genai_config.json").read_text())
     assert genai["model"]["type"] == FAMILIES[CASES[case].model_type].genai_type
     assert genai["model"]["decoder"]["num_key_value_heads"] == kv_heads(families.model(case)[0].config)
     for prompt, tokens in zip(PROMPTS[:2], families.expected(case)[:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
         assert genai_greedy(package, prompt, NEW_TOKENS) == tokens
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma4"])
+def test_gemma4_is_refused_naming_what_is_missing(model_type):
+    from edgelm.export.checkpoint import CheckpointError
+    from edgelm.export.families import family_for, gguf_family
+    from edgelm.export.gguf_metadata import GGUFError
+
+    with pytest.raises(CheckpointError, match="global_head_dim.*num_kv_shared_layers"):
+        family_for(model_type)
+    with pytest.raises(GGUFError, match="global_head_dim"):
+        gguf_family("gemma4")

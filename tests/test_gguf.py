@@ -3,6 +3,7 @@ transformers' GGUF loader, with numpy and with an onnxruntime MatMulNBits node; 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import time
@@ -296,6 +297,39 @@ def _offset_of(data: bytes, name: bytes, offset: int) -> bytes:  # output_norm.w
     return _patched(data, _tensor_info_offset(data, name) + 4 + 8 + 4, "<Q", offset)
 
 
+def _alias(data: bytes, name: bytes, other: bytes) -> bytes:  # 1-D tensor `name` given the data offset of `other`
+    offset = struct.unpack_from("<Q", data, _tensor_info_offset(data, other) + 4 + 8 + 4)[0]
+    return _offset_of(data, name, offset)
+
+
+def _layers_aliasing_layer_0(data: bytes, layers: int) -> bytes:
+    """The file rewritten to claim `layers` layers whose tensors all point at layer 0's bytes (its data section
+    kept as it is): a small file asking for `layers` layers' work."""
+    import tempfile
+
+    from edgelm.export.gguf_header import read_header
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "v.gguf").write_bytes(data)
+        header = read_header(Path(folder) / "v.gguf")
+    data_start = min(t.start for t in header.tensors)
+    first = data.index(struct.pack("<Q", len(b"token_embd.weight")) + b"token_embd.weight")
+    kv = bytearray(data[24:first])
+    count_at = kv.index(b"llama.block_count") + len(b"llama.block_count") + 4
+    struct.pack_into("<I", kv, count_at, layers)
+    infos = bytearray()
+    entries = [t for t in header.tensors if not t.name.startswith("blk.")]
+    layer_0 = [t for t in header.tensors if t.name.startswith("blk.0.")]
+    for i in range(layers):
+        entries += [dataclasses.replace(t, name=t.name.replace("blk.0.", f"blk.{i}.", 1)) for t in layer_0]
+    for t in entries:
+        name = t.name.encode()
+        infos += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.dims))
+        infos += struct.pack(f"<{len(t.dims)}Q", *t.dims) + struct.pack("<IQ", int(t.tensor_type), t.start - data_start)
+    head = data[:8] + struct.pack("<QQ", len(entries), struct.unpack_from("<Q", data, 16)[0]) + bytes(kv) + bytes(infos)
+    return head + bytes(-len(head) % 32) + data[data_start:]
+
+
 HOSTILE = {
     "empty": (lambda d: b"", "too short"),
     "bad magic": (lambda d: b"GGML" + d[4:], "bad magic"),
@@ -313,6 +347,19 @@ HOSTILE = {
         lambda d: _patched(d, _tensor_info_offset(d, b"output_norm.weight") + 12, "<I", int(Q.I32)),
         "type I32",
     ),
+    "overlapping tensors": (
+        lambda d: _alias(d, b"blk.1.attn_norm.weight", b"blk.0.attn_norm.weight"),
+        "tensors blk.0.attn_norm.weight and blk.1.attn_norm.weight overlap",
+    ),
+    "overlapping part of a tensor": (
+        lambda d: _offset_of(
+            d,
+            b"output_norm.weight",
+            struct.unpack_from("<Q", d, _tensor_info_offset(d, b"blk.1.attn_norm.weight") + 16)[0] + 64,
+        ),
+        "blk.1.attn_norm.weight and output_norm.weight overlap",
+    ),
+    "400 layers aliasing layer 0": (lambda d: _layers_aliasing_layer_0(d, 400), "overlap"),
     "missing tensor": (lambda d: d.replace(b"output_norm.weight", b"output_nurm.weight"), "output_norm.weight"),
     "unknown architecture": (lambda d: d.replace(b"llama", b"mamba"), "architecture 'mamba'"),
 }
@@ -338,31 +385,44 @@ def test_missing_file_is_file_not_found(tmp_path):
 
 
 def test_fuzzed_files_fail_cleanly(valid_bytes, tmp_path):
+    """Random byte mutations of a small valid file, through everything export does before it builds a graph
+    (read, dequantize every tensor, build and check the reference model, make the Decoder with the kept blocks):
+    either it all works or one documented one-line error (GGUFError, CheckpointError) comes, in bounded time.
+    Export's later steps read only what these made (the metadata values themselves: tests/test_gguf_metadata.py)."""
     hypothesis = pytest.importorskip("hypothesis")
+    from edgelm.export.checkpoint import CheckpointError, check_finite
+    from edgelm.export.source import open_source
+
     st = hypothesis.strategies
     size = len(valid_bytes)
     header = valid_bytes.index(b"output_norm.weight") + 64  # most flips land in the metadata and tensor table
+    outcomes = []
 
     @hypothesis.settings(max_examples=100, deadline=None, database=None)
     @hypothesis.given(
         flips=st.lists(st.tuples(st.integers(0, header), st.integers(0, 255)), max_size=4),
+        data_flips=st.lists(st.tuples(st.integers(header, size - 1), st.integers(0, 255)), max_size=2),
         cut=st.one_of(st.none(), st.integers(0, size)),
     )
-    def check(flips, cut):
+    def check(flips, data_flips, cut):
         data = bytearray(valid_bytes)
-        for offset, value in flips:
+        for offset, value in flips + data_flips:
             data[offset] = value
         path = tmp_path / "fuzz.gguf"
         path.write_bytes(bytes(data[:cut]))
         start = time.perf_counter()
         try:
-            model = read_gguf(path)
-            model.tensor(model.tensor_names[-1])
-        except GGUFError as error:
+            source = open_source(path)
+            check_finite(source.model, source.name)
+            source.family.decoder(source.model, blocks=source.blocks)
+            outcomes.append("built")
+        except (GGUFError, CheckpointError) as error:
             assert "\n" not in str(error)
+            outcomes.append(type(error).__name__)
         assert time.perf_counter() - start < 10
 
     check()
+    assert "built" in outcomes and "GGUFError" in outcomes, outcomes  # both ends reached
 
 
 # --- SmolLM2-135M-Instruct (the real file, fetched from PyPI and cached) ------------------------------------------

@@ -124,3 +124,93 @@ def test_hostile_gguf_cli_one_line_error_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hostile.gguf" in err and "past the end" in err, err
     assert set(tmp_path.iterdir()) == before, "nothing written"
+
+
+def test_over_the_tolerance_names_the_flags_that_export_it(tmp_path, capsys, monkeypatch):
+    """A valid file whose int8 activations move logits past the default tolerance: the one-line error names
+    --accuracy-level 0 and --tolerance, and each of them then exports it."""
+    import edgelm.export.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "INT8_ACTIVATION_TOLERANCE", 1e-9)  # "just over" on this tiny model
+    path = write_gguf(tmp_path, "llama", kinds=KEEP_KINDS, tied=True)
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max |logit difference|" in err, err
+    assert "round activations to int8: `edgelm export --accuracy-level 0` keeps them float" in err, err
+    tolerance = err.split("`edgelm export --tolerance ")[1].split("`")[0]
+    assert float(tolerance) > float(err.split("max |logit difference| ")[1].split(" ")[0])
+    assert not (tmp_path / "out").exists()
+    assert main(["export", str(path), str(tmp_path / "float"), "--accuracy-level", "0"]) == 0
+    assert main(["export", str(path), str(tmp_path / "int8"), "--tolerance", tolerance]) == 0
+
+
+def test_over_the_tolerance_in_the_api_names_its_arguments(tmp_path, monkeypatch):
+    import edgelm.export.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "PARITY_TOLERANCE", 1e-12)  # a float package
+    path = write_gguf(tmp_path, "llama", kinds=(Q.F32,))
+    with pytest.raises(RuntimeError, match=r"if the model is right, export_package\(tolerance=\S+\) allows") as info:
+        export_package(path, tmp_path / "out", progress=quiet)
+    assert "accuracy_level" not in str(info.value)  # nothing kept: the accuracy level changes nothing
+
+
+# --- rope_freqs.weight: llama.cpp's per-frequency divisors, whatever rule made them ---------------------------
+
+ODD_FACTORS = np.array([1.0, 0.5, 3.0, 1.7, 8.0, 2.5, 40.0, 1.25], np.float32)  # no llama3 parameters make these
+
+
+@pytest.fixture(scope="module")
+def odd_rope(tmp_path_factory):
+    """A tiny Llama GGUF with linear scaling 2 and rope_freqs.weight ODD_FACTORS, and the transformers Llama of
+    the same weights whose rotary frequencies are divided the same way (llama.cpp's rope with freq_factors)."""
+    import torch
+    from family_cases import SMALL
+    from family_cases import write_gguf as write_model_gguf
+    from gguf import GGUFValueType as V
+    from helpers import rewrite_gguf, save_random_model
+
+    folder = tmp_path_factory.mktemp("odd-rope")
+    hf = save_random_model(folder / "hf", ("LlamaConfig", "LlamaForCausalLM"), SMALL | dict(tie_word_embeddings=True))
+    linear = {"llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (2.0, V.FLOAT32)}
+    path = rewrite_gguf(
+        write_model_gguf(hf, folder / "plain.gguf"), folder / "odd.gguf", linear,
+        add=lambda writer: writer.add_tensor("rope_freqs.weight", ODD_FACTORS),
+    )  # fmt: skip
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    assert head_dim == 2 * len(ODD_FACTORS)
+    base = 1.0 / (SMALL["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    hf.model.rotary_emb.inv_freq = base / 2.0 / torch.from_numpy(ODD_FACTORS)
+    return hf, path
+
+
+def _hf_logits(hf, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.from_numpy(ids)).logits.numpy()
+
+
+@pytest.mark.parametrize("attention", ["fused", "standard"])
+def test_rope_freqs_factors_are_the_files_own(odd_rope, attention, tmp_path):
+    hf, path = odd_rope
+    manifest = export_package(path, tmp_path / "pkg", attention=attention, progress=quiet)
+    assert manifest["architecture"]["details"]["rope_freq_factors"] == ODD_FACTORS.tolist()
+    ids = np.array([[5, 99, 1200, 7, 640, 33, 1800, 412, 77, 21, 90]], dtype=np.int64)
+    logits, _ = load(tmp_path / "pkg", provider="cpu").forward(ids)
+    assert np.abs(logits - _hf_logits(hf, ids)).max() < 1e-4
+
+
+def test_rope_freqs_factors_in_the_reference_model(odd_rope):
+    import torch
+
+    from edgelm.export.source import open_source
+
+    hf, path = odd_rope
+    ids = np.array([[5, 99, 1200, 7, 640, 33, 1800, 412, 77, 21, 90]], dtype=np.int64)
+    expected = _hf_logits(hf, ids)
+    with torch.no_grad():
+        ours = open_source(path).model(torch.from_numpy(ids))[0].numpy()
+    assert np.abs(ours - expected).max() < 1e-4
+    hf.model.rotary_emb.inv_freq = hf.model.rotary_emb.inv_freq * torch.from_numpy(ODD_FACTORS)  # factors left out
+    assert np.abs(ours - _hf_logits(hf, ids)).max() > 1e-2, "the factors change these logits"
+    hf.model.rotary_emb.inv_freq = hf.model.rotary_emb.inv_freq / torch.from_numpy(ODD_FACTORS)

@@ -109,6 +109,75 @@ def test_bad_metadata_is_a_one_line_error(name, tiny, tmp_path):
     assert expected in message, message
 
 
+# tensor of the wrong rank: (architecture, tensor, its values' new shape from the old, what the error must say)
+WRONG_RANK = {
+    "1-D token_embd": ("llama", "token_embd.weight", lambda s: (-1,), f"token_embd.weight has shape ({VOCAB * 64},), "),
+    "1-D gpt2 token_embd": ("gpt2", "token_embd.weight", lambda s: (-1,), "expected (vocabulary, 64)"),
+    "3-D token_embd": ("llama", "token_embd.weight", lambda s: (1, *s), f"shape (1, {VOCAB}, 64), expected (vocab"),
+    "1-D attn_q": ("llama", "blk.0.attn_q.weight", lambda s: (-1,), "blk.0.attn_q.weight has shape (4096,), expected"),
+    "2-D norm": ("llama", "output_norm.weight", lambda s: (1, -1), "output_norm.weight has shape (1, 64), expected"),
+    "2-D gpt2 position_embd": ("gpt2", "position_embd.weight", lambda s: (2, -1), "has shape (2, 32768), expected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_RANK))
+def test_tensor_of_the_wrong_rank_is_a_one_line_error(case, tiny, tmp_path):
+    arch, name, shape, expected = WRONG_RANK[case]
+    values = next(t for t in gguf.GGUFReader(tiny[arch]).tensors if t.name == name).data
+    values = np.asarray(values, dtype=np.float32)
+    path = rewrite_gguf(tiny[arch], tmp_path / "rank.gguf", {}, tensors={name: values.reshape(shape(values.shape))})
+    with pytest.raises(GGUFError) as info:
+        read_gguf(path)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_one_dimensional_token_embd_exits_1(tiny, tmp_path, capsys):
+    values = np.asarray(next(t for t in gguf.GGUFReader(tiny["llama"]).tensors if t.name == "token_embd.weight").data)
+    path = rewrite_gguf(tiny["llama"], tmp_path / "flat.gguf", {}, tensors={"token_embd.weight": values.reshape(-1)})
+    assert main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err == f"edgelm export: error: flat.gguf: tensor token_embd.weight has shape ({values.size},), expected "
+        "(vocabulary, 64)\n"
+    )
+
+
+# rope_freqs.weight (head_dim 16: 8 factors) -> what the one-line error must say
+BAD_ROPE_FREQS = {
+    "4 factors": (np.ones(4), "has shape (4,), expected (8,)"),
+    "2-D": (np.ones((2, 8)), "has shape (2, 8), expected (8,)"),
+    "a zero factor": (np.array([1, 0, 1, 1, 1, 1, 1, 1]), "not positive finite numbers"),
+    "a negative factor": (np.array([1, 1, 1, 1, 1, 1, 1, -8]), "not positive finite numbers"),
+    "a NaN factor": (np.array([1, 1, NAN, 1, 1, 1, 1, 1]), "not positive finite numbers"),
+    "an infinite factor": (np.array([np.inf, 1, 1, 1, 1, 1, 1, 1]), "not positive finite numbers"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROPE_FREQS))
+def test_bad_rope_freqs_is_a_one_line_error(case, tiny, tmp_path):
+    factors, expected = BAD_ROPE_FREQS[case]
+    add = lambda writer: writer.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))  # noqa: E731
+    path = rewrite_gguf(tiny["llama"], tmp_path / "freqs.gguf", {}, add=add)
+    with pytest.raises(GGUFError, match=r"^freqs\.gguf: tensor rope_freqs\.weight ") as info:
+        read_gguf(path)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_rope_freqs_outside_llama_files_is_an_unexpected_tensor(arch, tiny, tmp_path):
+    """llama.cpp reads rope_freqs.weight in Llama files only (its Qwen2 and Gemma 3 ropes take no factors)."""
+    from family_cases import Families
+
+    if arch == "qwen2":
+        source = write_gguf(tmp_path, "qwen2")
+    else:
+        source = Families(tmp_path).gguf("gemma3_text")
+    add = lambda writer: writer.add_tensor("rope_freqs.weight", np.ones(16, np.float32))  # noqa: E731
+    path = rewrite_gguf(source, tmp_path / "freqs.gguf", {}, add=add)
+    with pytest.raises(GGUFError, match=f"unexpected tensor rope_freqs.weight for architecture {arch}"):
+        read_gguf(path)
+
+
 def test_tokenizer_larger_than_embedding_is_refused(tiny, tmp_path):
     path = rewrite_gguf(tiny["llama"], tmp_path / "bad.gguf", _tokens_plus(tiny["llama"], 3))
     with pytest.raises(GGUFError, match=f"the tokenizer has {VOCAB + 3} tokens but token_embd.weight only {VOCAB}"):

@@ -4,6 +4,7 @@ mismatch, another base's adapter, a tampered or truncated file, NaN weights."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -150,3 +151,52 @@ def test_cli_errors_are_one_line(setup, tmp_path):
         done = edgelm(*args)
         assert done.returncode == 1, args
         assert len(done.stderr.strip().splitlines()) == 1 and "error:" in done.stderr, (args, done.stderr)
+
+
+def _tree(folder: Path) -> dict:
+    """Every entry under folder (symlinks not followed): its bytes, or where a symlink points."""
+    return {
+        str(p.relative_to(folder)): (f"-> {p.readlink()}" if p.is_symlink() else p.read_bytes() if p.is_file() else "")
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_convert_writes_through_the_staged_writer(setup, tmp_path):
+    """`adapter convert` writes OUT and OUT.json as export writes packages: never through a symlink, never over an
+    existing file without --overwrite, never inside an input, no staging folder left; nothing changes on refusal."""
+    root = setup["root"]
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    cases = {  # name: (prepare(out), message)
+        "symlink OUT": (lambda out: out.symlink_to(victim), "symlink"),
+        "dangling symlink OUT": (lambda out: out.symlink_to(tmp_path / "nowhere"), "symlink"),
+        "symlink OUT.json": (lambda out: Path(f"{out}.json").symlink_to(victim), "symlink"),
+        "existing OUT": (lambda out: out.write_text("old adapter"), "already exists"),
+        "existing OUT.json": (lambda out: Path(f"{out}.json").write_text("old record"), "already exists"),
+        "OUT a folder": (lambda out: out.mkdir(), "not a regular file"),
+    }
+    for index, (case, (prepare, message)) in enumerate(cases.items()):
+        folder = tmp_path / f"case{index}"
+        folder.mkdir()
+        out = folder / "a.onnx_adapter"
+        prepare(out)
+        before = _tree(tmp_path)
+        with pytest.raises((ValueError, FileExistsError), match=message):
+            convert_adapter(root / "good", root / "pkg", out)
+        assert _tree(tmp_path) == before, case
+    package_before = _tree(root / "pkg")
+    with pytest.raises(ValueError, match="lies inside the input"):
+        convert_adapter(root / "good", root / "pkg", root / "pkg" / "a.onnx_adapter")
+    with pytest.raises(ValueError, match="lies inside the input"):
+        convert_adapter(root / "good", root / "pkg", root / "good" / "a.onnx_adapter")
+    assert _tree(root / "pkg") == package_before
+    out = tmp_path / "case3" / "a.onnx_adapter"  # "existing OUT", replaced on request
+    convert_adapter(root / "good", root / "pkg", out, overwrite=True)
+    assert out.read_bytes() == setup["good"].read_bytes()
+    assert json.loads(Path(f"{out}.json").read_text()) == json.loads(Path(f"{setup['good']}.json").read_text())
+    assert victim.read_text() == "keep me"
+    assert not [p for p in tmp_path.rglob(".edgelm-staging-*")]
+    for case in ("case0", "case4"):  # symlink OUT, existing OUT.json
+        done = edgelm("adapter", "convert", root / "good", root / "pkg", tmp_path / case / "a.onnx_adapter")
+        assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert victim.read_text() == "keep me" and (tmp_path / "case4" / "a.onnx_adapter.json").read_text() == "old record"

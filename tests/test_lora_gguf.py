@@ -77,3 +77,32 @@ def test_slots_on_kept_blocks(files):
     if not (root / "deq").exists():
         export_package(files["gguf"], root / "deq", dequantize=True, lora=[(files["adapter"], 1.0)], progress=quiet)
     assert np.abs(_logits(root / "slots", adapter) - _logits(root / "deq")).max() < 1e-3
+
+
+def test_lm_head_adapter_on_a_tied_gguf(files, tmp_path):
+    """An lm_head LoRA on a tied file: the head is untied (fp32, with the adapter), the embedding keeps the file's
+    values: the kept-blocks package gives the --dequantize one's logits, and those are the base's with only the
+    head changed (the same prompt's logits through a head-only delta)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    folder = tmp_path / "head"
+    folder.mkdir()
+    export_package(files["gguf"], tmp_path / "deq-base", dequantize=True, accuracy_level=0, progress=quiet)
+    vocab = load(tmp_path / "deq-base", provider="cpu").vocab_size
+    a = rng.standard_normal((2, HIDDEN)).astype(np.float32) * 0.2
+    b = rng.standard_normal((vocab, 2)).astype(np.float32) * 0.2
+    save_file({"base_model.model.lm_head.lora_A.weight": a, "base_model.model.lm_head.lora_B.weight": b},
+              str(folder / "adapter_model.safetensors"))  # fmt: skip
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["lm_head"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    kw = dict(accuracy_level=0, progress=quiet, lora=[(folder, 1.0)])
+    export_package(files["gguf"], tmp_path / "kept", **kw)
+    export_package(files["gguf"], tmp_path / "deq", dequantize=True, **kw)
+    merged = _logits(tmp_path / "deq")
+    assert np.abs(_logits(tmp_path / "kept") - merged).max() < 1e-3
+    # a head-only change adds hidden @ A.T @ B.T: every position's difference lies in B's 2 columns' span (a changed
+    # embedding would move the hidden states, and the difference would span the head's own columns)
+    difference = (merged - _logits(tmp_path / "deq-base")).astype(np.float64)  # (T, V) = hidden @ A.T @ B.T
+    coefficients, *_ = np.linalg.lstsq(b.astype(np.float64), difference.T, rcond=None)
+    assert np.abs(b @ coefficients - difference.T).max() < 1e-3 < np.abs(difference).max()

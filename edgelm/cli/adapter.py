@@ -25,13 +25,14 @@ def add_parser(sub) -> None:
     convert.add_argument("package", help="the package with LoRA slots the adapter is for")
     convert.add_argument("out", help="the .onnx_adapter file to write (and OUT.json beside it)")
     convert.add_argument("--scale", type=float, default=1.0, help="multiply the adapter by this (default 1)")
+    convert.add_argument("--overwrite", action="store_true", help="replace OUT and OUT.json if they exist")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from edgelm.export.lora import convert_adapter
 
-    out = convert_adapter(args.adapter_dir, args.package, args.out, scale=args.scale)
+    out = convert_adapter(args.adapter_dir, args.package, args.out, scale=args.scale, overwrite=args.overwrite)
     print(f"wrote {out} and {out.name}.json")
     return 0
 

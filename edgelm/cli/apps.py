@@ -36,6 +36,10 @@ def _json_file(what: str, kind: type):
     return parse
 
 
+# `--tools FILE`: a JSON list of tool specs; raises argparse.ArgumentTypeError (examples/desktop/app.py uses it too)
+read_tools_file = _json_file("a list of tool specs", list)
+
+
 def template_var(text: str) -> tuple[str, Any]:
     """KEY=VALUE, VALUE read as JSON when it is JSON (true, 3, {"a": 1}) and as a string otherwise."""
     key, equals, value = text.partition("=")
@@ -51,7 +55,7 @@ def add_chat_inputs(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("template inputs")
     g.add_argument(
         "--tools",
-        type=_json_file("a list of tool specs", list),
+        type=read_tools_file,
         default=None,
         metavar="FILE",
         help='a JSON list of tools ({"type": "function", "function": {"name", "description", "parameters"}}) for '

@@ -24,6 +24,12 @@ def add_parser(sub) -> None:
     )
     add_model_argument(p)
     p.add_argument("prompt", help="the prompt text ('' starts from the BOS token)")
+    p.add_argument(
+        "--no-bos",
+        action="store_true",
+        help="tokenize the prompt without the BOS (or other special tokens) the tokenizer adds to text "
+        "(add_special_tokens=False; see docs/tokenization.md)",
+    )
     add_sampling(p)
     add_speculative(p)
     add_structured(p)
@@ -37,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     model = open_model(args)
     adapter = load_adapter(model, args.adapter, verify=not args.no_verify)
     options = sampling_options(args) | structured_options(args) | {"adapter": adapter}
+    options["add_special_tokens"] = not args.no_bos
     if args.json:
         result = model.generate(args.prompt, args.max_new_tokens, **options)
         print(to_json(result.to_dict(), ensure_ascii=False))

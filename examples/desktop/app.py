@@ -1,6 +1,7 @@
 """A small desktop chat app: Tkinter (stdlib) + edgelm.runtime, nothing else.
 
     python examples/desktop/app.py [--package PATH] [--provider cpu|cuda|auto] [--threads N] [--adapter FILE]
+                                   [--tools FILE] [--template-var KEY=VALUE]
 
 A package with a chat template gets a chat: a history view, a message box, Send, Stop and New chat, and
 a Conversation (runtime/chat.py) that keeps its KV cache between turns, so a follow-up message is
@@ -17,18 +18,29 @@ ends within one step (and stays in the conversation as far as it got).
 A package with LoRA slots (`edgelm export --lora-slots`) gets an Adapter menu beside Load: "(base)" and the
 .onnx_adapter files added with Add... (or --adapter); each message runs with the adapter chosen, and a chat
 whose adapter changes is prefilled again under the new one (runtime/adapters.py).
+
+Tools and reasoning (docs/apps.md): Tools... (or --tools FILE, the JSON list of tool specs `edgelm chat --tools`
+reads) gives the chat's template its tools. A reply's reasoning (Qwen3's, SmolLM3's <think>) shows greyed apart
+from its answer, and each tool call it makes as a line `→ get_weather({"city": "Paris"})`; the next messages
+typed are then the calls' results, one per call, sent back as `role: "tool"` messages (New chat drops pending
+calls). Thinking is the template's enable_thinking, offered when the chat template reads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import queue
 import threading
 import tkinter as tk
 from tkinter import filedialog, ttk
 
-from edgelm.runtime import EdgelmError, GenerationResult, Model, load
+from edgelm.cli.apps import add_chat_inputs, chat_inputs, read_tools_file
+from edgelm.runtime import EdgelmError, GenerationResult, Model, ToolCall, load
+from edgelm.runtime.chat import template_variables
 from edgelm.runtime.chat_defaults import CHAT_SAMPLING, model_chat_sampling
+from edgelm.runtime.tools import tool_name, tool_specs
 
 POLL_MS = 30  # how often the UI thread drains the worker's queue: fast enough to look live
 
@@ -48,6 +60,34 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 BASE_ADAPTER = "(base)"  # the adapter menu's entry for no LoRA adapter
 
 
+def read_tools(path: str) -> list[dict]:
+    """A tools file as `edgelm chat --tools` reads it (edgelm/cli/apps.py), each spec checked; ValueError if bad."""
+    try:
+        tools = read_tools_file(path)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
+    tool_specs(tools)  # ChatTemplateError (a ValueError) for a spec that is not a dict or a function
+    return tools
+
+
+def tool_call_line(call: ToolCall) -> str:
+    """A parsed tool call as the history shows it: → get_weather({"city": "Paris"})."""
+    return f"→ {call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
+
+
+def tool_message(call: ToolCall, result: str) -> dict:
+    """The message that gives a tool call's result back to the conversation."""
+    return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result}
+
+
+def piece_parts(piece: str) -> list[tuple[str, str]]:
+    """A streamed piece as (text, tag) runs for the history: its reasoning ("reasoning", greyed), its content
+    (no tag) and a line per tool call it completed ("tool"). A plain str (text completion) is all content."""
+    parts = [(getattr(piece, "reasoning", ""), "reasoning"), (getattr(piece, "content", piece), "")]
+    parts += [(f"\n{tool_call_line(call)}\n", "tool") for call in getattr(piece, "tool_calls", ())]
+    return [(text, tag) for text, tag in parts if text]
+
+
 class ChatApp:
     """The window's widgets and its jobs: loading a package, and streaming a reply (or a completion).
 
@@ -63,8 +103,14 @@ class ChatApp:
         provider: str = "auto",
         threads: int | None = None,
         adapters: tuple[str, ...] = (),
+        tools: list | None = None,
+        template_vars: dict | None = None,
     ):
         self.root = root
+        self.tools = tools  # tool specs for the chat template (Tools..., --tools)
+        self.template_vars = dict(template_vars or {})  # --template-var; enable_thinking goes to the checkbox
+        self.pending_calls: list[ToolCall] = []  # the last reply's tool calls whose results are still to be typed
+        self._tool_results: list[dict] = []  # role "tool" messages typed so far for pending_calls
         self.start_adapters = adapters  # .onnx_adapter files to load once the package is
         self.provider = provider
         self.threads = threads
@@ -146,6 +192,14 @@ class ChatApp:
         ttk.Entry(settings, textvariable=self.system_prompt).grid(
             row=1, column=1, columnspan=2 * len(PARAMETERS) - 1, sticky="ew", pady=(6, 0)
         )
+        self.tools_button = ttk.Button(settings, text="Tools...", command=self._browse_tools)
+        self.tools_button.grid(row=2, column=0, pady=(6, 0), sticky="w")
+        self.tools_label = ttk.Label(settings, foreground="gray35")
+        self.tools_label.grid(row=2, column=1, columnspan=2 * len(PARAMETERS) - 3, sticky="w", pady=(6, 0))
+        self.thinking = tk.BooleanVar(value=self.template_vars.pop("enable_thinking", True) is not False)
+        self.thinking_box = ttk.Checkbutton(settings, text="Thinking", variable=self.thinking, state="disabled")
+        self.thinking_box.grid(row=2, column=2 * len(PARAMETERS) - 2, columnspan=2, sticky="e", pady=(6, 0))
+        self._show_tools()
 
     def _build_history(self) -> None:
         """The conversation so far, read-only, with a scroll bar."""
@@ -156,6 +210,8 @@ class ChatApp:
         self.history = tk.Text(body, wrap="word", state="disabled", padx=6, pady=4)  # only _append writes
         self.history.tag_configure("user", foreground="navy", font=("TkDefaultFont", 10, "bold"))
         self.history.tag_configure("label", foreground="gray35", font=("TkDefaultFont", 9, "italic"))
+        self.history.tag_configure("reasoning", foreground="gray50", font=("TkDefaultFont", 9, "italic"))
+        self.history.tag_configure("tool", foreground="dark green", font=("TkFixedFont", 9))
         scroll = ttk.Scrollbar(body, command=self.history.yview)
         self.history.configure(yscrollcommand=scroll.set)
         self.history.grid(row=0, column=0, sticky="nsew")
@@ -181,6 +237,15 @@ class ChatApp:
         self._status = tk.StringVar()
         self.status_label = ttk.Label(self.root, textvariable=self._status, relief="sunken", anchor="w", padding=(6, 2))
         self.status_label.grid(row=4, column=0, sticky="ew")
+
+    def _browse_tools(self) -> None:
+        path = filedialog.askopenfilename(title="Tools (a JSON list of tool specs)", filetypes=[("JSON", "*.json")])
+        if path:
+            self.load_tools(path)
+
+    def _show_tools(self) -> None:
+        names = [tool_name(spec) or "?" for spec in tool_specs(self.tools) or []]
+        self.tools_label.configure(text=f"Tools: {', '.join(names)}" if names else "No tools")
 
     def _browse(self) -> None:
         folder = filedialog.askdirectory(title="Model package folder", mustexist=True)
@@ -244,6 +309,23 @@ class ChatApp:
         self.adapter_choice.set(name)
         self._set_status(f"Loaded adapter {name}.")
 
+    @property
+    def reads_thinking(self) -> bool:
+        """Whether the chat template reads enable_thinking (Qwen3, SmolLM3): only then is Thinking passed."""
+        return self.conversation is not None and "enable_thinking" in self.conversation.template.source
+
+    def load_tools(self, path: str) -> None:
+        """Use the tools of a JSON file (a list of tool specs) from the next message on."""
+        try:
+            self.tools = read_tools(path)
+        except ValueError as e:
+            self._set_error(str(e))
+            return
+        if self.conversation is not None:
+            self.conversation.tools = self.tools
+        self._show_tools()
+        self._set_status(f"Loaded {len(self.tools)} tools from {path}.")
+
     def new_chat(self) -> None:
         """Start over with the system prompt as it is now set (the cache keeps what the new chat shares)."""
         if self.is_busy or self.model is None:
@@ -252,6 +334,7 @@ class ChatApp:
             # the next turn compares its ids with the cache's, so a changed system prompt is safe here
             self.conversation.system = self.system_prompt.get().strip() or None
             self.conversation.reset()
+        self.pending_calls, self._tool_results = [], []
         self._clear_history()
         self._set_status("New chat." if self.conversation is not None else "Cleared.")
 
@@ -271,6 +354,19 @@ class ChatApp:
             return
         max_new_tokens = options.pop("max_new_tokens")
         options["adapter"] = self.adapter
+        if self.reads_thinking:
+            options["enable_thinking"] = self.thinking.get()
+        message = text
+        if self.conversation is not None and self.pending_calls:  # the text is the result of the next call
+            call = self.pending_calls[0]
+            message = [*self._tool_results, tool_message(call, text)]
+            if len(self.pending_calls) > 1:  # more results to type before the model answers
+                self._tool_results, self.pending_calls = message, self.pending_calls[1:]
+                self.input.delete("1.0", "end")
+                self._append(f"Result of {call.name}\n", "label")
+                self._append(text + "\n\n", "user")
+                self._set_status(f"Type the result of {tool_call_line(self.pending_calls[0])} and Send.")
+                return
         self._cancel = threading.Event()  # a fresh one: a late Stop of the last run must not end this one
         system = self.system_prompt.get().strip() or None
         try:
@@ -279,14 +375,19 @@ class ChatApp:
             if self.conversation is not None:
                 if all(message["role"] == "system" for message in self.conversation.messages):
                     self.conversation.system = system  # until the first message; later, New chat applies it
-                stream = self.conversation.stream(text, max_new_tokens, cancel=self._cancel, **options)
+                stream = self.conversation.stream(message, max_new_tokens, cancel=self._cancel, **options)
             else:
                 stream = self.model.stream(text, max_new_tokens, cancel=self._cancel, **options)
         except EdgelmError as e:
             self._set_error(str(e))
             return
         self.input.delete("1.0", "end")
-        if self.conversation is not None:
+        if isinstance(message, list):
+            self._append(f"Result of {self.pending_calls[0].name}\n", "label")
+            self._append(text + "\n\n", "user")
+            self._append("Assistant\n", "label")
+            self.pending_calls, self._tool_results = [], []
+        elif self.conversation is not None:
             self._append("You\n", "label")
             self._append(text + "\n\n", "user")
             self._append("Assistant\n", "label")
@@ -348,19 +449,19 @@ class ChatApp:
     # ---- the UI thread: drains the queue -------------------------------------------------------
 
     def _poll(self) -> None:
-        pieces = []
+        parts: list[tuple[str, str]] = []  # (text, tag) runs: reasoning, content, tool call lines
         while True:
             try:
                 kind, value = self._messages.get_nowait()
             except queue.Empty:
                 break
             if kind == "piece":
-                pieces.append(value)
+                parts += piece_parts(value)
                 continue
-            self._append("".join(pieces))  # keep the text in order with the message that follows it
-            pieces = []
+            self._append_parts(parts)  # keep the text in order with the message that follows it
+            parts = []
             self._finish(kind, value)
-        self._append("".join(pieces))
+        self._append_parts(parts)
         self._poll_id = self.root.after(POLL_MS, self._poll)
 
     def _finish(self, kind: str, value) -> None:
@@ -373,13 +474,19 @@ class ChatApp:
             for path in self.start_adapters if value.lora_slots is not None else ():
                 self.load_adapter(path)
             try:
-                self.conversation = value.conversation(system=self.system_prompt.get().strip() or None)
+                self.conversation = value.conversation(
+                    system=self.system_prompt.get().strip() or None,
+                    tools=self.tools,
+                    template_vars=self.template_vars or None,
+                )
                 sampling, origin = model_chat_sampling(value)
                 for key, number in sampling.items():
                     self.params[key].set(f"{number:g}")
                 mode = f"chat, sampling from {origin}"
             except EdgelmError:  # no chat template: text completion, as for a base model
                 self.conversation, mode = None, "completion (the package has no chat template)"
+            self.pending_calls, self._tool_results = [], []
+            self.thinking_box.configure(state="normal" if self.reads_thinking else "disabled")
             self._clear_history()
             self._set_status(
                 f"Loaded {info['package']}: {info['layers']} layers, {info['precision']}, "
@@ -397,6 +504,9 @@ class ChatApp:
                 f"{timings.new_tokens} tokens, {timings.decode_tokens_per_s:.1f} tokens/s, first token "
                 f"{timings.time_to_first_token_s * 1000:.0f} ms{cached}, finish: {value.finish_reason}"
             )
+            if self.conversation is not None and value.tool_calls:
+                self.pending_calls = list(value.tool_calls)
+                self._set_status(f"Type the result of {tool_call_line(self.pending_calls[0])} and Send.")
         else:
             self._set_error(value)
 
@@ -408,6 +518,11 @@ class ChatApp:
         self.history.configure(state="disabled")
         self.history.see("end")
 
+    def _append_parts(self, parts: list[tuple[str, str]]) -> None:
+        """Runs of one tag joined, so a fast stream is a few inserts per poll."""
+        for tag, run in itertools.groupby(parts, key=lambda part: part[1]):
+            self._append("".join(text for text, _ in run), *((tag,) if tag else ()))
+
     def _clear_history(self) -> None:
         self.history.configure(state="normal")
         self.history.delete("1.0", "end")
@@ -415,7 +530,7 @@ class ChatApp:
 
     def _update_buttons(self) -> None:
         idle = "disabled" if self.is_busy else "normal"
-        for button in (self.load_button, self.send_button, self.new_chat_button):
+        for button in (self.load_button, self.send_button, self.new_chat_button, self.tools_button):
             button.configure(state=idle)
         self.stop_button.configure(state="normal" if self.is_generating else "disabled")
 
@@ -434,10 +549,24 @@ def main() -> None:
     parser.add_argument("--provider", choices=["cpu", "cuda", "auto"], default="auto")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ONNX Runtime's)")
     parser.add_argument("--adapter", action="append", default=[], help="a LoRA .onnx_adapter to load (repeatable)")
+    add_chat_inputs(parser)  # --tools FILE and --template-var KEY=VALUE, as edgelm chat takes them
     args = parser.parse_args()
+    inputs = chat_inputs(args)
+    try:
+        template_variables(inputs["tools"], template_vars=inputs["template_vars"])  # bad specs: one line, exit 2
+    except EdgelmError as e:
+        parser.error(str(e))
     root = tk.Tk()
     root.geometry("900x650")
-    ChatApp(root, args.package, provider=args.provider, threads=args.threads, adapters=tuple(args.adapter))
+    ChatApp(
+        root,
+        args.package,
+        provider=args.provider,
+        threads=args.threads,
+        adapters=tuple(args.adapter),
+        tools=inputs["tools"],
+        template_vars=inputs["template_vars"],
+    )
     root.mainloop()
 
 

@@ -46,6 +46,8 @@ class Family:
     gguf: GGUFLayout | None = None  # None: no GGUF files of this model_type are read
     # LoRA: (module path with %d for the layer, the Decoder Layer's linear it is packed into), in packed order
     lora_linears: tuple[tuple[str, str], ...] = ()
+    # checkpoint linears the reference model holds split (Phi-3's qkv_proj): (name, its parts in row order)
+    lora_packed: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:

@@ -235,7 +235,7 @@ def _row(model_type: str, gguf: GGUFLayout | None) -> Family:
 ROWS = (
     _row(
         "gemma3_text",
-        GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors, also_read=llama.ROPE_FREQS),
+        GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors),  # no rope_freqs.weight
     ),
     _row("gemma3", None),
 )

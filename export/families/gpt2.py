@@ -11,10 +11,12 @@ llama.cpp writes the same weights as `blk.N.attn_qkv.weight` ..., each Conv1D we
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from ...package_writer import StagedFiles, check_file_output
 from ...runtime.contract import TOKENIZER_FILE
 from ..checkpoint import (
     CONFIG_FILE,
@@ -133,19 +135,44 @@ def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
     return model.eval()
 
 
-def save_checkpoint(model: GPT, folder: str | Path) -> None:
-    """Write config.json + model.safetensors in Hugging Face GPT-2's layout (loads in transformers)."""
+def _checkpoint_paths(folder: str | Path, extra: Iterable[str]) -> list[Path]:
+    folder = Path(folder)
+    if folder.is_symlink():
+        raise ValueError(f"the output {folder} is a symlink; give the real folder's path (never written through)")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"the output {folder} exists and is not a folder; a checkpoint is written as a folder")
+    names = [CONFIG_FILE, SAFETENSORS_FILE, *extra]
+    if any(Path(name).name != name or name in ("", ".", "..") for name in names):
+        raise ValueError(f"checkpoint files are plain names in the folder, got {names}")
+    return [folder / name for name in names]
+
+
+def check_checkpoint_output(folder: str | Path, *, extra: Iterable[str] = (), overwrite: bool = False) -> None:
+    """Raise (ValueError, FileExistsError) when save_checkpoint would refuse `folder` (before any work)."""
+    for path in _checkpoint_paths(folder, extra):
+        check_file_output(path, overwrite=overwrite)
+
+
+def save_checkpoint(
+    model: GPT, folder: str | Path, *, extra: dict[str, str] | None = None, overwrite: bool = False
+) -> None:
+    """Write config.json + model.safetensors in Hugging Face GPT-2's layout (loads in transformers), and the
+    `extra` text files (name -> text: a tokenizer), through edgelm/package_writer.py's StagedFiles: a symlinked
+    folder or file is refused, an existing file is replaced only with overwrite, and the files appear together."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    extra = extra or {}
+    staged = StagedFiles(_checkpoint_paths(folder, extra), overwrite=overwrite)  # before any work
     state = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         state[name] = (tensor.t() if name.endswith(TRANSPOSED) else tensor).contiguous()
-    save_file(state, str(folder / SAFETENSORS_FILE), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n", encoding="utf-8")
+    with staged as stage:
+        save_file(state, str(stage / SAFETENSORS_FILE), metadata={"format": "pt"})
+        (stage / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n", encoding="utf-8")
+        for name, text in extra.items():
+            (stage / name).write_text(text, encoding="utf-8")
 
 
 def _build_from_gguf(hf: dict, state: dict) -> GPT:

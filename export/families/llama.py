@@ -6,7 +6,9 @@ Config keys are those transformers writes, in both the 4.x form (`rope_theta`, `
 (`rope_parameters`). In a GGUF file `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight` (the map
 is GGUF_BLOCK), and llama.cpp's Llama converter reorders each head's Q and K rows from HF's "first half, second
 half" rotary layout to interleaved pairs (its `LlamaModel.permute`), which reading undoes (Entry.heads); Qwen's
-converters write them unpermuted. Mistral files say architecture "llama", so they read as Llama files.
+converters write them unpermuted. Mistral files say architecture "llama", so they read as Llama files. A Llama
+file's rope_freqs.weight (Llama 3's rope scaling as llama.cpp's converter stores it) divides the rotary
+frequencies as llama.cpp's rope does: the reference model and both graphs take them from LlamaConfig.
 """
 
 from __future__ import annotations
@@ -96,9 +98,15 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     model_type = hf.get("model_type")
     if model_type not in VARIANTS:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(VARIANTS)}")
+    fields = config_fields(hf, VARIANTS[model_type])
+    with config_errors():
+        return LlamaConfig(**fields)
+
+
+def config_fields(hf: dict, variant: Variant) -> dict:
+    """LlamaConfig's fields from a Llama-like config.json (the families made of Llama's parts start from them)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}: Llama-family models use 'silu'")
-    variant = VARIANTS[model_type]
     if not variant.qkv_bias and hf.get("attention_bias"):
         raise CheckpointError(
             "config.json sets attention_bias=true (an o_proj bias too), which edgelm does not implement"
@@ -116,7 +124,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
             window if capped else n_positions, "sliding_window" if capped else "max_position_embeddings"
         )
         n_head = config_number(hf, "num_attention_heads")
-        return LlamaConfig(
+        return dict(
             vocab_size=config_number(hf, "vocab_size"),
             n_positions=n_positions,
             n_embd=config_number(hf, "hidden_size"),
@@ -133,7 +141,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all four
             bos_token_id=first_id(hf.get("bos_token_id"), "bos_token_id"),
             eos_token_ids=token_ids(hf.get("eos_token_id"), "eos_token_id"),
-            model_type=model_type,
+            model_type=hf["model_type"],
         )
 
 
@@ -146,7 +154,8 @@ def build_llama(config: LlamaConfig, state: dict[str, torch.Tensor]) -> Llama:
     )  # fmt: skip
     model.inv_freq = rope_inv_freq(config)  # the buffers are not in the state dict; they were built on meta
     model.inv_freq_local = rope_inv_freq(config, local=True)
-    for freq in (model.inv_freq, model.inv_freq_local):
+    model.inv_freq_long = rope_inv_freq(config, long=True)
+    for freq in (model.inv_freq, model.inv_freq_local, model.inv_freq_long):
         if not torch.isfinite(freq).all():
             rope = f"rope_theta {config.rope_theta}, rope_scaling {config.rope_scaling}"
             raise CheckpointError(f"rotary frequencies are not finite ({rope})")
@@ -166,22 +175,6 @@ def load_llama(
     return build_llama(config, renamed(read_safetensors_folder(folder), renames))
 
 
-def _llama3_scaling(factors: np.ndarray, *, theta: float, head_dim: int) -> dict:
-    """Recover Llama 3 rope_scaling from the per-frequency divisors llama.cpp stores as rope_freqs.weight."""
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    scaling["original_max_position_embeddings"] = 8192  # every Llama 3.x release uses these three
-    wavelength = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
-    smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
-    expected = np.where(
-        wavelength < 8192 / 4.0,
-        1.0,
-        np.where(wavelength > 8192, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)),
-    )
-    if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-3):
-        raise GGUFError("rope_freqs.weight does not match Llama 3 rope scaling with the usual parameters")
-    return scaling
-
-
 def _gguf_head_dim(meta: dict, arch: str) -> int:
     """Heads' width: key_length, else rope.dimension_count, else embedding_length / head_count."""
     heads, hidden = number(meta, f"{arch}.attention.head_count"), number(meta, f"{arch}.embedding_length")
@@ -198,9 +191,27 @@ def _gguf_head_dim(meta: dict, arch: str) -> int:
 
 
 ROPE_FREQS = ("rope_freqs.weight",)  # llama.cpp's per-frequency divisors: Llama 3's rope scaling
+# llama.cpp reads rope_freqs.weight in Llama files only: in a Qwen file it is an unexpected tensor
+ROPE_FREQS_ARCHITECTURES = ("llama",)
+FREQ_FACTORS = "rope_freq_factors"  # the GGUF config's key for them (not a transformers key: folders never set it)
 
 
-def _gguf_rope_scaling(meta: dict, stored: dict, arch: str, *, theta: float, head_dim: int) -> dict | None:
+def _rope_freq_factors(stored: dict, head_dim: int) -> list[float] | None:
+    """rope_freqs.weight's head_dim / 2 positive factors, each rotary frequency's divisor (llama.cpp's
+    freq_factors, which its converter computes from a Llama 3 rope scaling); None when the file has none."""
+    if ROPE_FREQS[0] not in stored:
+        return None
+    tensor = stored[ROPE_FREQS[0]]
+    shape = tuple(reversed(tensor.shape))
+    if shape != (head_dim // 2,):
+        raise GGUFError(f"tensor {ROPE_FREQS[0]} has shape {shape}, expected ({head_dim // 2},), a factor a frequency")
+    factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+    if not (np.isfinite(factors) & (factors > 0)).all():
+        raise GGUFError(f"tensor {ROPE_FREQS[0]} holds factors that are not positive finite numbers")
+    return factors.tolist()
+
+
+def _gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
     # llama.cpp reads a factor without a type (or under its older key) as linear scaling: so does this
     factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in meta), None)
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "linear" if factor_key else "none")
@@ -209,10 +220,9 @@ def _gguf_rope_scaling(meta: dict, stored: dict, arch: str, *, theta: float, hea
         factor = number(meta, factor_key or f"{arch}.rope.scaling.factor", kind=float)
         rope_scaling = {"rope_type": "linear", "factor": factor}
     elif scaling_type != "none":
-        raise GGUFError(f"rope scaling {scaling_type!r:.60} is not supported ('linear' and Llama 3's are)")
-    if ROPE_FREQS[0] in stored:
-        factors = np.asarray(dequantize(stored[ROPE_FREQS[0]].data, stored[ROPE_FREQS[0]].tensor_type))
-        rope_scaling = _llama3_scaling(factors.reshape(-1), theta=theta, head_dim=head_dim)
+        raise GGUFError(
+            f"rope scaling {scaling_type!r:.60} is not supported ('linear', and Llama 3's as rope_freqs.weight, are)"
+        )
     return rope_scaling
 
 
@@ -224,6 +234,7 @@ def gguf_config(meta: dict, stored: dict, vocab: int, *, arch: str, hf_class: st
         raise GGUFError(f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
     head_dim = _gguf_head_dim(meta, arch)
     theta = number(meta, f"{arch}.rope.freq_base", 10000.0, kind=float)
+    factors = _rope_freq_factors(stored, head_dim) if arch in ROPE_FREQS_ARCHITECTURES else None
     return {
         "architectures": [hf_class],
         "model_type": arch,
@@ -237,11 +248,11 @@ def gguf_config(meta: dict, stored: dict, vocab: int, *, arch: str, hf_class: st
         "max_position_embeddings": context_length(meta, f"{arch}.context_length"),
         "rms_norm_eps": number(meta, f"{arch}.attention.layer_norm_rms_epsilon", kind=float, below=MAX_NORM_EPSILON),
         "rope_theta": theta,
-        "rope_scaling": _gguf_rope_scaling(meta, stored, arch, theta=theta, head_dim=head_dim),
+        "rope_scaling": _gguf_rope_scaling(meta, arch),
         "tie_word_embeddings": "output.weight" not in stored,
         "attention_bias": "blk.0.attn_q.bias" in stored,
         "hidden_act": "silu",
-    }
+    } | ({FREQ_FACTORS: factors} if factors is not None else {})
 
 
 # GGUF block tensor -> HF name (`model.layers.N.` + this)
@@ -292,7 +303,11 @@ def gguf_tensors(
     return with_head(entries, config, vocab, hidden)
 
 
-def _layer(block: torch.nn.Module, c: LlamaConfig, blocks: Blocks | None, *, prefix: str) -> Layer:
+# the checkpoint tensors (in `model.layers.N.`) the packed linears' GGUF blocks are read from
+PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "up": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _layer(block: torch.nn.Module, c: LlamaConfig, blocks: Blocks | None, *, prefix: str, parts: dict) -> Layer:
     """One decoder layer; `prefix` names its tensors in `blocks` ("model.layers.3")."""
     a, mlp = block.self_attn, block.mlp
 
@@ -302,26 +317,31 @@ def _layer(block: torch.nn.Module, c: LlamaConfig, blocks: Blocks | None, *, pre
     sandwich = block.sandwich  # Gemma 3: post_attention_layernorm follows attention, pre_feedforward leads the MLP
     return Layer(
         attention_norm=norm(block.input_layernorm),
-        qkv=packed([a.q_proj, a.k_proj, a.v_proj], kept("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        qkv=packed([a.q_proj, a.k_proj, a.v_proj], kept(*parts["qkv"])),
         attention_out=linear(a.o_proj, kept("self_attn.o_proj")),
         mlp_norm=norm(block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm),
-        up=packed([mlp.gate_proj, mlp.up_proj], kept("mlp.gate_proj", "mlp.up_proj")),  # gate first
+        up=packed([mlp.gate_proj, mlp.up_proj], kept(*parts["up"])),  # gate first
         down=linear(mlp.down_proj, kept("mlp.down_proj")),
         q_norm=norm(a.q_norm) if c.qk_norm else None,
         k_norm=norm(a.k_norm) if c.qk_norm else None,
         attention_post_norm=norm(block.post_attention_layernorm) if sandwich else None,
         mlp_post_norm=norm(block.post_feedforward_layernorm) if sandwich else None,
         sliding_window=c.sliding_window if block.sliding else None,
+        rotary=block.rotary,
     )
 
 
-def decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
+def decoder(model: Llama, *, blocks: Blocks | None = None, parts: dict = PARTS) -> Decoder:
     """blocks: keep the checkpoint's own quantized blocks where it has them (a GGUF file's); a packed linear
-    keeps them when all its parts have blocks of the same bits."""
+    keeps them when all its parts have blocks of the same bits; parts: the checkpoint tensors they are read
+    from (Phi-3's are packed already)."""
     c, m = model.config, model.model
-    layers = [_layer(block, c, blocks, prefix=f"model.layers.{i}") for i, block in enumerate(m.layers)]
-    cos, sin = rope_cos_sin(c, c.n_positions)  # (P, head_dim / 2): GroupQueryAttention's rotary caches
+    layers = [_layer(block, c, blocks, prefix=f"model.layers.{i}", parts=parts) for i, block in enumerate(m.layers)]
+    cos, sin = rope_cos_sin(c, c.n_positions)  # (P, rotary_dim / 2): GroupQueryAttention's rotary caches
     local = rope_cos_sin(c, c.n_positions, local=True) if c.sliding_window else None
+    longrope = (c.rope_scaling or {}).get("rope_type") == "longrope"
+    long = rope_cos_sin(c, c.n_positions, long=True) if longrope else None
+    attention_scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
     return Decoder(
         family=c.model_type,
         vocab_size=c.vocab_size,
@@ -345,8 +365,13 @@ def decoder(model: Llama, *, blocks: Blocks | None = None) -> Decoder:
         rotary_sin=array(sin),
         rotary_cos_local=None if local is None else array(local[0]),
         rotary_sin_local=None if local is None else array(local[1]),
-        embedding_scale=float(np.float32(c.n_embd**0.5)) if c.embedding_scale else None,
-        attention_scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
+        embedding_scale=float(np.float32(c.n_embd**0.5)) if c.embedding_scale else c.embedding_multiplier,
+        attention_scale=c.attention_multiplier or attention_scale,
+        residual_scale=c.residual_multiplier,
+        logits_divisor=c.logits_scaling,
+        rotary_cos_long=None if long is None else array(long[0]),
+        rotary_sin_long=None if long is None else array(long[1]),
+        rotary_long_after=c.rope_scaling["original_max_position_embeddings"] if longrope else None,
     )
 
 
@@ -357,6 +382,7 @@ def details(model: Llama) -> dict:
         "n_inner": c.n_inner,
         "rope_theta": c.rope_theta,
         "rope_scaling": c.rope_scaling,
+        **({"rope_freq_factors": c.rope_freq_factors} if c.rope_freq_factors is not None else {}),
         "rms_norm_eps": c.rms_norm_eps,
         "attention_bias": c.attention_bias,
         "qk_norm": c.qk_norm,
@@ -385,7 +411,11 @@ LORA_LINEARS = tuple(
 
 
 def _build(hf: dict, state: dict) -> Llama:
-    return build_llama(config_from_hf(hf), state)
+    """The reference model of a GGUF file's config (its rope_freqs.weight factors too)."""
+    config = config_from_hf(hf)
+    if hf.get(FREQ_FACTORS) is not None:
+        config = dataclasses.replace(config, rope_freq_factors=hf[FREQ_FACTORS])
+    return build_llama(config, state)
 
 
 def _gguf(model_type: str, variant: Variant) -> GGUFLayout | None:
@@ -398,7 +428,8 @@ def _gguf(model_type: str, variant: Variant) -> GGUFLayout | None:
     def tensors(config: dict) -> dict[str, Entry]:
         return gguf_tensors(config, permuted=variant.permuted, qk_norm=variant.qk_norm)
 
-    return GGUFLayout(architecture=model_type, config=config, tensors=tensors, also_read=ROPE_FREQS)
+    also_read = ROPE_FREQS if model_type in ROPE_FREQS_ARCHITECTURES else ()
+    return GGUFLayout(architecture=model_type, config=config, tensors=tensors, also_read=also_read)
 
 
 ROWS = tuple(

@@ -1,0 +1,94 @@
+"""The SmolLM3, Granite (3 and dense 4.0) and Phi-3 cases (tests/family_cases.py) through llama.cpp's own converter,
+convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
+transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
+to the logits of its own dequantized weights. Run where llama.cpp's source is at $EDGELM_LLAMA_CPP (its
+`convert_hf_to_gguf.py`, `conversion/` and `gguf-py/`; llama-cpp-python's source distribution has them under
+vendor/llama.cpp) and sentencepiece is installed; skipped otherwise.
+
+The converter hashes a BPE tokenizer to name its pre-tokenizer and refuses one it does not know, as it does
+the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what is tested here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from family_cases import NEW_TOKENS, PROMPTS
+from helpers import hf_greedy, quiet
+
+from edgelm.runtime import load
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short")
+CONVERT = """
+import sys
+sys.path[:0] = [sys.argv[1] + "/gguf-py", sys.argv[1]]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", sys.argv[3], "--outfile", sys.argv[4]]
+convert_hf_to_gguf.main()
+"""
+
+
+@pytest.fixture(scope="module")
+def llama_cpp() -> Path:
+    source = os.environ.get("EDGELM_LLAMA_CPP")
+    if not source or not (Path(source) / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("set EDGELM_LLAMA_CPP to llama.cpp's source folder to run its converter")
+    pytest.importorskip("sentencepiece")  # the converter imports it
+    return Path(source)
+
+
+def convert(llama_cpp: Path, folder: Path, outtype: str, tmp_path: Path) -> Path:
+    source = tmp_path / "hf"
+    if not source.exists():
+        shutil.copytree(folder, source)
+        # the converter's Phi-3 reads a GPT-2-style tokenizer only when the folder says so
+        config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+        (source / "tokenizer_config.json").write_text(json.dumps(config))
+        # transformers 5 saves granitemoehybrid's layer kinds as "full_attention"; the converter knows the
+        # published checkpoints' "attention" only (and would take the layers for Mamba ones)
+        hf_config = json.loads((source / "config.json").read_text())
+        if "layer_types" in hf_config:
+            hf_config["layer_types"] = [k.replace("full_attention", "attention") for k in hf_config["layer_types"]]
+            (source / "config.json").write_text(json.dumps(hf_config))
+    out = tmp_path / f"{outtype}.gguf"
+    run = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(llama_cpp), str(source), outtype, str(out)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_converters_files_export_exactly(case, llama_cpp, families, tmp_path):
+    from edgelm.export.onnx_export import export_package
+    from edgelm.export.source import open_source
+
+    hf, folder = families.model(case)
+    ids = np.array([PROMPTS[2]], dtype=np.int64)
+    with torch.no_grad():
+        reference = hf(torch.from_numpy(ids)).logits.numpy()
+
+    export_package(convert(llama_cpp, folder, "f32", tmp_path), tmp_path / "f32", progress=quiet)
+    model = load(tmp_path / "f32", provider="cpu")
+    assert float(np.abs(model.forward(ids)[0] - reference).max()) < 1e-4
+    assert model.generate(PROMPTS[0], NEW_TOKENS, temperature=0, ignore_eos=True).token_ids == hf_greedy(
+        hf, PROMPTS[0], NEW_TOKENS
+    )
+
+    q8 = convert(llama_cpp, folder, "q8_0", tmp_path)
+    manifest = export_package(q8, tmp_path / "q8", accuracy_level=0, progress=quiet)
+    assert manifest["precision"] != "fp32"  # the blocks were kept
+    with torch.no_grad():
+        dequantized = open_source(q8).model(torch.from_numpy(ids))[0].numpy()
+    assert float(np.abs(load(tmp_path / "q8", provider="cpu").forward(ids)[0] - dequantized).max()) < 1e-4
