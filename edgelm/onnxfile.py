@@ -20,6 +20,7 @@ full copy of the weights is ever held.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,13 +47,19 @@ def data_file(model_path: str | Path) -> Path:
     return model_path.parent / (model_path.name + ".data")
 
 
-def save_model(model: onnx.ModelProto, path: str | Path, *, weights: dict[str, np.ndarray] | None = None) -> str | None:
+def save_model(
+    model: onnx.ModelProto,
+    path: str | Path,
+    *,
+    weights: dict[str, np.ndarray] | None = None,
+    on_write: Callable[[int], None] | None = None,
+) -> str | None:
     """Write `model` to `path` and its initializers of at least INLINE_LIMIT bytes to `<path>.data`; returns
     that file's name, or None when no initializer is that large (then no data file is left behind).
     weights: initializer name -> array for the placeholder initializers (see `placeholder`); floating arrays
     but float16 ones are written as float32, C order, converted one at a time; each is removed from `weights`
     once written, so the caller's other references decide when its memory goes. The model's initializers are changed in
-    place to point into the data file."""
+    place to point into the data file. on_write: called with each tensor's bytes once it is written (progress)."""
     path = Path(path)
     model.producer_name = "edgelm"
     model.producer_version = __version__
@@ -72,6 +79,8 @@ def save_model(model: onnx.ModelProto, path: str | Path, *, weights: dict[str, n
             for (tensor, size), offset in zip(moved, offsets, strict=True):
                 f.seek(offset)  # a gap left behind reads as zeros
                 f.write(_take_data(tensor, weights))
+                if on_write is not None:
+                    on_write(size)
                 tensor.data_location = onnx.TensorProto.EXTERNAL
                 del tensor.external_data[:]
                 for key, value in (("location", location), ("offset", offset), ("length", size)):
@@ -80,6 +89,11 @@ def save_model(model: onnx.ModelProto, path: str | Path, *, weights: dict[str, n
         target.unlink()  # an old one from an earlier save
     onnx.save_model(model, str(path))
     return location
+
+
+def stored_bytes(weights: dict[str, np.ndarray]) -> int:
+    """Bytes `save_model(..., weights=weights)` writes for them (before alignment)."""
+    return sum(_nbytes(array) for array in weights.values())
 
 
 def _size(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> int | None:

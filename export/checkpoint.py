@@ -17,6 +17,7 @@ import pickle
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Sampling
 from ..runtime.files import check_file, kind_of, read_text
 from ..runtime.package import file_sha256
+from .lazy_weights import TensorLoader, lazy_parameter, read
 from .limits import checked_number, context_length_problem
 
 CONFIG_FILE = "config.json"
@@ -155,13 +157,17 @@ def read_sampling(folder: Path) -> Sampling | None:
     return Sampling(**found) if found else None
 
 
-def check_finite(model: torch.nn.Module, source: str) -> None:
+def check_finite(model: torch.nn.Module, source: str, *, on_tensor: Callable[[], None] | None = None) -> None:
     """Refuse NaN or inf in any weight, naming the tensor: such a model can never generate, and an export of
-    it would fail only later, with a less useful message (or, before this check, not at all)."""
-    for name, tensor in model.named_parameters():
+    it would fail only later, with a less useful message (or, before this check, not at all). Lazy weights
+    (export/lazy_weights.py) are read one at a time; on_tensor is called after each (progress)."""
+    for name, parameter in model.named_parameters():
+        if on_tensor is not None:
+            on_tensor()
+        tensor = read(parameter)
         # a NaN or inf makes the sum non-finite; the sum alone can also overflow, so the mask confirms (the mask
         # first would take about 10x longer: 1.5 s on SmolLM2-135M)
-        if math.isfinite(tensor.detach().sum()):
+        if math.isfinite(tensor.sum(dtype=torch.float32)):
             continue
         bad = tensor.numel() - int(torch.isfinite(tensor).sum())
         if bad:
@@ -172,16 +178,35 @@ def check_finite(model: torch.nn.Module, source: str) -> None:
 
 
 def _to_float32(name: str, tensor: torch.Tensor, source: Path) -> torch.Tensor:
-    if not tensor.is_floating_point():
-        raise CheckpointError(
-            f"tensor {name!r} in {source} has dtype {tensor.dtype}; only float weights are supported "
-            "(quantized checkpoints are not)"
-        )
+    _check_float(name, tensor.is_floating_point(), tensor.dtype, source)
     return tensor.float()
 
 
-def _read_safetensors(path: Path, state: dict[str, torch.Tensor]) -> list[str]:
-    """Add the tensors of one safetensors file to `state`, upcast to fp32; return their names."""
+def _check_float(name: str, floating: bool, dtype: object, source: Path) -> None:
+    if not floating:
+        raise CheckpointError(
+            f"tensor {name!r} in {source} has dtype {dtype}; only float weights are supported "
+            "(quantized checkpoints are not)"
+        )
+
+
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+def _load_safetensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file, in its own dtype (a new tensor: nothing of the file stays mapped)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
+
+
+def _read_safetensors(path: Path, state: dict[str, TensorLoader]) -> list[str]:
+    """Add the tensors of one safetensors file to `state` as loaders (export/lazy_weights.py: read when used, in
+    their own dtype); return their names. The header is read and checked now."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -190,15 +215,32 @@ def _read_safetensors(path: Path, state: dict[str, torch.Tensor]) -> list[str]:
             for name in names:
                 if name in state:
                     raise CheckpointError(f"tensor {name!r} appears in more than one weights file ({path.name})")
-                state[name] = _to_float32(name, f.get_tensor(name), path)
+                tensor = f.get_slice(name)
+                dtype = tensor.get_dtype()
+                _check_float(name, dtype in SAFETENSORS_FLOATS, dtype, path)
+                state[name] = TensorLoader(tuple(tensor.get_shape()), partial(_load_safetensor, path, name))
     except (SafetensorError, OSError, ValueError) as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
+    _check_sizes(path, state, names)
     return names
 
 
-def _read_sharded(folder: Path) -> dict[str, torch.Tensor]:
+def _check_sizes(path: Path, state: dict[str, TensorLoader], names: list[str]) -> None:
+    """A file shorter than its header says is truncated: refused now, not when a tensor is read."""
+    import json as _json
+    import struct
+
+    with open(path, "rb") as f:
+        (header_length,) = struct.unpack("<Q", f.read(8))
+        header = _json.loads(f.read(header_length))
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if path.stat().st_size < 8 + header_length + end:
+        raise CheckpointError(f"{path} is corrupt or truncated: the data ends before its last tensor")
+
+
+def _read_sharded(folder: Path) -> dict[str, TensorLoader]:
     index_path = folder / SAFETENSORS_INDEX_FILE
     weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -210,7 +252,7 @@ def _read_sharded(folder: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{index_path} names an invalid shard file {shard!r}")
         if not present(folder / shard):
             raise CheckpointError(f"{index_path} lists the shard {shard!r}, which is missing from {folder}")
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, TensorLoader] = {}
     found: dict[str, str] = {}
     for shard in shards:
         for name in _read_safetensors(folder / shard, state):
@@ -221,14 +263,18 @@ def _read_sharded(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The weights of a Hugging Face folder as fp32 tensors, by their Hugging Face names; bf16/fp16 tensors are
-    upcast one at a time."""
+def read_safetensors_folder(folder: str | Path, *, lazy: bool = False) -> dict[str, TensorLoader | torch.Tensor]:
+    """The weights of a Hugging Face folder by their Hugging Face names, as fp32 tensors (bf16/fp16 upcast one at a
+    time); lazy: safetensors as loaders, read when used in their own dtype (export/lazy_weights.py). A
+    pytorch_model.bin's are fp32 tensors either way (a pickle is read whole)."""
     folder = Path(folder)
+    if not lazy:
+        state = read_safetensors_folder(folder, lazy=True)
+        return {n: t if isinstance(t, torch.Tensor) else _to_float32(n, t.load(), folder) for n, t in state.items()}
     if present(folder / SAFETENSORS_INDEX_FILE):
         return _read_sharded(folder)
     if present(folder / SAFETENSORS_FILE):
-        state: dict[str, torch.Tensor] = {}
+        state: dict[str, TensorLoader] = {}
         _read_safetensors(folder / SAFETENSORS_FILE, state)
         return state
     if present(folder / PICKLE_FILE):
@@ -253,7 +299,7 @@ def renamed(state: dict[str, torch.Tensor], renames: tuple[tuple[str, str | None
 
 def load_weights(
     make: Callable[[], torch.nn.Module],
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor | TensorLoader],
     *,
     prefix: str,
     embedding: str,
@@ -266,11 +312,13 @@ def load_weights(
     "lm_head." gets `prefix`), every shape checked before anything is allocated: the config's sizes are only
     claims until the tensors bear them out. The tensors become the parameters (no second copy); names ending in
     `transposed` (GPT-2's Conv1D weights) are transposed, those ending in `ignored` (buffers some checkpoints
-    saved) skipped; a tied head is the `embedding` parameter. Buffers are the caller's (built on meta here)."""
+    saved) skipped; a tied head is the `embedding` parameter. Buffers are the caller's (built on meta here).
+    A TensorLoader becomes a lazy parameter (export/lazy_weights.py): on the meta device, read when used."""
     with torch.device("meta"):
         model = make()  # shapes only: no memory, no random init
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     loaded: dict[str, torch.Tensor] = {}
+    lazy: dict[str, TensorLoader] = {}
     for key, tensor in state.items():
         name = key if key.startswith((prefix, "lm_head.")) else prefix + key
         if name.endswith(ignored) and name not in expected:
@@ -283,13 +331,20 @@ def load_weights(
             raise CheckpointError(
                 f"tensor {key!r} has shape {tuple(tensor.shape)} but the config expects {expected[name]}"
             )
-        loaded[name] = tensor.float().contiguous()
+        if isinstance(tensor, TensorLoader):
+            lazy[name] = tensor
+        else:
+            loaded[name] = tensor.float().contiguous()
     if tied:
         loaded.pop("lm_head.weight", None)  # tied: the head is the embedding (some folders store a copy)
-    missing = sorted(set(expected) - set(loaded) - ({"lm_head.weight"} if tied else set()))
+        lazy.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(loaded) - set(lazy) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first {missing[0]!r}")
     model.load_state_dict(loaded, strict=False, assign=True)
+    for name, loader in lazy.items():
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = lazy_parameter(loader)
     if tied:
         model.lm_head.weight = model.get_parameter(embedding)
     return model

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_blocks import Runs, pack
+from .gguf_blocks import LazyRuns, Runs, load_runs, pack, runs_have_offsets, runs_shape, widen
 
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu_new", "gelu", "silu")
@@ -38,22 +38,30 @@ ACTIVATIONS = ("gelu_new", "gelu", "silu")
 class NBits:
     """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - 2^(bits - 1)) * scale +
     offset for the block of `block_size` consecutive k in column n, from a GGUF file's own quantized blocks
-    (export/gguf_blocks.py), part after part along the outputs (Q, K and V of a packed linear). The graph
+    (export/gguf_blocks.py), part after part along the outputs (Q, K and V of a packed linear), unpacked only
+    when the graph writes them (export/gguf_blocks.py LazyRuns). The graph
     writes them compactly (export/compact_blocks.py) or as the arrays below, and adds the offsets as (block
     sums of x) @ block_offsets beside the MatMulNBits node."""
 
     bits: int  # 4 or 8
     block_size: int  # 16 or 32
-    parts: list[Runs]  # along the outputs, each in these bits and block size
+    sources: list[Runs | LazyRuns]  # along the outputs; a LazyRuns is unpacked from its file when `parts` is read
+
+    @property
+    def parts(self) -> list[Runs]:
+        """The parts in these bits and block size, unpacked now (each read makes them anew: the graph reads
+        them once, when it writes this linear, and lets them go)."""
+        return [widen(load_runs(part), self.bits, self.block_size) for part in self.sources]
 
     @property
     def shape(self) -> tuple[int, int]:
         """(in, out), as a Linear's weight."""
-        return self.parts[0].values.shape[1], sum(part.values.shape[0] for part in self.parts)
+        shapes = [runs_shape(part) for part in self.sources]
+        return shapes[0][1], sum(n for n, _ in shapes)
 
     @property
     def has_offsets(self) -> bool:
-        return any(part.offsets is not None for part in self.parts)
+        return any(runs_have_offsets(part) for part in self.sources)
 
     @property
     def packed(self) -> np.ndarray:

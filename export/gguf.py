@@ -12,7 +12,10 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -21,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .families import Family, gguf_family
-from .gguf_blocks import SUPPORTED_TYPES, Runs, by_rows, to_runs
+from .gguf_blocks import SUPPORTED_TYPES, LazyRuns, Runs, by_rows, lazy_runs, to_runs
 from .gguf_header import HeaderError, read_header
 from .gguf_metadata import Entry, GGUFError, number
 from .gguf_tokenizer import build_tokenizer_json
@@ -35,6 +38,28 @@ class _Stored(NamedTuple):
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order: shape[0] is the row length
     data: np.ndarray  # uint8 (rows, bytes per row), memory-mapped: what gguf.quants.dequantize takes
+    pages: Callable[[], None] | None = None  # lets go of the pages of `data` this process has read (_forget)
+
+
+def _drop_pages(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Let go of the mapped file's pages in [start, start + length) (whole pages within it): the kernel keeps them
+    in its page cache, but they no longer count as this process's memory, which would otherwise grow to the
+    whole file as export reads it tensor by tensor."""
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + length) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def _forget(stored: _Stored) -> None:
+    if stored.pages is not None and hasattr(mmap, "MADV_DONTNEED"):
+        stored.pages()
+
+
+def _forgotten(load: Callable[[], Runs], stored: _Stored) -> Runs:
+    runs = load()
+    _forget(stored)
+    return runs
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -68,15 +93,39 @@ class GGUFModel:
         """The GGUF tensor type of `name`: "F32", "F16", "Q8_0", "Q4_0", "Q4_1", ..."""
         return self._lookup(name)[1].tensor_type.name
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape `tensor(name)` returns (Hugging Face orientation), without reading it."""
+        entry = self._lookup(name)[0]
+        return tuple(reversed(entry.shape)) if entry.transpose else tuple(entry.shape)
+
+    def rows(self, name: str, indices: np.ndarray) -> np.ndarray | None:
+        """Rows `indices` of tensor(name), dequantizing only them; None where the file's rows are not the
+        tensor's (a transposed or permuted one)."""
+        entry, stored = self._lookup(name)
+        if entry.transpose or entry.heads or len(entry.shape) != 2:
+            return None
+        weight = np.array(dequantize(stored.data[indices], stored.tensor_type), dtype=np.float32)
+        return weight.reshape(len(indices), entry.shape[1]) + np.float32(entry.shift)
+
     def tensor(self, name: str) -> np.ndarray:
         """`name` dequantized to a new float32 array in Hugging Face orientation."""
         entry, stored = self._lookup(name)
         weight = np.array(dequantize(stored.data, stored.tensor_type), dtype=np.float32).reshape(entry.shape)
+        _forget(stored)
         if entry.heads:
             weight = _unpermute_rows(weight, entry.heads)
         if entry.shift:
             weight += np.float32(entry.shift)
         return np.ascontiguousarray(weight.T) if entry.transpose else weight
+
+    def lazy_nbits(self, name: str) -> LazyRuns | None:
+        """matmul_nbits(name), unpacked only when used (what export keeps: one linear's blocks unpacked at a time)."""
+        entry, stored = self._lookup(name)
+        if len(entry.shape) != 2:
+            return None
+        change = (lambda a: _unpermute_rows(a, entry.heads)) if entry.heads else None
+        runs = lazy_runs(stored.tensor_type, stored.data, entry.shape[1], change)
+        return runs if runs is None else runs.with_load(lambda: _forgotten(runs.load, stored))
 
     def matmul_nbits(self, name: str) -> Runs | None:
         """Linear weight `name` (N = out features, K = in features) as MatMulNBits runs, from its own quantized
@@ -117,12 +166,13 @@ def read_gguf(path: str | Path) -> GGUFModel:
         header = read_header(path)
     except (HeaderError, UnicodeDecodeError) as error:
         raise GGUFError(_one_line(path, error)) from None
-    file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # a plain view: np.memmap slices cost per call
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    file = np.asarray(mapped)  # a plain view: np.memmap slices cost per call
     stored = {}
     for t in header.tensors:
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         rows = file[t.start : t.start + t.nbytes].reshape(-1, t.dims[0] // block * type_size)
-        stored[t.name] = _Stored(t.tensor_type, t.dims, rows)
+        stored[t.name] = _Stored(t.tensor_type, t.dims, rows, partial(_drop_pages, mapped._mmap, t.start, t.nbytes))
     try:
         return _build(path, stored, header.metadata)
     except GGUFError as error:

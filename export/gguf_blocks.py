@@ -242,6 +242,50 @@ def to_runs(kind: Q, rows: np.ndarray, n_in: int) -> Runs | None:
     )
 
 
+@dataclass(frozen=True)
+class LazyRuns:
+    """A weight's Runs before they are unpacked: what the graph needs to plan for them (bits, block size, shape,
+    whether they have offsets) and `load()`, which unpacks them from the file when the graph writes them."""
+
+    bits: int
+    block_size: int
+    shape: tuple[int, int]  # (N, K)
+    has_offsets: bool
+    load: Callable[[], Runs]
+
+    def with_load(self, load: Callable[[], Runs]) -> LazyRuns:
+        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load)
+
+
+def lazy_runs(
+    kind: Q, rows: np.ndarray, n_in: int, change: Callable[[np.ndarray], np.ndarray] | None
+) -> LazyRuns | None:
+    """to_runs of a stored tensor, deferred (`change`: a reordering of the output rows, by_rows); None where
+    to_runs gives None. Whether the type has offsets is read off its first block."""
+    row = BLOCK_TYPES.get(kind)
+    if row is None:
+        return None
+
+    def load() -> Runs:
+        runs = to_runs(kind, rows, n_in)
+        return runs if change is None else by_rows(runs, change)
+
+    first = to_runs(kind, rows[:1], n_in)
+    return LazyRuns(row.bits, row.block_size, (rows.shape[0], n_in), first.offsets is not None, load)
+
+
+def load_runs(runs: Runs | LazyRuns) -> Runs:
+    return runs.load() if isinstance(runs, LazyRuns) else runs
+
+
+def runs_shape(runs: Runs | LazyRuns) -> tuple[int, int]:
+    return runs.shape if isinstance(runs, LazyRuns) else runs.values.shape
+
+
+def runs_have_offsets(runs: Runs | LazyRuns) -> bool:
+    return runs.has_offsets if isinstance(runs, LazyRuns) else runs.offsets is not None
+
+
 def by_rows(runs: Runs, change: Callable[[np.ndarray], np.ndarray]) -> Runs:
     """The runs with `change` (a reordering of the output rows) applied to each of their arrays."""
     either = lambda a: change(a) if isinstance(a, np.ndarray) else a

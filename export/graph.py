@@ -46,6 +46,7 @@ from edgelm.onnxfile import placeholder
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
 from .decoder import Decoder, DeltaNet, Layer, Linear, NBits, Norm, ShortConv
+from .lazy_weights import LazyArray
 
 MS_DOMAIN = "com.microsoft"
 
@@ -54,6 +55,31 @@ def _nbits_names(prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
     """MatMulNBits' B and scales, and the block offsets (None: the blocks have none)."""
     offsets = f"{prefix}.weight_block_offsets" if nbits.has_offsets else None
     return f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales", offsets
+
+
+class _NBitsArrays:
+    """A linear's MatMulNBits arrays from one unpacking of its blocks, which is let go once all `uses` are read."""
+
+    def __init__(self, nbits: NBits, uses: int):
+        self.nbits, self.uses, self.parts = nbits, uses, None
+
+    def _take(self, array: str) -> np.ndarray:
+        if self.parts is None:
+            self.parts = self.nbits.parts
+        value = getattr(NBits(self.nbits.bits, self.nbits.block_size, self.parts), array)
+        self.uses -= 1
+        if self.uses == 0:
+            self.parts = None
+        return value
+
+    def packed(self) -> np.ndarray:
+        return self._take("packed")
+
+    def scales(self) -> np.ndarray:
+        return self._take("scales")
+
+    def block_offsets(self) -> np.ndarray:
+        return self._take("block_offsets")
 
 
 class _GraphBuilder:
@@ -77,7 +103,7 @@ class _GraphBuilder:
 
     def constant(self, name: str, array: np.ndarray) -> str:
         """An initializer; floating arrays but float16 ones are written as float32 (by save_model, no copy here)."""
-        array = np.asarray(array)
+        array = array if isinstance(array, LazyArray) else np.asarray(array)  # a LazyArray is read when written
         self.initializers.append(placeholder(name, array))
         self.weights[name] = array
         return name
@@ -103,11 +129,14 @@ class _GraphBuilder:
         packed, scales, offsets = _nbits_names(prefix, nbits)
         if self.compact:
             write_blocks(self, nbits, packed=packed, scales=scales, offsets=offsets)
-        else:
-            self.constant(packed, nbits.packed)
-            self.constant(scales, nbits.scales)
+        else:  # unpacked (or quantized) when written, once for the three arrays (save_model writes them in turn)
+            k, n = nbits.shape
+            runs = k // nbits.block_size
+            arrays = _NBitsArrays(nbits, 3 if offsets is not None else 2)
+            self.constant(packed, LazyArray((n, runs, nbits.block_size * nbits.bits // 8), arrays.packed, np.uint8))
+            self.constant(scales, LazyArray((n, runs), arrays.scales))
             if offsets is not None:
-                self.constant(offsets, nbits.block_offsets)
+                self.constant(offsets, LazyArray((runs, n), arrays.block_offsets))
         return packed, scales, offsets
 
     def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:

@@ -40,6 +40,7 @@ from ..runtime.lora_contract import (
 from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
+from .lazy_weights import materialize
 from .peft_adapter import OUTPUT_LAYER, LoraWeights, PeftAdapter, read_peft_adapter
 
 Progress = Callable[[str], None]
@@ -325,6 +326,7 @@ def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progr
     (keeps_blocks: whether the package would keep a GGUF file's blocks at all)."""
     if not adapters:
         return
+    materialize(source.model)  # merging adds to every adapted weight: the model in memory, fp32
     merged = merge_adapters(source.model, adapters, family=source.family.name, packed=source.family.lora_packed)
     for adapter in adapters:
         ranks = sorted({w.rank for w in adapter.modules.values()})

@@ -12,14 +12,16 @@ GGUF file) is opened by export/source.py.
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 import torch
+from tqdm import tqdm
 
-from edgelm.onnxfile import save_model
+from edgelm.onnxfile import save_model, stored_bytes
 from edgelm.package_writer import StagedOutput, list_files, write_json
 from edgelm.version import __version__
 
@@ -37,6 +39,7 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
+from .block_quantize import QUANTIZE_MODES, quantize_decoder
 from .checkpoint import check_finite
 from .decoder import Decoder
 from .defaults import (
@@ -49,6 +52,7 @@ from .defaults import (
 from .families import Blocks
 from .gguf_blocks import FLOAT_TYPES, KEPT_TYPE_NAMES
 from .graph import build_fused_graph
+from .lazy_weights import is_lazy, lazy_parameter, materialize
 from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
 from .parity import check_parity, check_parity_shared
 from .source import Source, open_source
@@ -58,9 +62,20 @@ from .traced import state_layout, trace_graph
 Progress = Callable[[str], None]
 
 
+def _bar(total: int, what: str, *, show: bool | None, unit: str = "it") -> tqdm:
+    """A progress bar on stderr for a long step (per tensor, layer or byte), under the step's own line; show
+    None: when stderr is a terminal (a log, or a caller reading one error line, gets none)."""
+    return tqdm(
+        total=total, desc=f"      {what}", unit=unit, unit_scale=unit == "B", file=sys.stderr, mininterval=1.0,
+        disable=None if show is None else not show, leave=False, dynamic_ncols=True,
+    )  # fmt: skip
+
+
 def _untie(model: torch.nn.Module) -> None:
     """Give the LM head its own copy of the embedding (for runtimes or tools that want two tables)."""
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # tied: the embedding
+    weight = model.lm_head.weight  # tied: the embedding
+    copy = lazy_parameter(weight.loader) if is_lazy(weight) else torch.nn.Parameter(weight.detach().clone())
+    model.lm_head.weight = copy
     model.config.tie_word_embeddings = False
 
 
@@ -188,36 +203,46 @@ def export_package(
     compact_blocks: bool = True,
     lora: list[tuple[str | Path, float]] = (),
     lora_slots: SlotSpec | None = None,
+    quantize: str | None = None,
+    block_size: int = 32,
+    int4_lm_head: str = "int8",
     progress: Progress = print,
+    bars: bool | None = None,
 ) -> dict:
     """Checkpoint folder or GGUF file -> model package folder, staged beside `out_dir` and renamed into place, so a
     failed export leaves nothing half-written; returns the manifest (JSON). attention: "fused" or "standard"
     (last_token_logits is the standard graph's). A GGUF file's quantized blocks are kept (MatMulNBits run at
     `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph; compact_blocks
     stores them as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py). tolerance: the largest
-    |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py)."""
+    |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py).
+    quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
+    (export/block_quantize.py; block_size and int4_lm_head as quantize's). bars: progress bars on stderr for
+    the long steps (reading, writing and proving, tensor by tensor or layer by layer), beside the `progress`
+    lines; None: when stderr is a terminal."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_options(
         attention=attention,
         last_token_logits=last_token_logits,
         accuracy_level=accuracy_level,
         lora_slots=lora_slots,
+        quantize=quantize,
     )
     staged = StagedOutput(out_dir, inputs=[checkpoint], overwrite=overwrite)  # refuses unsafe outputs now
     adapters = read_adapters(list(lora))
-    source = _load(checkpoint, untie=untie, progress=progress)
+    source = _load(checkpoint, untie=untie, progress=progress, bars=bars)
     apply_lora(source, adapters, keeps_blocks=attention == "fused" and not dequantize, progress=progress)
     plan = _plan(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, dequantize=dequantize,
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
+        quantize=None if quantize is None else dict(mode=quantize, block_size=block_size, lm_head=int4_lm_head),
     )  # fmt: skip
     manifest = _add_storage_and_lora(plan, source, compact_blocks=compact_blocks, adapters=adapters, slots=lora_slots)
     with staged as staging:
         _write_graph(
             plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, compact=compact_blocks,
-            progress=progress,
+            progress=progress, bars=bars,
         )  # fmt: skip
-        manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress)
+        manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress, bars=bars)
         progress("[4/4] writing package files")
         _write_files(staging, manifest, source)
     size = sum(f["bytes"] for f in manifest.files.values())
@@ -231,7 +256,7 @@ def _add_storage_and_lora(
     """The plan's manifest with how kept blocks are stored and the LoRA record; run-time slots join the Decoder."""
     manifest = plan.manifest
     if plan.keep:  # compact: ONNX Runtime computes the blocks at load, by constant folding (export/compact_blocks.py)
-        manifest.recipe["storage"] = "compact" if compact_blocks else "plain"
+        manifest.recipe["storage"] = "compact" if compact_blocks and not plan.quantized else "plain"
     planned = plan_slots(source.model, source.family, slots) if slots is not None else None
     if planned is not None:
         add_slots(plan.decoder, planned)
@@ -248,6 +273,7 @@ class _Plan:
     decoder: Decoder | None  # the fused graph's; None for the standard graph, and once the graph is built
     keep: bool
     tolerance: float
+    quantized: bool = False  # export --quantize: blocks of its own rounding, stored plain
 
     @property
     def fused(self) -> bool:
@@ -264,16 +290,23 @@ def _plan(
     accuracy_level: int,
     tolerance: float | None,
     progress: Progress,
+    quantize: dict | None = None,
 ) -> _Plan:
     """The fused graph's Decoder (with the GGUF blocks it keeps), the manifest and the tolerance (None: the
     default for what the graph keeps)."""
     fused = attention == "fused"
-    blocks = source.blocks if fused and not dequantize else None
+    blocks = source.blocks if fused and not dequantize and quantize is None else None
     decoder = source.family.decoder(source.model, blocks=blocks) if fused else None
     position_ids = not fused or decoder.position_table is not None
     manifest = build_manifest(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
     )
+    if quantize is not None:
+        manifest.recipe = quantize_decoder(decoder, source.model, **quantize)
+        manifest.precision = quantize["mode"]
+        progress(f"      quantizing as written: {manifest.recipe['ops']}, blocks of {quantize['block_size']}")
+        tolerance = INT8_ACTIVATION_TOLERANCE if tolerance is None else tolerance
+        return _Plan(manifest=manifest, decoder=decoder, keep=True, tolerance=tolerance, quantized=True)
     keep = _keep_blocks(manifest, decoder, source, blocks=blocks, accuracy_level=accuracy_level, progress=progress)
     if tolerance is None:
         tolerance = KEPT_FLOAT_TOLERANCE if keep else PARITY_TOLERANCE
@@ -282,7 +315,14 @@ def _plan(
 
 
 def _write_graph(
-    plan: _Plan, model: torch.nn.Module, path: Path, *, accuracy_level: int, compact: bool, progress: Progress
+    plan: _Plan,
+    model: torch.nn.Module,
+    path: Path,
+    *,
+    accuracy_level: int,
+    compact: bool,
+    progress: Progress,
+    bars: bool | None,
 ) -> None:
     """Step 2: the fused graph built from the plan's Decoder (which it then lets go; compact: its kept blocks as
     bit planes), or the standard graph traced from the model; saved with its weights beside it."""
@@ -293,12 +333,19 @@ def _write_graph(
         f"{', last-token logits' if last_token_logits else ''})"
     )
     if plan.fused:
+        accuracy_level = 4 if plan.quantized else accuracy_level  # quantize's recipe: int8 activations
         graph, weights = build_fused_graph(
-            plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level, compact=compact
+            plan.decoder,
+            manifest.io,
+            opset=opset,
+            accuracy_level=accuracy_level,
+            compact=compact and not plan.quantized,
         )
         plan.decoder = None  # save_model drops each array once written: its float copies go one by one
-        manifest.export["external_data"] = save_model(graph, path, weights=weights)
+        with _bar(stored_bytes(weights), "writing weights", show=bars, unit="B") as bar:
+            manifest.export["external_data"] = save_model(graph, path, weights=weights, on_write=bar.update)
     else:
+        materialize(model)  # tracing runs the whole model in fp32
         graph = trace_graph(model, io=manifest.io, opset=opset, last_token_logits=last_token_logits)
         manifest.export["external_data"] = save_model(graph, path)
 
@@ -309,8 +356,13 @@ def _check_options(
     last_token_logits: bool,
     accuracy_level: int,
     lora_slots: SlotSpec | None,
+    quantize: str | None = None,
 ) -> None:
     """ValueError for options that contradict each other or are out of range (export_package's)."""
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ValueError(f"unknown export quantization {quantize!r}; valid: {', '.join(QUANTIZE_MODES)}")
+    if quantize is not None and attention != "fused":
+        raise ValueError("--quantize writes the fused graph's MatMulNBits blocks: use --attention fused")
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     if attention == "fused" and last_token_logits:
@@ -321,12 +373,14 @@ def _check_options(
         raise ValueError("LoRA slots need the fused graph (--attention fused)")
 
 
-def _load(checkpoint: Path, *, untie: bool, progress: Progress) -> Source:
-    """Step 1: the checkpoint opened and checked (finite weights), its head untied if asked."""
+def _load(checkpoint: Path, *, untie: bool, progress: Progress, bars: bool | None) -> Source:
+    """Step 1: the checkpoint opened and checked (finite weights, read one tensor at a time), its head untied if
+    asked."""
     progress(f"[1/4] loading checkpoint {checkpoint}")
     source = open_source(checkpoint)
     model, config = source.model, source.model.config
-    check_finite(model, source.name)
+    with _bar(len(list(model.parameters())), "checking weights", show=bars, unit="tensor") as bar:
+        check_finite(model, source.name, on_tensor=bar.update)
     if untie and config.tie_word_embeddings:
         _untie(model)
     parameters = sum(p.numel() for p in model.parameters())
@@ -373,13 +427,15 @@ def _keep_blocks(
     return keep
 
 
-def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Progress) -> dict:
+def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Progress, bars: bool | None) -> dict:
     """Step 3: ONNX Runtime against PyTorch (export/parity.py); RuntimeError above the tolerance. Returns the
     manifest's parity record."""
     progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
     io, tolerance = plan.manifest.io, plan.tolerance
     if plan.fused:
-        max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep)
+        steps = 6 + model.config.n_layer  # 6 ONNX Runtime runs, then the reference's one pass layer by layer
+        with _bar(steps, "ONNX Runtime, then PyTorch float64", show=bars, unit="step") as bar:
+            max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep, on_step=bar.update)
     else:
         last_token_logits = plan.manifest.export["last_token_logits"]
         max_diff = check_parity(model, onnx_path, io=io, last_token_logits=last_token_logits)
@@ -399,6 +455,8 @@ def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Pr
         )
     parity = {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2}
     parity["reference"] = "PyTorch float64" if plan.fused else "PyTorch float32"
+    if plan.quantized:
+        parity["reference_weights"] = "what the blocks hold (quantized and dequantized)"
     if plan.keep and plan.manifest.recipe["accuracy_level"] == 4:
         parity["activations"] = "int8 (MatMulNBits accuracy_level 4)"
     return parity

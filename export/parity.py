@@ -9,7 +9,7 @@ vocab_size), which is all these checks use.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import torch
 
 from ..runtime.contract import LAYER_STATES, IONames
 from .checkpoint import CheckpointError
+from .lazy_weights import float64_stream
 from .traced import state_layout
 
 
@@ -116,48 +117,49 @@ def check_parity(
     return worst
 
 
-@contextmanager
-def _float64(model: torch.nn.Module) -> Iterator[None]:
-    """The model in float64 for the duration (fp32 values convert exactly, both ways)."""
-    model.double()
-    try:
-        yield
-    finally:
-        model.float()
+def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The reference model's list of decoder layers (its ModuleList of n_layer blocks)."""
+    n_layer = model.config.n_layer
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layer)
 
 
-def _reference_steps(model: torch.nn.Module, *, decode_steps: int, seed: int) -> list[dict]:
-    """The runs check_parity_shared compares, with PyTorch's float64 logits: a batch of 2 right-padded prompts
-    of different lengths with all-position logits, then one-token steps (greedy on the reference). A hybrid
-    model's prompts are of one length: right padding would enter its states, so the runtime prefills a batch of
-    unequal prompts row by row (runtime/kvcache.py SharedStateCache)."""
-    config = model.config
+def _prompts(config, *, decode_steps: int, seed: int, short: int = 5) -> tuple[torch.Tensor, list[int]]:
+    """A batch of 2 right-padded prompts, of 7 and `short` tokens: ids (2, width) and the rows' lengths. A hybrid
+    model's prompts are of one length (short 7): right padding would enter its states, so the runtime prefills a
+    batch of unequal prompts row by row (runtime/kvcache.py SharedStateCache)."""
     generator = torch.Generator().manual_seed(seed)
-    short = 7 if state_layout(model) else 5
     lengths = [min(7, config.n_positions - decode_steps), min(short, config.n_positions - decode_steps)]
-    width = max(lengths)
-    input_ids = torch.randint(0, config.vocab_size, (2, width), generator=generator)
-    mask = torch.zeros(2, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        mask[row, :length] = 1
-    position_ids = torch.arange(width).unsqueeze(0).expand(2, width) * mask  # padding at position 0
-    steps = []
-    with _one_thread(), _float64(model):
-        logits, past = model(input_ids, mask, position_ids)
-        steps.append(dict(ids=input_ids, mask=mask.numpy(), positions=position_ids, keep=0, logits=logits.numpy()))
-        steps[0]["real"] = mask.bool().numpy()  # padded query rows are never read
-        totals = list(lengths)
-        next_ids = torch.stack([logits[row, totals[row] - 1].argmax() for row in range(2)]).unsqueeze(1)
-        torch_mask = mask
-        for _ in range(decode_steps):
-            positions = torch.tensor(totals).unsqueeze(1)  # (2, 1)
-            torch_mask = torch.cat([torch_mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
-            logits, past = model(next_ids, torch_mask, positions, past)  # its own growing, masked cache
-            totals = [t + 1 for t in totals]
-            ort_mask = (np.arange(max(totals))[None, :] < np.array(totals)[:, None]).astype(np.int64)
-            steps.append(dict(ids=next_ids, mask=ort_mask, positions=positions, keep=1, logits=logits.numpy()))
-            next_ids = logits[:, -1, :].argmax(-1, keepdim=True)
-    return steps
+    return torch.randint(0, config.vocab_size, (2, max(lengths)), generator=generator), lengths
+
+
+def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, mask, positions) of a right-padded batch; padding at position 0."""
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    return ids, mask, torch.arange(width).unsqueeze(0).expand(len(rows), width) * mask
+
+
+def _reference_logits(
+    model: torch.nn.Module, rows: list[list[int]], *, on_layer: Callable[[], None] | None = None
+) -> np.ndarray:
+    """PyTorch's float64 logits (rows, longest, V) at every position of each row, in one pass without a cache:
+    the exact answer the graph's prompt and cached decode steps are compared with. on_layer: called after each
+    layer's forward (progress)."""
+
+    def after_layer(*_) -> None:  # returns None: a forward hook's result would replace the layer's output
+        on_layer()
+
+    handles = [] if on_layer is None else [block.register_forward_hook(after_layer) for block in _layers(model)]
+    ids, mask, positions = _right_padded(rows)
+    try:
+        with _one_thread(), float64_stream(model):
+            return model(ids, mask, positions)[0].numpy()
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def check_parity_shared(
@@ -168,21 +170,55 @@ def check_parity_shared(
     decode_steps: int = 5,
     seed: int = 0,
     prepacking: bool = False,
+    on_step: Callable[[], None] | None = None,
 ) -> float:
     """Max |logit difference| between ONNX Runtime, run the way the runtime runs the fused graph (the
-    cache one buffer per layer bound as both past and present, num_logits_to_keep 1 after the prompt), and
-    the PyTorch model on the same rows in float64: the exact answer for the weights, so the figure is ONNX
-    Runtime's float32 rounding alone, not the sum of two float32 roundings. io: the manifest's names, its
-    logits_to_keep among them."""
+    cache one buffer per layer bound as both past and present, num_logits_to_keep 1 after the prompt; a batch
+    of 2 right-padded prompts, then `decode_steps` greedy one-token steps), and the PyTorch model in float64 on
+    the same tokens: the exact answer for the weights, so the figure is ONNX Runtime's float32 rounding alone,
+    not the sum of two float32 roundings. The reference computes every position of the prompt and the tokens
+    ONNX Runtime chose in one pass, without a cache (one read of a streamed model's weights, not one a step).
+    io: the manifest's names, its logits_to_keep among them. on_step: called after each ONNX Runtime step and
+    each reference layer (progress)."""
     config = model.config
-    steps = _reference_steps(model, decode_steps=decode_steps, seed=seed)
-    # after the float64 pass, so the two copies of the weights are not held at once
+    layout = state_layout(model)
+    ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed, short=7 if layout else 5)
+    outputs = _run_session(
+        onnx_path, io, config, ids, lengths, decode_steps, layout=layout, prepacking=prepacking, on_step=on_step
+    )
+    rows = [
+        ids[row, :length].tolist() + chosen
+        for row, (length, chosen) in enumerate(zip(lengths, outputs["tokens"], strict=True))
+    ]
+    reference = _reference_logits(model, rows, on_layer=on_step)
+    prompt = outputs["logits"][0]  # (2, width, V): compare real (unpadded) positions only
+    real = np.arange(ids.shape[1])[None, :] < np.array(lengths)[:, None]
+    worst = _worst(0.0, prompt[real], reference[:, : ids.shape[1]][real])
+    for step, logits in enumerate(outputs["logits"][1:]):  # (2, 1, V): the token fed at step `step`
+        expected = np.stack([reference[row, length + step] for row, length in enumerate(lengths)])[:, None]
+        worst = _worst(worst, logits, expected)
+    return worst
+
+
+def _run_session(
+    onnx_path: str | Path,
+    io: IONames,
+    config,
+    ids: torch.Tensor,
+    lengths: list[int],
+    decode_steps: int,
+    *,
+    layout: dict,
+    prepacking: bool,
+    on_step: Callable[[], None] | None,
+) -> dict:
+    """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row);
+    layout: a hybrid's states (traced.state_layout)."""
     session = _session(onnx_path, prepacking=prepacking)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
-    capacity = steps[0]["ids"].shape[1] + decode_steps
+    capacity = ids.shape[1] + decode_steps
     binding = session.io_binding()
     binding.bind_output(io.logits)  # first, so it is get_outputs()[0]; allocated by each run
-    layout = state_layout(model)
     layer_types = layout.get("layer_types")
     past, present = io.past_names(config.n_layer, layer_types), io.present_names(config.n_layer, layer_types)
     states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run
@@ -198,16 +234,16 @@ def check_parity_shared(
         buffer = ort.OrtValue.ortvalue_from_numpy(zeros)
         binding.bind_ortvalue_input(past_name, buffer)
         binding.bind_ortvalue_output(present_name, buffer)
-
-    worst = 0.0
-    for step in steps:
-        binding.bind_cpu_input(io.input_ids, step["ids"].numpy())
-        binding.bind_cpu_input(io.attention_mask, step["mask"])
+    _, mask, positions = _right_padded([ids[row, :length].tolist() for row, length in enumerate(lengths)])
+    feed, keep, totals = ids, 0, list(lengths)
+    all_logits, tokens = [], [[], []]
+    for step in range(decode_steps + 1):
+        binding.bind_cpu_input(io.input_ids, feed.numpy())
+        binding.bind_cpu_input(io.attention_mask, mask.numpy())
         if uses_positions:
-            binding.bind_cpu_input(io.position_ids, step["positions"].numpy())
+            binding.bind_cpu_input(io.position_ids, positions.numpy())
         # an overridable initializer: IO binding takes it as an OrtValue, not through bind_cpu_input
-        keep = ort.OrtValue.ortvalue_from_numpy(np.array(step["keep"], dtype=np.int64))
-        binding.bind_ortvalue_input(io.logits_to_keep, keep)
+        binding.bind_ortvalue_input(io.logits_to_keep, ort.OrtValue.ortvalue_from_numpy(np.array(keep, np.int64)))
         binding.bind_output(io.logits)  # unallocated again: its length changes between calls
         for state in states:
             binding.bind_ortvalue_input(state[0], state[2])
@@ -215,7 +251,17 @@ def check_parity_shared(
             state[2], state[3] = state[3], state[2]  # the present is the next run's past
         session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()
-        assert logits.shape == step["logits"].shape, f"ONNX logits {logits.shape} vs {step['logits'].shape}"
-        real = step.get("real", np.ones(logits.shape[:2], dtype=bool))
-        worst = _worst(worst, logits[real], step["logits"][real])
-    return worst
+        all_logits.append(logits)
+        if on_step is not None:
+            on_step()
+        if step == decode_steps:
+            break
+        last = [logits[row, totals[row] - 1] if keep == 0 else logits[row, -1] for row in range(2)]
+        chosen = [int(np.argmax(row_logits)) for row_logits in last]
+        for row, token in enumerate(chosen):
+            tokens[row].append(token)
+        feed, keep = torch.tensor(chosen).unsqueeze(1), 1
+        positions = torch.tensor(totals).unsqueeze(1)  # (2, 1)
+        totals = [t + 1 for t in totals]
+        mask = torch.from_numpy((np.arange(max(totals))[None, :] < np.array(totals)[:, None]).astype(np.int64))
+    return {"logits": all_logits, "tokens": tokens}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .lazy_weights import weights_stream
+
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -58,6 +60,16 @@ def attention_bias(
 
 class ReferenceModel(nn.Module):
     """The base of the reference models: the parameter count and greedy generation over `forward`."""
+
+    streaming = False  # inside lazy_weights.weights_stream
+
+    def __call__(self, *args, **kwargs):
+        """A model with lazy weights (export/lazy_weights.py) computes in float32 from its weights read module by
+        module (each call reads them again: for checks on small models; export's proof streams in float64)."""
+        if self.streaming or not any(p.is_meta for p in self.parameters()):
+            return super().__call__(*args, **kwargs)
+        with weights_stream(self, torch.float32):
+            return super().__call__(*args, **kwargs)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once

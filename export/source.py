@@ -5,6 +5,7 @@ reference model and what the package carries beside it (tokenizer, chat template
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,13 +24,15 @@ from .checkpoint import (
 )
 from .families import Blocks, Family, checked_tokens, family_for
 from .gguf import read_gguf
+from .lazy_weights import TensorLoader, materialize
 
 
 @dataclass
 class Source:
     """What export reads: the reference model and what the package carries beside it."""
 
-    model: torch.nn.Module  # eval mode, fp32, with the shared forward signature (export/parity.py)
+    model: torch.nn.Module  # eval mode, the shared forward signature (export/parity.py); lazy weights
+    # (export/lazy_weights.py): on the meta device, read from the checkpoint when used
     family: Family
     tokens: dict  # bos_token_id, eos_token_ids, pad_token_id
     name: str  # the checkpoint's name, for the manifest
@@ -38,7 +41,7 @@ class Source:
     files: dict[str, Path] = field(default_factory=dict)  # package file name -> file to copy (tokenizer)
     texts: dict[str, str] = field(default_factory=dict)  # package file name -> contents to write
     chat_template: str | None = None
-    blocks: Blocks | None = None  # a GGUF file's own MatMulNBits blocks by tensor name (GGUFModel.matmul_nbits)
+    blocks: Blocks | None = None  # a GGUF file's own MatMulNBits blocks by tensor name (GGUFModel.lazy_nbits)
     quant_types: dict[str, str] = field(default_factory=dict)  # tensor name -> GGUF type ("Q4_1", "F32", ...)
     sampling: Sampling | None = None  # what a folder's generation_config.json recommends
 
@@ -62,6 +65,8 @@ def open_folder(folder: Path) -> Source:
     hf_config = read_config(folder)
     family = family_for(hf_config.get("model_type"))
     model = family.load(folder)
+    if not family.lazy_weights:
+        materialize(model)
     hashes = source_hashes(folder)
     files = tokenizer_files(folder)  # each one text (UTF-8) or JSON first: the errors name the file's kind
     if TOKENIZER_FILE in files:
@@ -80,14 +85,29 @@ def open_folder(folder: Path) -> Source:
     )
 
 
+def _dequantized(gguf, name: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.tensor(name))
+
+
+def _rows(gguf, name: str, indices: torch.Tensor) -> torch.Tensor:
+    rows = gguf.rows(name, indices.numpy())
+    return torch.from_numpy(rows) if rows is not None else torch.from_numpy(gguf.tensor(name))[indices]
+
+
 def open_gguf(path: Path) -> Source:
     """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
     tokenizer metadata, its chat template kept (export/gguf.py)."""
     gguf = read_gguf(path)
     family = gguf.family
-    state = {name: torch.from_numpy(gguf.tensor(name)) for name in gguf.tensor_names}
-    model = family.build(gguf.hf_config, state)
-    del state
+    state = {
+        name: TensorLoader(gguf.shape(name), partial(_dequantized, gguf, name), partial(_rows, gguf, name))
+        if family.lazy_weights
+        else _dequantized(gguf, name)
+        for name in gguf.tensor_names
+    }
+    model = family.build(gguf.hf_config, state)  # lazy: each tensor dequantized when used
+    if not family.lazy_weights:
+        materialize(model)
     tokens = checked_tokens(model.config.vocab_size, gguf.bos_token_id, gguf.eos_token_ids, gguf.pad_token_id)
     sha256 = file_sha256(path)
     return Source(
@@ -99,7 +119,7 @@ def open_gguf(path: Path) -> Source:
         hashes={path.name: sha256},
         texts={TOKENIZER_FILE: gguf.tokenizer_json},
         chat_template=gguf.chat_template,
-        blocks=gguf.matmul_nbits,
+        blocks=gguf.lazy_nbits,
         quant_types={name: gguf.quant_type(name) for name in gguf.tensor_names},
     )
 

@@ -68,6 +68,20 @@ def add_parser(sub) -> None:
         "full logits). The fused graph picks per call",
     )
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
+    p.add_argument(
+        "--quantize",
+        choices=("int4", "int8-weight-only"),
+        default=None,
+        help="write a weight-only quantized package directly, block by block, with no fp32 package in between: "
+        "the recipe of `edgelm quantize --mode int4 / int8-weight-only` (MatMulNBits, round to nearest, symmetric)",
+    )
+    p.add_argument("--block-size", type=int, default=32, help="--quantize: weights per scale (default 32)")
+    p.add_argument(
+        "--int4-lm-head",
+        choices=("int8", "int4"),
+        default="int8",
+        help="--quantize int4: precision of the LM head and the tied embedding (default int8)",
+    )
     _add_gguf_options(p)
     _add_lora_options(p)
     p.add_argument(
@@ -145,5 +159,8 @@ def run(args: argparse.Namespace) -> int:
         compact_blocks=not args.plain_blocks,
         lora=[parse_lora_argument(text) for text in args.lora],
         lora_slots=merge_slot_specs([parse_slot_argument(text) for text in args.lora_slots]),
+        quantize=args.quantize,
+        block_size=args.block_size,
+        int4_lm_head=args.int4_lm_head,
     )
     return 0

@@ -14,12 +14,13 @@ import torch
 
 from ..checkpoint import CheckpointError
 from ..decoder import Decoder, Linear, NBits, Norm
-from ..gguf_blocks import Runs, widen
+from ..gguf_blocks import LazyRuns, Runs
 from ..gguf_metadata import Entry
+from ..lazy_weights import LazyArray, concatenated, float32_array
 
 # checkpoint tensor name -> its MatMulNBits runs (export/gguf_blocks.py), or None where the tensor has none
 # (export/gguf.py GGUFModel.matmul_nbits)
-Blocks = Callable[[str], Runs | None]
+Blocks = Callable[[str], Runs | LazyRuns | None]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class Family:
     lora_linears: tuple[tuple[str, str], ...] = ()
     # checkpoint linears the reference model holds split (Phi-3's qkv_proj): (name, its parts in row order)
     lora_packed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # its reference model and Decoder read weights through export/lazy_weights.py (meta parameters with loaders:
+    # export streams them); False: the model is read whole into memory as fp32 when opened
+    lazy_weights: bool = False
 
 
 def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
@@ -58,7 +62,7 @@ def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
     if any(part is None for part in parts):
         return None
     bits, block_size = max(part.bits for part in parts), min(part.block_size for part in parts)
-    return NBits(bits, block_size, [widen(part, bits, block_size) for part in parts])
+    return NBits(bits, block_size, parts)  # widened when the graph unpacks them (NBits.parts)
 
 
 def head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | None:
@@ -66,8 +70,9 @@ def head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | No
     return kept_blocks(blocks, [embedding if tied else "lm_head.weight"])
 
 
-def array(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to(torch.float32).cpu().numpy()
+def array(tensor: torch.Tensor) -> np.ndarray | LazyArray:
+    """A parameter as float32; a large lazy one (export/lazy_weights.py) stays unread until the graph writes it."""
+    return float32_array(tensor)
 
 
 def linear(layer: torch.nn.Linear, nbits: NBits | None = None) -> Linear:
@@ -78,10 +83,10 @@ def linear(layer: torch.nn.Linear, nbits: NBits | None = None) -> Linear:
 def packed(layers: list[torch.nn.Linear], nbits: NBits | None) -> Linear:
     """Linears with one input packed along their outputs (Q, K, V; gate, up): one MatMul."""
     biases = [layer.bias for layer in layers]
-    bias = None if biases[0] is None else array(torch.cat(biases))
+    bias = None if biases[0] is None else concatenated([array(b) for b in biases])
     if nbits is not None:
         return Linear(None, bias, nbits)
-    return Linear(array(torch.cat([layer.weight for layer in layers])).T, bias)
+    return Linear(concatenated([array(layer.weight) for layer in layers]).T, bias)
 
 
 def norm(module: torch.nn.Module) -> Norm:

@@ -228,6 +228,7 @@ def _row(model_type: str, gguf: GGUFLayout | None) -> Family:
         tokens=llama.tokens,
         gguf=gguf,
         lora_linears=llama.LORA_LINEARS,
+        lazy_weights=True,
     )
 
 

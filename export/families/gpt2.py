@@ -323,5 +323,6 @@ ROWS = (
             ("transformer.h.%d.mlp.c_fc", "up"),
             ("transformer.h.%d.mlp.c_proj", "down"),
         ),
+        lazy_weights=True,
     ),
 )

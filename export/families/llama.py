@@ -172,7 +172,7 @@ def load_llama(
     config = config_from_hf(read_config(folder))
     extras = read_extras(folder)
     config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
-    return build_llama(config, renamed(read_safetensors_folder(folder), renames))
+    return build_llama(config, renamed(read_safetensors_folder(folder, lazy=True), renames))
 
 
 def _gguf_head_dim(meta: dict, arch: str) -> int:
@@ -445,6 +445,7 @@ ROWS = tuple(
         tokens=tokens,
         gguf=_gguf(model_type, variant),
         lora_linears=LORA_LINEARS,
+        lazy_weights=True,
     )
     for model_type, variant in VARIANTS.items()
 )

@@ -1,0 +1,129 @@
+"""`export --quantize int4 | int8-weight-only`: a Hugging Face folder straight to a weight-only quantized package,
+block by block, with no fp32 package in between (on disk or in memory).
+
+The recipe is quantize/recipes.py's quantize_weight_only: every linear layer of the blocks in symmetric
+`bits`-bit blocks of `block_size` inputs, rounded to nearest, by the same ONNX Runtime kernels its
+MatMulNBitsQuantizer calls (quantize_matmul_4bits / quantize_matmul_8bits), the LM head (and the tied embedding,
+which gathers its rows from the head's blocks) in 8-bit blocks unless lm_head is "int4", MatMulNBits at
+accuracy level 4. Each weight is quantized when the graph writes it (gguf_blocks.LazyRuns), one at a time, so
+the package holds the same bytes as `export` then `quantize` would write.
+
+The proof compares the graph with the reference model computing on what the blocks hold: each quantized
+weight of the reference is replaced by its blocks' values (quantized and dequantized when read), as for a GGUF
+file's kept blocks, so the check is the graph's, not the rounding's (the rounding's cost is what `quantize
+--eval-text` measures).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from .decoder import Decoder, Linear, NBits
+from .gguf_blocks import LazyRuns, Runs, dequantized
+from .lazy_weights import TensorLoader, lazy_parameter, read
+
+QUANTIZE_MODES = ("int4", "int8-weight-only")
+LM_HEADS = ("int8", "int4")  # quantize/recipes.py INT4_LM_HEADS
+
+
+def block_quantized(weight: np.ndarray, *, bits: int, block_size: int) -> Runs:
+    """A (K, N) float weight (MatMul's layout) as symmetric `bits`-bit blocks of `block_size` consecutive k per
+    column n, by ONNX Runtime's own kernel (MatMulNBitsQuantizer's): Runs of centred values (N, K)."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    k, n = weight.shape
+    assert k % block_size == 0, f"{k} inputs are not whole blocks of {block_size}"
+    blocks, per_byte = k // block_size, 8 // bits
+    packed = np.zeros((n, blocks, block_size // per_byte), dtype=np.uint8)
+    zero_points = np.zeros((n, -(-blocks // per_byte)), dtype=np.uint8)  # symmetric: unused
+    scales = np.zeros((n, blocks), dtype=np.float32)
+    kernel = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    kernel(packed, weight, scales, zero_points, block_size, n, k, True)
+    if bits == 4:  # element 2i in the low nibble of byte i (gguf_blocks.pack's layout)
+        stored = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)
+    else:
+        stored = packed.reshape(n, k)
+    values = (stored.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    return Runs(bits, block_size, values, scales, None, bits, None)
+
+
+def _nbits(weight, *, bits: int, block_size: int) -> NBits:
+    """A (K, N) weight (an array or a LazyArray) as blocks quantized when the graph writes them."""
+    k, n = weight.shape
+    load = lambda: block_quantized(np.asarray(weight), bits=bits, block_size=block_size)  # noqa: E731
+    return NBits(bits, block_size, [LazyRuns(bits, block_size, (n, k), False, load)])
+
+
+def _what_blocks_hold(tensor: torch.Tensor, *, bits: int, block_size: int) -> torch.Tensor:
+    """An nn.Linear-layout (out, in) weight as its blocks hold it (quantized along `in`), float32."""
+    runs = block_quantized(read(tensor).to(torch.float32).numpy().T, bits=bits, block_size=block_size)
+    return torch.from_numpy(dequantized(runs))
+
+
+def _reference_on_blocks(parameter: torch.nn.Parameter, *, bits: int, block_size: int) -> torch.nn.Parameter:
+    loader = TensorLoader(
+        tuple(parameter.shape), partial(_what_blocks_hold, parameter, bits=bits, block_size=block_size)
+    )
+    return lazy_parameter(loader)
+
+
+def check_block_size(decoder: Decoder, block_size: int) -> None:
+    """ValueError unless `block_size` is a power of two >= 16 dividing every linear's inputs."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
+    for width in (decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim):
+        if width % block_size:
+            raise ValueError(
+                f"block size {block_size} does not divide a linear layer's {width} inputs; use a smaller one"
+            )
+
+
+def quantize_decoder(
+    decoder: Decoder, model: torch.nn.Module, *, mode: str, block_size: int = 32, lm_head: str = "int8"
+) -> dict:
+    """Every float linear of `decoder` as weight-only blocks and the LM head as `lm_head` blocks (the tied embedding
+    gathering from them); the reference model's weights replaced by what the blocks hold. Returns the recipe
+    (quantize/recipes.py quantize_weight_only's facts)."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"unknown export quantization {mode!r}; valid: {', '.join(QUANTIZE_MODES)}")
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(LM_HEADS)}")
+    check_block_size(decoder, block_size)
+    bits = 4 if mode == "int4" else 8
+    head_bits = 8 if lm_head == "int8" or bits == 8 else 4
+    for layer in decoder.layers:
+        for name in ("qkv", "attention_out", "up", "down"):
+            linear: Linear = getattr(layer, name)
+            if linear.nbits is None:
+                setattr(layer, name, Linear(None, linear.bias, _nbits(linear.weight, bits=bits, block_size=block_size)))
+    head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
+    decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
+    _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)
+    return {
+        "mode": mode,
+        "bits": bits,
+        "op": "MatMulNBits",
+        "algorithm": "round to nearest",
+        "block_size": block_size,
+        "symmetric": True,
+        "accuracy_level": 4,
+        "lm_head": "int8" if head_bits == 8 else "int4",
+        "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, read by the tied embedding too",
+        "written_by": "export --quantize (block by block, no fp32 package)",
+    }
+
+
+def _quantize_reference(model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int) -> None:
+    """The reference model's linears (and its head, with the embedding tied to it) computing on their blocks."""
+    head = model.lm_head
+    tied = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is head.weight]
+    for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
+        width = head_bits if module is head else bits
+        module.weight = _reference_on_blocks(module.weight, bits=width, block_size=block_size)
+        if module is head:
+            for embedding in tied:
+                embedding.weight = module.weight  # one parameter again
