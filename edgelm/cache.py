@@ -332,6 +332,9 @@ def remove_folder(path: Path) -> None:
     loading half a folder), then deleted."""
     hidden = path.with_name(f".removing-{path.name}")
     path.rename(hidden)
+    if hidden.is_symlink():  # an entry linked to a folder elsewhere: the link goes, never what it points at
+        hidden.unlink()
+        return
     shutil.rmtree(hidden)
 
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .llama import RMSNorm
-from .reference import ReferenceModel, attention_bias
+from .reference import StateReferenceModel
 
 ATTENTION, LINEAR = "full_attention", "linear_attention"
 State = list[tuple[torch.Tensor, ...]]
@@ -207,7 +207,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), present
 
 
-class Qwen35(ReferenceModel):
+class Qwen35(StateReferenceModel):
     def __init__(self, config: Qwen35Config):
         super().__init__()
         self.config = config
@@ -244,34 +244,5 @@ class Qwen35(ReferenceModel):
             for kind in c.layer_types
         ]
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values: State | None = None,
-        *,
-        last_token_logits: bool = False,
-    ) -> tuple[torch.Tensor, State]:
-        B, T = input_ids.shape
-        past = self.empty_state(B) if past_key_values is None else past_key_values
-        kinds = self.config.layer_types
-        past_length = next(p[0].shape[2] for p, kind in zip(past, kinds, strict=True) if kind == ATTENTION)
-        if attention_mask is None:
-            attention_mask = torch.ones(B, past_length + T, dtype=torch.long)
-        if position_ids is None:
-            position_ids = torch.arange(past_length, past_length + T).unsqueeze(0).expand(B, T)
-        bias = attention_bias(attention_mask, past_length, T)
-        angles = position_ids.unsqueeze(-1).float() * self.inv_freq
-        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, rotary_dim)
-        cos, sin = angles.cos(), angles.sin()
-        mask = attention_mask[:, -T:]
-        x = self.model.embed_tokens(input_ids)
-        present: State = []
-        for block, layer_past in zip(self.model.layers, past, strict=True):
-            x, layer_present = block(x, bias, cos, sin, mask, layer_past)
-            present.append(layer_present)
-        x = self.model.norm(x)
-        if last_token_logits:
-            x = x[:, -1:, :]
-        return self.lm_head(x), present
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)

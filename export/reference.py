@@ -1,4 +1,4 @@
-"""What the reference models (export/gpt2.py, export/llama.py) share: one call,
+"""What the reference models (export/gpt2.py, export/llama.py; the hybrids lfm2.py and qwen35.py) share: one call,
 
     logits, present = model(input_ids, attention_mask, position_ids, past_key_values)
 
@@ -87,3 +87,52 @@ class ReferenceModel(nn.Module):
             logits, past = self(next_token, past_key_values=past)
             next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
         return torch.cat(tokens, dim=1) if tokens else input_ids[:, :0]
+
+
+State = list[tuple[torch.Tensor, ...]]  # per layer: (key, value) for attention, the states for the others
+
+
+class StateReferenceModel(ReferenceModel):
+    """The forward of the hybrid reference models (export/lfm2.py, export/qwen35.py), whose layers keep either
+    keys and values or a fixed state: each defines config.layer_types, empty_state(batch), inv_freq (rotary
+    frequencies), model.embed_tokens, model.layers (blocks called as block(x, bias, cos, sin, mask, past)),
+    final_norm and lm_head."""
+
+    ATTENTION = "full_attention"
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: State | None = None,
+        *,
+        last_token_logits: bool = False,
+    ) -> tuple[torch.Tensor, State]:
+        """input_ids (B, T); attention_mask (B, past + T), 1 = real token; position_ids (B, T); past_key_values:
+        a tuple per layer (empty_state's shapes). Returns logits (B, T, vocab) and the new state."""
+        B, T = input_ids.shape
+        past = self.empty_state(B) if past_key_values is None else past_key_values
+        kinds = self.config.layer_types
+        past_length = next(p[0].shape[2] for p, kind in zip(past, kinds, strict=True) if kind == self.ATTENTION)
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past_length + T, dtype=torch.long)
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + T).unsqueeze(0).expand(B, T)
+        bias = attention_bias(attention_mask, past_length, T)
+        angles = position_ids.unsqueeze(-1).float() * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, rotary width)
+        cos, sin = angles.cos(), angles.sin()
+        mask = attention_mask[:, -T:]
+        x = self.model.embed_tokens(input_ids)
+        present: State = []
+        for block, layer_past in zip(self.model.layers, past, strict=True):
+            x, layer_present = block(x, bias, cos, sin, mask, layer_past)
+            present.append(layer_present)
+        x = self.final_norm(x)
+        if last_token_logits:
+            x = x[:, -1:, :]
+        return self.lm_head(x), present

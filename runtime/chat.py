@@ -37,14 +37,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .chat_inputs import TURN_VARIABLES, new_messages, template_variables
 from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError, InvalidParameterError
 from .kvcache import Cache, make_cache
+from .replies import Reply
 from .results import GenerationResult, Piece, Stream, make_timings
 from .template import ChatTemplate, chat_prompt_ids, read_template_file, validate_messages
 from .text import TextAssembler
-from .tool_calls import Convention, ReplyParser, ToolCall, convention_for, starts_in_reasoning
-from .tools import tool_specs
+from .tool_calls import Convention, convention_for
 
 if TYPE_CHECKING:
     from .runner import TextModel
@@ -350,7 +351,7 @@ class Conversation:
         ids, options = turn.ids, turn.options
         cache = self._prepare_cache(turn.reused, len(ids) + options.max_new_tokens)
         assembler = TextAssembler(self.model.tokenizer, options.stops)
-        reply = _Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls, options.token_mask is not None)
+        reply = Reply(self.model.tokenizer, self.convention, ids, turn.parse_calls, options.token_mask is not None)
         state = DecodeState.start(1)
         last, last_calls = None, []
         try:
@@ -408,126 +409,3 @@ class Conversation:
         self._history = [*history, reply]
         self._turn_starts = starts
         self._pending = None
-
-
-TURN_VARIABLES = ("tools", "documents", "enable_thinking", "template_vars")
-
-
-def template_variables(
-    tools: Any = None, documents: Any = None, enable_thinking: Any = None, template_vars: Any = None
-) -> dict:
-    """The variables a template renders with, checked: tools (functions described: runtime/tools.py), documents,
-    enable_thinking (None: not passed) and any others in template_vars. ChatTemplateError for bad ones."""
-    if template_vars is not None and not isinstance(template_vars, dict):
-        raise ChatTemplateError(f"template_vars must be a dict, got {type(template_vars).__name__}")
-    variables = dict(template_vars or {})
-    for name in ("messages", "add_generation_prompt"):
-        if name in variables:
-            raise ChatTemplateError(f"template_vars may not set {name!r}: it is the chat's own")
-    if tools is not None:
-        variables["tools"] = tool_specs(tools)
-    if documents is not None:
-        if not isinstance(documents, (list, tuple)) or not all(isinstance(d, dict) for d in documents):
-            raise ChatTemplateError("documents must be a list of dicts (e.g. {'title': ..., 'text': ...})")
-        variables["documents"] = list(documents)
-    if enable_thinking is not None:
-        if not isinstance(enable_thinking, bool):
-            raise ChatTemplateError(f"enable_thinking must be True, False or None, got {enable_thinking!r}")
-        variables["enable_thinking"] = enable_thinking
-    return variables
-
-
-def new_messages(message: Any) -> list[dict]:
-    """What send/stream add to the history: a user message's text, a message dict, or a list of them."""
-    if isinstance(message, str):
-        return [{"role": "user", "content": message}]
-    if isinstance(message, dict):
-        message = [message]
-    if not isinstance(message, list) or not message:
-        raise InvalidInputError(f"a message must be a string, a message dict or a list of them, got {message!r:.60}")
-    for item in message:
-        if isinstance(item, dict) and item.get("role") == "system":
-            raise InvalidInputError("a system message goes first: pass system= to conversation(), or use reply_to")
-    return validate_messages(message)
-
-
-class _Reply:
-    """A turn's reply parsed as it grows (runtime/tool_calls.py): from the text the assembler decodes, or, when
-    the convention's markup holds special tokens (which decoding drops), from a decoding that keeps them."""
-
-    def __init__(self, tokenizer, convention: Convention, prompt_ids: list[int], parse_calls: bool, constrained: bool):
-        self.convention = convention
-        self.active = convention.name != "plain" or convention.think
-        if not parse_calls and convention.name != "harmony":
-            convention = Convention("plain", "", "", "", convention.calls, think=convention.think)
-        specials = {tokenizer.token_text(i) for i in tokenizer.special_ids}
-        self.keep_special = self.active and any(marker in specials for marker in convention.markers())
-        self.calls: list[ToolCall] = []  # the calls parsed so far, each given its id once
-        tail = tokenizer.decode(prompt_ids[-8:], skip_special=False) if self.active else ""
-        # a prompt that opens <think> starts the reply in the reasoning, unless a grammar decides what is written
-        self.parser = ReplyParser(convention, in_reasoning=starts_in_reasoning(tail) and not constrained)
-        self.special_text = TextAssembler(_KeepSpecial(tokenizer)) if self.keep_special else None
-
-    def _text(self, assembler: TextAssembler) -> str:
-        if self.special_text is None:
-            return assembler.text[: assembler.emitted]
-        return self.special_text.text[: self.special_text.emitted]
-
-    def add(self, token: int, assembler: TextAssembler):
-        if not self.active:
-            return None
-        if self.special_text is not None and not assembler.stopped:
-            self.special_text.add(token)
-        delta = self.parser.update(self._text(assembler))
-        return delta if (delta.content or delta.reasoning or delta.calls) else None
-
-    def finish(self, assembler: TextAssembler):
-        if not self.active:
-            return None, _plain_parse(assembler.text)
-        if self.special_text is not None:
-            self.special_text.flush()
-        text = self.special_text.text if self.special_text is not None else assembler.text
-        delta, parsed = self.parser.finish(text)
-        return delta, parsed
-
-    def register(self, delta) -> list[ToolCall]:
-        """The delta's calls as ToolCalls, each with its id, added to the reply's calls."""
-        new = [ToolCall(self.convention.new_id(), name, arguments) for name, arguments in delta.calls]
-        self.calls += new
-        return new
-
-    def piece(self, text: str, delta, calls: list[ToolCall] | None = None) -> Piece:
-        """A stream piece: the raw text and what it added to the parsed reply."""
-        if delta is None:
-            return Piece(text, text if not self.active else "")
-        return Piece(text, delta.content, delta.reasoning, self.register(delta) if calls is None else calls)
-
-    def message(self, parsed, calls: list[ToolCall], assembler: TextAssembler) -> dict:
-        """The assistant message the history keeps: the reply as written, or with its calls taken out."""
-        if self.convention.name == "harmony" and self.active:
-            message = {"role": "assistant", "content": parsed.content}
-            if parsed.reasoning is not None:
-                message["thinking"] = parsed.reasoning
-        elif calls:
-            message = {"role": "assistant", "content": parsed.kept.strip()}
-        else:
-            return {"role": "assistant", "content": assembler.text}
-        if calls:
-            message["tool_calls"] = [call.to_message() for call in calls]
-        return message
-
-
-class _KeepSpecial:
-    """A tokenizer view that decodes special tokens as their text, for a TextAssembler."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special=False)
-
-
-def _plain_parse(text: str):
-    from .tool_calls import Parsed
-
-    return Parsed(text, None, [], text)

@@ -92,7 +92,9 @@ def constraint_from(*, response_format: Any = None, grammar: Any = None, regex: 
         raise InvalidParameterError(f"{what} is not valid: {e}") from None
     error = llg.LLMatcher.validate_grammar(compiled)
     if error:
-        raise InvalidParameterError(f"{what} does not compile: {error.strip().splitlines()[0]}")
+        lines = [line.strip() for line in error.strip().splitlines()]  # a regex's reason is on its own line
+        reason = next((line.removeprefix("error:").strip() for line in lines if line.startswith("error:")), "")
+        raise InvalidParameterError(f"{what} does not compile: {' '.join(filter(None, (lines[0], reason)))}")
     return Constraint(compiled, what)
 
 

@@ -165,6 +165,9 @@ class ConcatCache:
         self.lengths = np.zeros(batch, dtype=np.int64)
         self.past = self._empty(batch)
         self.binding = model.session.io_binding()
+        arch = spec.arch  # the cache tensors' names, built once rather than every step
+        self.past_names = spec.io.past_names(arch.n_layer, arch.layer_types)
+        self.present_names = spec.io.present_names(arch.n_layer, arch.layer_types)
 
     def _empty(self, batch: int) -> list[ort.OrtValue]:
         arch, device = self.spec.arch, self.model.device
@@ -209,11 +212,10 @@ class ConcatCache:
             # positions count real tokens only, so a left-padded row starts at 0 like an unpadded one
             positions = np.cumsum(self.attention_mask, axis=1)[:, -input_ids.shape[1] :] - 1
             binding.bind_cpu_input(io.position_ids, np.maximum(positions, 0).astype(np.int64))
-        arch = self.spec.arch
-        for name, value in zip(io.past_names(arch.n_layer, arch.layer_types), self.past, strict=True):
+        for name, value in zip(self.past_names, self.past, strict=True):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output(io.logits, "cpu")
-        for name in io.present_names(arch.n_layer, arch.layer_types):
+        for name in self.present_names:
             binding.bind_output(name, device)
         self.model.run(binding)
         outputs = binding.get_outputs()

@@ -127,7 +127,10 @@ def tool_schema(func: Callable) -> dict:
         hints = get_type_hints(func)
     except Exception as e:  # a hint naming something undefined: NameError and friends
         raise ChatTemplateError(f"the tool {name}'s type hints cannot be read: {e}") from None
-    signature = inspect.signature(func)
+    try:
+        signature = inspect.signature(func)
+    except (ValueError, TypeError) as e:  # a builtin or class without one: `int`, `type`
+        raise ChatTemplateError(f"the tool {name} has no signature to describe it: {e}") from None
     first = next(iter(signature.parameters), None)
     receiver = (
         first

@@ -51,6 +51,7 @@ def test_chat_with_tools_template_variables_and_a_regex(package, tmp_path) -> No
     [
         (["--tools", "missing.json"], "missing.json does not exist"),
         (["--template-var", "novalue"], "KEY=VALUE"),
+        (["--template-var", "x=" + "[" * 100_000], "edgelm chat: error: argument --template-var: the value of 'x'"),
         (["--regex", "[a-"], "regex"),
         (["--regex", "a", "--json-object"], "not allowed with"),
     ],

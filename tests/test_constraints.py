@@ -103,6 +103,9 @@ def test_bad_constraints_raise_before_generating(model) -> None:
     ):
         with pytest.raises(InvalidParameterError):
             model.generate("x", 4, **bad)
+    for bad, reason in [("(", "unclosed group"), ("[z-a]", "invalid character class range")]:
+        with pytest.raises(InvalidParameterError, match=re.escape(reason)):  # the reason, not just "parse error:"
+            model.generate("x", 4, regex=bad)
     with pytest.raises(InvalidParameterError, match="2 entries for 3 prompts"):
         model.generate_batch(["a", "b", "c"], 4, regex=[r"\d", None])
 

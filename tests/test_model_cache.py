@@ -171,3 +171,20 @@ def test_python_api(first_runs, tiny_gguf, hf_checkpoint, expected_ids, monkeypa
         with pytest.raises(PackageError, match=f"is {kind}, not a package: load it with edgelm.load") as caught:
             runtime_load(source, provider="cpu")
         assert "\n" not in str(caught.value) and f"`edgelm export {source} OUT`" in str(caught.value)
+
+
+def test_rm_of_a_linked_entry_removes_the_link_not_its_target(tmp_path, monkeypatch):
+    """An entry that is a symlink to a folder elsewhere: `edgelm rm` unlinks it (no hidden leftover in the cache)
+    and the folder it points at is kept whole."""
+    from edgelm import cache
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "edgelm.json").write_text("{}")
+    (tmp_path / "cache" / "packages").mkdir(parents=True)
+    (tmp_path / "cache" / "packages" / "linked").symlink_to(elsewhere)
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    assert [entry.name for entry in cache.entries()] == ["linked"]
+    cache.remove("linked")
+    assert list((tmp_path / "cache" / "packages").iterdir()) == []
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["edgelm.json"]

@@ -284,8 +284,13 @@ def test_eval_holds_a_piece_of_the_text_and_logits_at_a_time(fp32_package, tmp_p
     monkeypatch.setattr(evaluate, "TEXT_CHUNK", 2000)
     monkeypatch.setattr(evaluate, "EVAL_CHUNK", 40)
     tokenized, fed = [], []
-    encode_offsets, forward = model.tokenizer.encode_offsets, model.forward
-    monkeypatch.setattr(model.tokenizer, "encode", lambda text: pytest.fail("the whole text was tokenized"))
+    encode, encode_offsets, forward = model.tokenizer.encode, model.tokenizer.encode_offsets, model.forward
+
+    def whole(text, **options):  # a few characters: the leading special ids' probe
+        assert len(text) < 100, "the whole text was tokenized"
+        return encode(text, **options)
+
+    monkeypatch.setattr(model.tokenizer, "encode", whole)
     monkeypatch.setattr(model.tokenizer, "encode_offsets", lambda t: tokenized.append(len(t)) or encode_offsets(t))
     monkeypatch.setattr(model, "forward", lambda ids, past=None: fed.append(ids.shape[1]) or forward(ids, past))
     report = evaluate.evaluate_package(model, text, max_tokens=700)

@@ -283,6 +283,8 @@ MALFORMED = [  # (body, status, param or code expected in the error)
     ),
     ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0]"),
     ({"model": "nobody", "messages": MESSAGES}, 404, "model_not_found"),
+    ({"model": NAME, "messages": MESSAGES, "chat_template_kwargs": {"messages": 1}}, 400, "invalid_messages"),
+    ({"model": NAME, "messages": MESSAGES, "response_format": {}}, 400, "invalid_value"),  # no type: not text
 ]
 
 

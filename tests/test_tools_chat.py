@@ -157,7 +157,7 @@ def test_tool_schema_refuses_what_transformers_refuses() -> None:
     def undescribed(x: int):
         """Doc without args."""
 
-    for func in (no_doc, no_hint, undescribed):
+    for func in (no_doc, no_hint, undescribed, int, type):  # int, type: builtins with no signature
         with pytest.raises(ChatTemplateError, match=func.__name__):
             tool_schema(func)
 
@@ -251,6 +251,8 @@ def test_bad_template_variables_raise() -> None:
         template_variables(template_vars=["x"])
     with pytest.raises(ChatTemplateError, match="messages"):
         template_variables(template_vars={"messages": []})
+    with pytest.raises(ChatTemplateError, match="keys must be strings"):  # was a TypeError when rendering
+        template_variables(template_vars={1: 2})
     with pytest.raises(ChatTemplateError, match="tool 0"):
         template_variables(tools=[3])
     with pytest.raises(ChatTemplateError, match="enable_thinking"):

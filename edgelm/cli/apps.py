@@ -27,7 +27,7 @@ def _json_file(what: str, kind: type):
     def parse(path: str) -> Any:
         try:
             value = json.loads(_read(path, what))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested past Python's stack
             raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from None
         if not isinstance(value, kind):
             raise argparse.ArgumentTypeError(f"{path} must hold {what}, a JSON {kind.__name__}")
@@ -49,6 +49,8 @@ def template_var(text: str) -> tuple[str, Any]:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:
         return key.strip(), value
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"the value of {key.strip()!r} is JSON nested too deeply") from None
 
 
 def add_chat_inputs(p: argparse.ArgumentParser) -> None:

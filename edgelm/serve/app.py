@@ -53,7 +53,7 @@ def api_extras(request: protocol.ChatCompletionRequest, features: set[str]) -> d
     if choice is not None and (request.tools or choice not in ("auto", "none")):  # auto/none without tools: a no-op
         need("tools", "tool_choice")
         extras["tool_choice"] = choice
-    if request.response_format and request.response_format.get("type") != "text":
+    if request.response_format is not None and request.response_format.get("type") != "text":  # {}: refused
         need("structured", "response_format")
         extras["response_format"] = request.response_format
     variables = dict(request.chat_template_kwargs or {})

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgelm.runtime import Conversation, EdgelmError, GenerationResult, Model
-from edgelm.runtime.chat import common_prefix
+from edgelm.runtime.chat import common_prefix, template_variables
 
 from .errors import APIError
 
@@ -170,8 +170,8 @@ class Engine:
     def chat_ids(self, messages: list[dict], options: dict) -> list[int]:
         """The request's prompt ids, to pick the kept conversation sharing most of them (the template variables
         as the template sees them: docs/apps.md)."""
-        variables = dict(options.get("template_vars") or {})
-        variables |= {name: options[name] for name in ("tools", "documents", "enable_thinking") if name in options}
+        names = ("tools", "documents", "enable_thinking", "template_vars")
+        variables = template_variables(**{name: options[name] for name in names if name in options})  # checked
         with self._render_lock:
             if self._renderer is None:
                 # ChatTemplateError without a chat template
