@@ -29,9 +29,6 @@ from ..checkpoint import (
     CheckpointError,
     config_errors,
     config_number,
-    read_config,
-    read_extras,
-    read_safetensors_folder,
     renamed,
 )
 from ..gguf_metadata import Entry, GGUFError, number
@@ -98,11 +95,7 @@ def hybrid_state(state: dict[str, torch.Tensor], config: GraniteConfig) -> dict[
 
 def load_hybrid(folder: str | Path) -> Llama:
     """A Hugging Face granitemoehybrid folder (dense) as the reference model; BOS/EOS as read_extras reads them."""
-    folder = Path(folder)
-    config = hybrid_config_from_hf(read_config(folder))
-    extras = read_extras(folder)
-    config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
-    return llama.build_llama(config, hybrid_state(read_safetensors_folder(folder), config))
+    return llama.load_llama(folder, config_from_hf=hybrid_config_from_hf, transform=hybrid_state)
 
 
 def _build_hybrid(hf: dict, state: dict) -> Llama:

@@ -14,6 +14,7 @@ frequencies as llama.cpp's rope does: the reference model and both graphs take t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,15 +164,22 @@ def build_llama(config: LlamaConfig, state: dict[str, torch.Tensor]) -> Llama:
 
 
 def load_llama(
-    folder: str | Path, *, config_from_hf=config_from_hf, renames: tuple[tuple[str, str | None], ...] = ()
+    folder: str | Path,
+    *,
+    config_from_hf=config_from_hf,
+    renames: tuple[tuple[str, str | None], ...] = (),
+    transform: Callable[[dict, LlamaConfig], dict] | None = None,
 ) -> Llama:
     """Load a Hugging Face llama / mistral / qwen2 / qwen3 folder (or, with the family's config mapping and
-    tensor renames, a Gemma 3 one) into the reference model (eval mode, fp32).
+    tensor renames, a Gemma 3 one) into the reference model (eval mode, fp32). transform: a family's own work
+    on the state dict (Phi-3's packed projections split, ...), which reads the weights whole, not lazily.
     The config's BOS/EOS ids are those of read_extras (generation_config.json first)."""
     folder = Path(folder)
     config = config_from_hf(read_config(folder))
     extras = read_extras(folder)
     config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
+    if transform is not None:
+        return build_llama(config, transform(read_safetensors_folder(folder), config))
     return build_llama(config, renamed(read_safetensors_folder(folder, lazy=True), renames))
 
 

@@ -19,7 +19,6 @@ rope_factors_short/long.weight, the attention factor, the original context and t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -33,9 +32,6 @@ from ..checkpoint import (
     CheckpointError,
     config_errors,
     config_number,
-    read_config,
-    read_extras,
-    read_safetensors_folder,
 )
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
@@ -142,11 +138,7 @@ def split_packed(state: dict[str, torch.Tensor], config: Phi3Config) -> dict[str
 
 def load(folder: str | Path) -> Llama:
     """A Hugging Face phi3 folder as the reference model (eval, fp32); BOS/EOS ids as read_extras reads them."""
-    folder = Path(folder)
-    config = config_from_hf(read_config(folder))
-    extras = read_extras(folder)
-    config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
-    return llama.build_llama(config, split_packed(read_safetensors_folder(folder), config))
+    return llama.load_llama(folder, config_from_hf=config_from_hf, transform=split_packed)
 
 
 def _build(hf: dict, state: dict) -> Llama:
