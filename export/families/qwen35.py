@@ -25,6 +25,7 @@ from ..checkpoint import (
     read_safetensors_folder,
 )
 from ..decoder import Decoder, DeltaNet, Layer, Linear
+from ..lazy_weights import LazyArray, read
 from ..limits import MAX_NORM_EPSILON
 from ..qwen35 import ATTENTION, LINEAR, Qwen35, Qwen35Config, rope_inv_freq
 from .family import Blocks, Family, array, checked_tokens, linear, norm, packed
@@ -91,26 +92,30 @@ def build(config: Qwen35Config, state: dict[str, torch.Tensor]) -> Qwen35:
 
 def load(folder: str | Path) -> Qwen35:
     folder = Path(folder)
-    return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder))
+    return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder, lazy=True))
 
 
 def _gated_qkv(attn) -> Linear:
-    """Q, K, V and the output gate packed as [Q, K, V, gate]: q_proj holds each head's query then its gate."""
+    """Q, K, V and the output gate packed as [Q, K, V, gate]: q_proj holds each head's query then its gate. The
+    weight is read (export/lazy_weights.py) when the graph writes it."""
     heads, hd = attn.n_head, attn.head_dim
-    q_rows = attn.q_proj.weight.detach().view(heads, 2, hd, -1)
-    weight = torch.cat([q_rows[:, 0].reshape(heads * hd, -1), attn.k_proj.weight, attn.v_proj.weight,
-                        q_rows[:, 1].reshape(heads * hd, -1)])  # fmt: skip
-    bias = None
-    if attn.q_proj.bias is not None:
-        q_bias = attn.q_proj.bias.detach().view(heads, 2, hd)
-        bias = array(torch.cat([q_bias[:, 0].flatten(), attn.k_proj.bias, attn.v_proj.bias, q_bias[:, 1].flatten()]))
-    return Linear(array(weight).T, bias)
+
+    def gated(kind: str) -> torch.Tensor:
+        query, k, v = (read(getattr(getattr(attn, name), kind)) for name in ("q_proj", "k_proj", "v_proj"))
+        query = query.view(heads, 2, hd, *query.shape[1:])
+        rest = k.shape[1:]
+        return torch.cat([query[:, 0].reshape(heads * hd, *rest), k, v, query[:, 1].reshape(heads * hd, *rest)])
+
+    rows = sum(getattr(attn, name).weight.shape[0] for name in ("q_proj", "k_proj", "v_proj"))
+    weight = LazyArray((rows, attn.q_proj.weight.shape[1]), lambda: gated("weight").to(torch.float32).numpy())
+    bias = None if attn.q_proj.bias is None else gated("bias").to(torch.float32).numpy()
+    return Linear(weight.T, bias)
 
 
 def _delta_net(la, c: Qwen35Config) -> DeltaNet:
     return DeltaNet(
         in_proj=linear(la.in_proj_qkv), z=linear(la.in_proj_z), b=linear(la.in_proj_b), a=linear(la.in_proj_a),
-        conv_weight=array(la.conv1d.weight), a_log=array(la.A_log), dt_bias=array(la.dt_bias), norm=norm(la.norm),
+        conv_weight=array(la.conv1d.weight), a_log=read(la.A_log).to(torch.float32).numpy(), dt_bias=array(la.dt_bias), norm=norm(la.norm),
         out_proj=linear(la.out_proj), k_heads=c.linear_k_heads, v_heads=c.linear_v_heads, k_dim=c.linear_k_dim,
         v_dim=c.linear_v_dim,
     )  # fmt: skip
@@ -178,5 +183,6 @@ ROWS = (
         decoder=decoder,
         details=details,
         tokens=tokens,
+        lazy_weights=True,
     ),
 )
