@@ -223,14 +223,13 @@ def _run_session(
     past, present = io.past_names(config.n_layer, layer_types), io.present_names(config.n_layer, layer_types)
     states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run
     kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
+    dtype = np.float16 if io.kv_dtype == "float16" else np.float32  # an fp16 graph's cache and states are half
     for past_name, present_name, kind in zip(past, present, kinds, strict=True):
         if kind in ("conv", "recurrent"):
-            values = [
-                ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), np.float32)) for _ in "ab"
-            ]
+            values = [ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), dtype)) for _ in "ab"]
             states.append([past_name, present_name, *values])
             continue
-        zeros = np.zeros((2, config.n_kv_head, capacity, config.head_dim), dtype=np.float32)
+        zeros = np.zeros((2, config.n_kv_head, capacity, config.head_dim), dtype=dtype)
         buffer = ort.OrtValue.ortvalue_from_numpy(zeros)
         binding.bind_ortvalue_input(past_name, buffer)
         binding.bind_ortvalue_output(present_name, buffer)

@@ -115,7 +115,8 @@ def _gated_qkv(attn) -> Linear:
 def _delta_net(la, c: Qwen35Config) -> DeltaNet:
     return DeltaNet(
         in_proj=linear(la.in_proj_qkv), z=linear(la.in_proj_z), b=linear(la.in_proj_b), a=linear(la.in_proj_a),
-        conv_weight=array(la.conv1d.weight), a_log=read(la.A_log).to(torch.float32).numpy(), dt_bias=array(la.dt_bias), norm=norm(la.norm),
+        conv_weight=array(la.conv1d.weight), a_log=read(la.A_log).to(torch.float32).numpy(),  # read now: graph's math
+        dt_bias=array(la.dt_bias), norm=norm(la.norm),
         out_proj=linear(la.out_proj), k_heads=c.linear_k_heads, v_heads=c.linear_v_heads, k_dim=c.linear_k_dim,
         v_dim=c.linear_v_dim,
     )  # fmt: skip
