@@ -24,6 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from .checkpoint import CheckpointError
 from .families import Family, gguf_family
 from .gguf_blocks import SUPPORTED_TYPES, LazyRuns, Runs, by_rows, lazy_runs, to_runs
 from .gguf_header import HeaderError, read_header
@@ -191,7 +192,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         stored[t.name] = _Stored(t.tensor_type, t.dims, rows, partial(_drop_pages, mapped._mmap, t.start, t.nbytes))
     try:
         return _build(path, stored, header.metadata)
-    except GGUFError as error:
+    except (GGUFError, CheckpointError) as error:  # CheckpointError: the config the metadata makes, refused
         raise GGUFError(_one_line(path, error)) from None
 
 

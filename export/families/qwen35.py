@@ -225,6 +225,9 @@ def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
         raise GGUFError(f"Qwen3.5 with rope scaling {meta['qwen35.rope.scaling.type']!r:.40} is not implemented")
     mtp = number(meta, "qwen35.nextn_predict_layers", 0, positive=False)
     n_layer = number(meta, "qwen35.block_count") - mtp
+    for i in range(max(n_layer, 0), n_layer + mtp):  # else a layer would be left out as one
+        if f"blk.{i}.nextn.eh_proj.weight" not in stored:
+            raise GGUFError(f"metadata qwen35.nextn_predict_layers = {mtp} but block {i} has no nextn.eh_proj.weight")
     recurrent = meta.get("qwen35.attention.recurrent_layers")
     if recurrent is None:
         interval = number(meta, "qwen35.full_attention_interval", 4)

@@ -1,15 +1,17 @@
-"""Qwen3.5 and LFM2 through llama.cpp: its converter's f32 and q8_0 files and its quantizer's Q4_K_M, exported and
-checked against transformers (f32), against the file's own dequantized weights (the blocks kept, MatMulNBits at
-accuracy level 0), and against llama.cpp's own greedy tokens on the same file.
+"""Qwen3.5 and LFM2 from GGUF files. What a qwen35 file's metadata can say that export refuses, in one line. And
+llama.cpp itself: its converter's f32 and q8_0 files and its quantizer's Q4_K_M, exported and checked against
+transformers (f32), against the file's own dequantized weights (the blocks kept, MatMulNBits at accuracy level 0),
+and against llama.cpp's own greedy tokens on the same file (tests/test_families.py checks files of tests/
+family_cases.py's writer, which mirrors the converter, against transformers).
 
-The models are 256 wide, so every linear takes K-quant super-blocks, and Qwen3.5's 8 value heads share 2 key
-heads: llama.cpp's converter moves them into its tiled order, which at that ratio is not its own inverse. The
-Qwen3.5 folder carries a multi-token-prediction block, as published checkpoints do: the converter writes it after
-the last layer and export leaves it out. Each folder carries a real chat template, which the package keeps.
+The converter's models are 256 wide, so every linear takes K-quant super-blocks, and Qwen3.5's 8 value heads share
+2 key heads: llama.cpp's converter moves them into its tiled order, which at that ratio is not its own inverse.
+The Qwen3.5 folder carries a multi-token-prediction block, as published checkpoints do: the converter writes it
+after the last layer and export leaves it out. Each folder carries a real chat template, which the package keeps.
 
-Run where $EDGELM_LLAMA_CPP is llama.cpp's source (tests/test_families_converter.py); the quantizer and the greedy
-runs also need $EDGELM_LLAMA_CPP_PYTHON, a Python that imports llama_cpp (benchmarks/setup_llamacpp.sh builds
-one). Skipped otherwise."""
+The converter runs where $EDGELM_LLAMA_CPP is llama.cpp's source (tests/test_families_converter.py); the quantizer
+and the greedy runs also need $EDGELM_LLAMA_CPP_PYTHON, a Python that imports llama_cpp
+(benchmarks/setup_llamacpp.sh builds one). Skipped otherwise."""
 
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ import numpy as np
 import pytest
 import torch
 from family_cases import CASES, LFM2, NEW_TOKENS, PROMPTS, QWEN35
-from helpers import hf_greedy, quiet, save_random_model
+from gguf import GGUFValueType as V
+from helpers import hf_greedy, quiet, rewrite_gguf, save_random_model
 from test_families_converter import convert, llama_cpp  # noqa: F401 (a fixture)
 
+from edgelm.cli import main
 from edgelm.runtime import load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -42,6 +46,13 @@ HYBRIDS = {
     "lfm2": (LFM2 | WIDE | {"intermediate_size": 384}, "lfm2", "LFM2.5-Instruct.jinja"),  # 2/3 of it: 256
 }
 QUANTIZED = ("q8_0", "Q4_K_M")
+REFUSED = {  # metadata changes -> what the one line says
+    "rope scaling": ({"qwen35.rope.scaling.type": ("yarn", V.STRING)}, "rope scaling 'yarn' is not implemented"),
+    "value head width": ({"qwen35.ssm.inner_size": (33, V.UINT32)}, "inner_size 33 is not a multiple"),
+    "layer kinds": ({"qwen35.attention.recurrent_layers": ([True] * 3, V.ARRAY, V.BOOL)}, "must list 4 layers"),
+    "heads that do not group": ({"qwen35.ssm.group_count": (3, V.UINT32)}, "4 value over 3 key heads"),
+    "a layer taken for an MTP block": ({"qwen35.nextn_predict_layers": (1, V.UINT32)}, "block 3 has no nextn"),
+}
 LLAMA = """
 import json, sys
 import numpy as np
@@ -62,6 +73,17 @@ for path in job["models"]:  # an f32 KV cache, as the package keeps
     greedy[path] = ids
 print(json.dumps(greedy))
 """
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_refused_qwen35_file_is_one_line(case, families, tmp_path, capsys):
+    changes, expected = REFUSED[case]
+    bad = rewrite_gguf(families.gguf("qwen3_5_text"), tmp_path / "bad.gguf", changes)
+    capsys.readouterr()  # transformers' progress while the file was made
+    assert main(["export", str(bad), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad.gguf: " in err and expected in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def llama_python() -> str | None:
