@@ -242,6 +242,8 @@ def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
     if inner % v_heads:
         raise GGUFError(f"metadata qwen35.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {v_heads}")
     rotary = number(meta, "qwen35.rope.dimension_count", head_dim)
+    if int(head_dim * (rotary / head_dim)) != rotary:  # config_from_hf's int(head_dim * partial_rotary_factor)
+        raise GGUFError(f"metadata qwen35.rope.dimension_count {rotary} of heads of {head_dim} is not implemented")
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
