@@ -64,13 +64,13 @@ if "quantize" in job:
     sys.exit(llama_cpp.llama_model_quantize(job["quantize"].encode(), job["out"].encode(), params))
 greedy = {}
 for path in job["models"]:  # an f32 KV cache, as the package keeps
-    llm = llama_cpp.Llama(path, n_ctx=64, n_threads=1, type_k=0, type_v=0, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=64, n_threads=1, type_k=0, type_v=0, logits_all=True, verbose=False)
     llm.eval(job["prompt"])
     ids = []
     for _ in range(job["new_tokens"]):
         ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
         llm.eval(ids[-1:])
-    greedy[path] = ids
+    greedy[path] = {"ids": ids, "logits": llm.scores[: llm.n_tokens].tolist()}  # at every position
 print(json.dumps(greedy))
 """
 
@@ -134,11 +134,11 @@ def hybrid(request, llama_cpp, tmp_path_factory):  # noqa: F811
     return hf, files, template
 
 
-def export(gguf: Path, out: Path):
+def export(gguf: Path, out: Path, accuracy_level: int = 0):
     from edgelm.export.onnx_export import export_package
 
     if not out.exists():
-        export_package(gguf, out, accuracy_level=0, progress=quiet)
+        export_package(gguf, out, accuracy_level=accuracy_level, progress=quiet)
     return load(out, provider="cpu")
 
 
@@ -173,13 +173,22 @@ def test_quantized_files_keep_their_blocks_and_their_dequantized_logits(hybrid, 
     assert float(np.abs(model.forward(ids)[0] - dequantized).max()) < 1e-4
 
 
-def test_greedy_tokens_equal_llama_cpps_on_each_file(hybrid):
+def test_llama_cpp_gives_the_packages_greedy_tokens_and_logits(hybrid):
+    """On the f32 file, llama.cpp's greedy tokens are the package's and its logits the same within 1e-4. On a
+    quantized file llama.cpp rounds the activations to 8 bits before each quantized matmul (q8_0 blocks of 32, q8_K
+    of 256), which moves this random model's logits by tenths, past its narrow top-2 margins: there its logits must
+    stay within 3 times of how far ONNX Runtime's own int8 activations (accuracy level 4) move them. A wrong value
+    head order, for one, puts them 12 apart."""
     files = hybrid[1]
     prompt = PROMPTS[2]
-    expected = json.loads(
-        run_llama({"models": [str(f) for f in files.values()], "prompt": prompt, "new_tokens": NEW_TOKENS})
-    )
+    runs = json.loads(run_llama({"models": [str(f) for f in files.values()], "prompt": prompt, "new_tokens": 16}))
     for kind, path in files.items():
+        ids, logits = runs[str(path)]["ids"], np.array(runs[str(path)]["logits"])
         model = export(path, path.with_suffix(".package"))
-        tokens = model.generate(prompt, NEW_TOKENS, temperature=0, ignore_eos=True).token_ids
-        assert tokens == expected[str(path)], kind
+        ours = model.forward(np.array([prompt + ids]))[0][0]  # on llama.cpp's tokens
+        if kind == "f32":
+            assert model.generate(prompt, len(ids), temperature=0, ignore_eos=True).token_ids == ids
+            assert float(np.abs(ours - logits).max()) < 1e-4
+        else:
+            int8 = export(path, path.with_suffix(".int8"), accuracy_level=4).forward(np.array([prompt + ids]))[0][0]
+            assert float(np.abs(ours - logits).max()) < 3 * float(np.abs(ours - int8).max()), kind
