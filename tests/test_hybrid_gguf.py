@@ -39,7 +39,11 @@ WIDE = {"hidden_size": 256, "intermediate_size": 256, "initializer_range": 0.075
 # case -> (its config, the converter's pre-tokenizer label, a chat template of llama.cpp's models/templates/)
 HYBRIDS = {
     "qwen3_5_text": (
-        QWEN35 | WIDE | dict(linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32),
+        QWEN35
+        | WIDE
+        | dict(
+            linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True
+        ),  # the small Qwen3.5s tie them; tests/test_families: untied
         "qwen35",
         "Qwen3.5-4B.jinja",
     ),
