@@ -1,9 +1,9 @@
 """The SmolLM3, Granite (3 and dense 4.0) and Phi-3 cases (tests/family_cases.py) through llama.cpp's own converter,
 convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
 transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
-to the logits of its own dequantized weights. Run where llama.cpp's source is at $EDGELM_LLAMA_CPP (its
-`convert_hf_to_gguf.py`, `conversion/` and `gguf-py/`; llama-cpp-python's source distribution has them under
-vendor/llama.cpp) and sentencepiece is installed; skipped otherwise.
+to the logits of its own dequantized weights. The converter is the copy scripts/fetch_llamacpp_vocab.py keeps
+from llama-cpp-python's source distribution (or a llama.cpp checkout at $EDGELM_LLAMA_CPP); the tests need
+sentencepiece (the converter imports it) and skip without it or without the converter.
 
 The converter hashes a BPE tokenizer to name its pre-tokenizer and refuses one it does not know, as it does
 the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what is tested here)."""
@@ -11,7 +11,6 @@ the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -41,12 +40,8 @@ convert_hf_to_gguf.main()
 
 
 @pytest.fixture(scope="module")
-def llama_cpp() -> Path:
-    source = os.environ.get("EDGELM_LLAMA_CPP")
-    if not source or not (Path(source) / "convert_hf_to_gguf.py").is_file():
-        pytest.skip("set EDGELM_LLAMA_CPP to llama.cpp's source folder to run its converter")
-    pytest.importorskip("sentencepiece")  # the converter imports it
-    return Path(source)
+def llama_cpp(llamacpp_converter: Path) -> Path:
+    return llamacpp_converter
 
 
 def convert(

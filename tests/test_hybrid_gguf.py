@@ -9,9 +9,9 @@ The converter's models are 256 wide, so every linear takes K-quant super-blocks,
 The Qwen3.5 folder carries a multi-token-prediction block, as published checkpoints do: the converter writes it
 after the last layer and export leaves it out. Each folder carries a real chat template, which the package keeps.
 
-The converter runs where $EDGELM_LLAMA_CPP is llama.cpp's source (tests/test_families_converter.py); the quantizer
-and the greedy runs also need $EDGELM_LLAMA_CPP_PYTHON, a Python that imports llama_cpp
-(benchmarks/setup_llamacpp.sh builds one). Skipped otherwise."""
+The converter is the one tests/test_families_converter.py uses (fetched from llama-cpp-python's sdist, or
+$EDGELM_LLAMA_CPP); the quantizer and the greedy runs also need $EDGELM_LLAMA_CPP_PYTHON, a Python that imports
+llama_cpp (benchmarks/setup_llamacpp.sh builds one). Skipped otherwise."""
 
 from __future__ import annotations
 
