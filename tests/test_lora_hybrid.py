@@ -1,0 +1,90 @@
+"""LoRA on the hybrid families, LFM2 and Qwen3.5: a random PEFT adapter on every linear (attention, the short
+convolution's or the Gated DeltaNet's in/out projections and gates, the MLP) merged at export on both graphs, and
+converted for a fused base with slots, gives transformers + peft's logits (1e-4) and greedy ids. Slots sit only in
+the layers that hold their linear, and Qwen3.5's q_proj (each head's query then its gate) lands in the packed
+[Q, K, V, gate] linear's query and gate columns."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import quiet, save_peft_adapter, torch_greedy
+
+from edgelm.export.lora import SlotSpec, convert_adapter
+from edgelm.export.onnx_export import export_package
+from edgelm.runtime import load
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPT = [5, 99, 1200, 7, 640, 33, 1800, 412]
+NEW_TOKENS = 12
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text"])
+def case(request, families, tmp_path_factory) -> dict:
+    """The tiny base, its all-linear PEFT adapter (rank 4, alpha 4: a larger scale makes the random recurrence
+    sensitive past float32's 1e-4), the merged packages of both graphs and a fused package with slots."""
+    name = request.param
+    hf, folder = families.model(name)
+    root = tmp_path_factory.mktemp(f"lora-{name}")
+    reference = save_peft_adapter(hf, root / "adapter", r=4, targets="all-linear", lora_alpha=4, seed=7)
+    for graph in ("fused", "standard"):
+        export_package(folder, root / graph, attention=graph, lora=[(root / "adapter", 1.0)], progress=quiet)
+    export_package(folder, root / "slots", lora_slots=SlotSpec(["all"], 8), progress=quiet)
+    adapter = convert_adapter(root / "adapter", root / "slots", root / "adapter.onnx_adapter")
+    merged = copy.deepcopy(reference).merge_and_unload()  # PEFT's merged transformers model: the greedy reference
+    return {"name": name, "hf": hf, "root": root, "reference": reference, "merged": merged, "adapter": adapter}
+
+
+def _logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("graph", ["fused", "standard"])
+def test_merged_adapter_equals_peft_on_both_graphs(case, graph):
+    expected = _logits(case["reference"])
+    assert np.abs(_logits(case["hf"]) - expected).max() > 1e-1  # the adapter matters
+    model = load(case["root"] / graph, provider="cpu", threads=1)
+    logits, _ = model.forward(np.array([PROMPT]))
+    assert np.abs(logits[0] - expected).max() < TOLERANCE
+    tokens = model.generate(PROMPT, NEW_TOKENS, ignore_eos=True).token_ids
+    assert tokens == torch_greedy(case["merged"], PROMPT, NEW_TOKENS)
+
+
+def test_slotted_adapter_equals_peft_and_the_base_is_unchanged(case):
+    model = load(case["root"] / "slots", provider="cpu", threads=1)
+    model.load_adapter(case["adapter"], name="a")
+    base, _ = model.forward(np.array([PROMPT]))
+    assert np.abs(base[0] - _logits(case["hf"])).max() < TOLERANCE
+    logits, _ = model.forward(np.array([PROMPT]), adapter="a")
+    assert np.abs(logits[0] - _logits(case["reference"])).max() < TOLERANCE
+    expected = torch_greedy(case["merged"], PROMPT, NEW_TOKENS)
+    assert model.generate(PROMPT, NEW_TOKENS, ignore_eos=True, adapter="a").token_ids == expected
+    # the state cache's snapshots and replayed rewinds run under the adapter too
+    fast = model.generate(PROMPT * 3, 40, ignore_eos=True, adapter="a", speculative="lookup")
+    assert fast.token_ids == model.generate(PROMPT * 3, 40, ignore_eos=True, adapter="a").token_ids
+    assert model.generate(PROMPT, NEW_TOKENS, ignore_eos=True).token_ids == torch_greedy(case["hf"], PROMPT, NEW_TOKENS)
+
+
+def test_slots_sit_in_the_layers_that_hold_their_linear(case):
+    slots = json.loads((case["root"] / "slots" / "edgelm.json").read_text())["lora"]["slots"]
+    layers = {linear["a"]: linear.get("layers") for linear in slots["linears"]}
+    config = case["hf"].config
+    attention = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    others = [i for i in range(config.num_hidden_layers) if i not in attention]
+    assert layers["layers.%d.qkv.lora_A"] == attention and layers["layers.%d.up.lora_A"] is None  # every layer
+    mixer = "conv.in_proj" if case["name"] == "lfm2" else "delta_net.in_proj"
+    assert layers[f"layers.%d.{mixer}.lora_A"] == others
+    inputs = {i.name for i in load(case["root"] / "slots", provider="cpu").session.get_overridable_initializers()}
+    assert f"layers.{others[0]}.{mixer}.lora_A" in inputs and f"layers.{attention[0]}.{mixer}.lora_A" not in inputs
+    if case["name"] == "qwen3_5_text":
+        qkv = next(linear for linear in slots["linears"] if linear["a"] == "layers.%d.qkv.lora_A")
+        q_proj = qkv["parts"][0]
+        heads, head_dim = config.num_attention_heads, config.head_dim
+        gate = heads * head_dim + 2 * config.num_key_value_heads * head_dim
+        assert q_proj["columns"][:2] == [[0, head_dim], [gate, head_dim]] and len(q_proj["columns"]) == 2 * heads
