@@ -88,3 +88,16 @@ def test_slots_sit_in_the_layers_that_hold_their_linear(case):
         heads, head_dim = config.num_attention_heads, config.head_dim
         gate = heads * head_dim + 2 * config.num_key_value_heads * head_dim
         assert q_proj["columns"][:2] == [[0, head_dim], [gate, head_dim]] and len(q_proj["columns"]) == 2 * heads
+
+
+def test_a_slot_record_with_layers_out_of_range_is_refused(case):
+    from edgelm.runtime.errors import PackageError
+    from edgelm.runtime.lora_contract import parse_slots
+
+    lora = json.loads((case["root"] / "slots" / "edgelm.json").read_text())["lora"]
+    assert parse_slots(lora, "edgelm.json").linears[0].layers is not None
+    for bad in ([4], [], [True], "1"):
+        broken = copy.deepcopy(lora)
+        broken["slots"]["linears"][0]["layers"] = bad
+        with pytest.raises(PackageError, match="layers must be a non-empty list of layer indices below 4"):
+            parse_slots(broken, "edgelm.json")
