@@ -2,12 +2,14 @@
 convolution's or the Gated DeltaNet's in/out projections and gates, the MLP) merged at export on both graphs, and
 converted for a fused base with slots, gives transformers + peft's logits (1e-4) and greedy ids. Slots sit only in
 the layers that hold their linear, and Qwen3.5's q_proj (each head's query then its gate) lands in the packed
-[Q, K, V, gate] linear's query and gate columns."""
+[Q, K, V, gate] linear's query and gate columns. onnxruntime-genai runs the slotted packages with the adapter, and
+eight threads with and without it get what each gets alone."""
 
 from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -101,3 +103,44 @@ def test_a_slot_record_with_layers_out_of_range_is_refused(case):
         broken["slots"]["linears"][0]["layers"] = bad
         with pytest.raises(PackageError, match="layers must be a non-empty list of layer indices below 4"):
             parse_slots(broken, "edgelm.json")
+
+
+def test_onnxruntime_genai_runs_the_converted_adapter(case):
+    """genai's adapters API on the slotted hybrid package (slots in some layers only): edgelm's ids."""
+    og = pytest.importorskip("onnxruntime_genai")
+    genai_model = og.Model(str(case["root"] / "slots"))
+    adapters = og.Adapters(genai_model)
+    adapters.load(str(case["adapter"]), "a")
+    model = load(case["root"] / "slots", provider="cpu", threads=1)
+    model.load_adapter(case["adapter"], name="a")
+    for adapter in (None, "a"):
+        params = og.GeneratorParams(genai_model)
+        params.set_search_options(max_length=len(PROMPT) + NEW_TOKENS, do_sample=False)
+        generator = og.Generator(genai_model, params)
+        if adapter is not None:
+            generator.set_active_adapter(adapters, "a")
+        generator.append_tokens(np.array([PROMPT], dtype=np.int32))
+        while not generator.is_done():
+            generator.generate_next_token()
+        ids = [int(t) for t in generator.get_sequence(0)][len(PROMPT) :]
+        expected = model.generate(PROMPT, NEW_TOKENS, ignore_eos=True, adapter=adapter).token_ids
+        assert ids and ids == expected[: len(ids)], adapter  # genai stops at EOS (id 0); edgelm ignored it
+
+
+def test_eight_threads_with_and_without_the_adapter_get_what_each_gets_alone(case):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = load(case["root"] / "slots", provider="cpu", threads=1)
+    model.load_adapter(case["adapter"], name="a")
+    jobs = [(PROMPT[: 3 + i], "a" if i % 2 else None, "lookup" if i % 3 == 0 else None) for i in range(8)]
+    run = lambda job: model.generate(job[0], 10, ignore_eos=True, adapter=job[1], speculative=job[2]).token_ids  # noqa: E731
+    alone = [run(job) for job in jobs]
+    start = threading.Barrier(len(jobs))
+
+    def worker(job):
+        start.wait()
+        return [run(job) for _ in range(3)]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(worker, jobs))
+    assert together == [[ids] * 3 for ids in alone]
