@@ -239,7 +239,8 @@ def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSl
 
 
 def add_slots(decoder: Decoder, slots: LoraSlots) -> None:
-    """Mark the decoder's slotted linears: the graph adds x @ A @ B to them (export/graph.py)."""
+    """Mark the decoder's slotted linears: the graph adds x @ A @ B to them (export/graph.py). A linear whose
+    inputs the graph feeds in another order than the checkpoint's gets that order as the slot's rows."""
     for slot in slots.linears:
         path = slot.a.split(".", 2)[2].removesuffix(".lora_A")  # "layers.%d.conv.in_proj.lora_A" -> "conv.in_proj"
         for index in slot.layer_indices(len(decoder.layers)):
@@ -247,6 +248,18 @@ def add_slots(decoder: Decoder, slots: LoraSlots) -> None:
             for name in path.split("."):  # a Layer field, or a field of its mixer (ShortConv, DeltaNet)
                 target = getattr(target, name)
             target.lora = (slot.a % index, slot.b % index)
+            rows = _input_order(decoder.layers[index], path)
+            assert index == slot.layer_indices(len(decoder.layers))[0] or rows == slot.rows, f"{path}: orders differ"
+            slot.rows = rows
+
+
+def _input_order(layer, path: str) -> list[int] | None:
+    """The inputs of a DeltaNet's out_proj whose kept GGUF blocks take the value heads in the file's order
+    (DeltaNet.out_heads): the graph gathers them so, and A's rows must follow."""
+    net = layer.delta_net
+    if path != "delta_net.out_proj" or net is None or net.out_heads is None:
+        return None
+    return (np.asarray(net.out_heads)[:, None] * net.v_dim + np.arange(net.v_dim)).ravel().tolist()
 
 
 def weights_hash(manifest: Manifest) -> str:
@@ -281,7 +294,7 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
                         f"package's is ({part['width']}, {slot.in_features}) (shape mismatch)"
                     )
                 rows = slice(index * rank, index * rank + weights.rank)
-                a[:, rows] = weights.a.T
+                a[:, rows] = weights.a.T if slot.rows is None else weights.a.T[slot.rows]
                 b[rows, _columns(part)] = weights.scale * weights.b.T
             tensors[slot.a % layer], tensors[slot.b % layer] = a, b
     missing = sorted(set(adapter.modules) - used)

@@ -53,6 +53,9 @@ class SlotLinear:
     # gate go to the packed linear's query and gate columns), which they fill in order
     parts: list[dict]
     layers: list[int] | None = None  # the layers that hold this linear; None: every layer
+    # A's rows in the order the graph feeds the linear its inputs: row j takes the adapter's input rows[j] (a
+    # Qwen3.5 GGUF base's DeltaNet out_proj, whose kept blocks take the value heads in llama.cpp's order); None: as is
+    rows: list[int] | None = None
 
     def layer_indices(self, n_layer: int) -> list[int]:
         return list(range(n_layer)) if self.layers is None else self.layers
@@ -81,6 +84,7 @@ class LoraSlots:
         data["linears"] = [
             {"a": x.a, "b": x.b, "in": x.in_features, "out": x.out_features, "parts": x.parts}
             | ({} if x.layers is None else {"layers": x.layers})
+            | ({} if x.rows is None else {"rows": x.rows})
             for x in self.linears
         ]
         return data
@@ -109,11 +113,14 @@ def parse_slots(lora: object, where: str) -> LoraSlots | None:
         is_layer = lambda i: isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer  # noqa: E731
         if layers is not None and not (isinstance(layers, list) and layers and all(map(is_layer, layers))):
             raise PackageError(f"{where}: a linear's layers must be a non-empty list of layer indices below {n_layer}")
+        in_features, rows = integer(linear, "in", where, minimum=1), linear.get("rows")
+        if rows is not None and (not isinstance(rows, list) or sorted(rows) != list(range(in_features))):
+            raise PackageError(f"{where}: a linear's rows must be an order of its {in_features} inputs")
         parsed.append(
             SlotLinear(
                 io_name(linear, "a", None, where, per_layer=True), io_name(linear, "b", None, where, per_layer=True),
-                integer(linear, "in", where, minimum=1),
-                integer(linear, "out", where, minimum=1), parts, None if layers is None else sorted(set(layers)),
+                in_features, integer(linear, "out", where, minimum=1), parts,
+                None if layers is None else sorted(set(layers)), rows,
             )
         )  # fmt: skip
     modules, base = slots.get("modules"), slots.get("base_sha256")

@@ -144,3 +144,40 @@ def test_eight_threads_with_and_without_the_adapter_get_what_each_gets_alone(cas
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(worker, jobs))
     assert together == [[ids] * 3 for ids in alone]
+
+
+def _q8_0(source, target):
+    """The GGUF file with every linear (a 2-D blk.* weight, not the conv kernel) in Q8_0 blocks."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import quantize
+    from helpers import rewrite_gguf
+
+    reader = GGUFReader(source)
+    linears = {t.name: np.asarray(t.data) for t in reader.tensors
+               if t.name.startswith("blk.") and len(t.shape) == 2 and "conv" not in t.name}  # fmt: skip
+
+    def add(writer):
+        for name, data in linears.items():
+            blocks = quantize(np.ascontiguousarray(data, dtype=np.float32), GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType.Q8_0)
+
+    return rewrite_gguf(source, target, {}, add=add, tensors=dict.fromkeys(linears))
+
+
+def test_slots_on_a_qwen35_gguf_base_follow_its_kept_out_proj_blocks(families, tmp_path):
+    # llama.cpp's converter tiles the value heads where they outnumber the key heads; out_proj's kept blocks keep
+    # the file's order and the graph gathers their input so: the slot's A rows follow (its manifest's rows)
+    hf, _ = families.model("qwen3_5_text")
+    gguf = _q8_0(families.gguf("qwen3_5_text"), tmp_path / "q8_0.gguf")
+    save_peft_adapter(hf, tmp_path / "adapter", r=4, targets="all-linear", lora_alpha=4, seed=7)
+    export_package(gguf, tmp_path / "slots", lora_slots=SlotSpec(["all"], 8), accuracy_level=0, progress=quiet)
+    export_package(gguf, tmp_path / "merged", lora=[(tmp_path / "adapter", 1.0)], accuracy_level=0, progress=quiet)
+    slots = json.loads((tmp_path / "slots" / "edgelm.json").read_text())["lora"]["slots"]
+    out_proj = next(linear for linear in slots["linears"] if linear["a"] == "layers.%d.delta_net.out_proj.lora_A")
+    assert out_proj["rows"] != sorted(out_proj["rows"])  # the file's head order
+    adapter = convert_adapter(tmp_path / "adapter", tmp_path / "slots", tmp_path / "a.onnx_adapter")
+    model = load(tmp_path / "slots", provider="cpu", threads=1)
+    model.load_adapter(adapter, name="a")
+    merged, _ = load(tmp_path / "merged", provider="cpu", threads=1).forward(np.array([PROMPT]))
+    logits, _ = model.forward(np.array([PROMPT]), adapter="a")
+    assert np.abs(logits - merged).max() < TOLERANCE  # the blocks' weights plus the adapter, two ways
