@@ -82,6 +82,7 @@ def open_session(model_path: Path, providers: list[str], threads: int | None) ->
     except Exception as e:  # onnxruntime raises its own pybind exception types
         raise PackageError(f"ONNX Runtime cannot load {model_path.name}: {ort_reason(e)}") from None
     _return_freed_heap()
+    _drop_read_weight_pages(model_path.parent)
     return session
 
 
@@ -97,6 +98,42 @@ def _return_freed_heap() -> None:
         return
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+ *(.*)$")  # smaps: a mapping's header line
+_MADV_DONTNEED = 4  # Linux's value, the same on every architecture
+
+
+def _drop_read_weight_pages(folder: Path) -> None:
+    """Let go of the package's file pages that building the session read. ONNX Runtime maps external data into
+    memory and prepacks MatMulNBits and MatMul weights into copies of its own; a weight that another node also
+    reads stays mapped (a tied embedding gathers rows of the LM head's blocks), with every page the prepacking
+    read still resident, though a decode step needs a few of them. A mapping none of whose pages was ever
+    written (no Anonymous pages: a write to a private mapping copies the page) holds exactly the file's bytes,
+    so dropping its pages changes nothing but the resident size: a later read maps them again from the page cache (what this saves: docs/benchmarks.md,
+    "Real sizes: where a K-quant step goes")."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+        madvise = ctypes.CDLL("libc.so.6").madvise
+    except (OSError, AttributeError):  # no procfs, or another C library: nothing to do
+        return
+    prefix = str(folder.resolve()) + os.sep
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mapping, clean = None, False
+    for line in [*smaps.splitlines(), "0-0 - - - - end"]:
+        header = _MAPPING.match(line)
+        if header is None:
+            if line.startswith("Anonymous:"):  # pages copied on write; a file page not yet written back counts
+                # as Private_Dirty though it holds the file's bytes
+                clean = clean and line.split()[1] == "0"
+            continue
+        if mapping is not None and clean:
+            madvise(mapping[0], mapping[1] - mapping[0], _MADV_DONTNEED)
+        start, end, path = header.groups()
+        mapping = (int(start, 16), int(end, 16)) if path.startswith(prefix) else None
+        clean = mapping is not None
 
 
 @dataclass
