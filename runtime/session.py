@@ -110,8 +110,8 @@ def _drop_read_weight_pages(folder: Path) -> None:
     reads stays mapped (a tied embedding gathers rows of the LM head's blocks), with every page the prepacking
     read still resident, though a decode step needs a few of them. A mapping none of whose pages was ever
     written (no Anonymous pages: a write to a private mapping copies the page) holds exactly the file's bytes,
-    so dropping its pages changes nothing but the resident size: a later read maps them again from the page cache (what this saves: docs/benchmarks.md,
-    "Real sizes: where a K-quant step goes")."""
+    so dropping its pages changes nothing but the resident size: a later read maps them again from the page
+    cache (what this saves: docs/benchmarks.md, "Real sizes: where a K-quant step goes")."""
     if not sys.platform.startswith("linux"):
         return
     try:
