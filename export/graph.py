@@ -41,7 +41,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelm.nbits_gather import gather_from_nbits
-from edgelm.onnxfile import placeholder
+from edgelm.onnxfile import SameBytes, placeholder
 
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
@@ -477,7 +477,7 @@ def build_fused_graph(
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
-    _gather_embedding_blocks(model, d)
+    _gather_embedding_blocks(model, d, g.weights, compact=compact)
     return model, g.weights
 
 
@@ -623,13 +623,22 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
     return inputs, outputs
 
 
-def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder) -> None:
-    """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any."""
+def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder, weights: dict, *, compact: bool) -> None:
+    """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any.
+    Tied plain blocks are gathered through initializers of their own that point at the head's bytes (SameBytes):
+    ONNX Runtime maps them apart from the ones MatMulNBits prepacks and lets go, so the head's pages need not stay
+    resident for the few rows a step gathers (runtime/session.py drops them; compact blocks are computed at load,
+    and the gather reads the computed tensors)."""
     table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
     if table is None:
         return
     gather = next(n for n in model.graph.node if n.name == "embed/Gather")
     packed, scales, offsets = _nbits_names(prefix, table)  # offsets: (K / block, V)
+    if d.tied and not compact:
+        for name in filter(None, (packed, scales, offsets)):
+            model.graph.initializer.append(placeholder(f"{name}/rows", weights[name]))
+            weights[f"{name}/rows"] = SameBytes(name)
+        packed, scales, offsets = (None if name is None else f"{name}/rows" for name in (packed, scales, offsets))
     n_blocks = table.shape[0] // table.block_size
     gather_from_nbits(
         model, gather, packed, scales, bits=table.bits, block_size=table.block_size, n_blocks=n_blocks, offsets=offsets

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 pytest.importorskip("gguf")
@@ -37,6 +38,12 @@ def test_loaded_plain_package_drops_the_pages_prepacking_read(tmp_path):
     path = write_llama(tmp_path / "q6k.gguf", {"token_embd": Q.Q6_K, "0.ffn_down": Q.Q4_K}, layers=1, seed=3)
     package = tmp_path / "pkg"
     export_package(path, package, accuracy_level=4, compact_blocks=False, progress=quiet)
+    stored = {
+        i.name: {e.key: e.value for e in i.external_data}
+        for i in onnx.load(package / "model.onnx", load_external_data=False).graph.initializer
+    }
+    for name in ("lm_head.weight_Q8", "lm_head.weight_scales"):  # the gather's names for the head's bytes
+        assert stored[f"{name}/rows"] == stored[name] and int(stored[name]["length"]) > 0
     model = load(package, provider="cpu")
     head_kb = 2048 * 256 * (1 + 4 / 16) / 1024  # the tied Q6_K head: 8-bit values, a float32 scale per 16
     # prepacking read it whole, and it stays mapped for the gather; left: the few pages load's checks touch
