@@ -200,7 +200,7 @@ def export_package(
     accuracy_level: int = 4,
     tolerance: float | None = None,
     overwrite: bool = False,
-    compact_blocks: bool = True,
+    compact_blocks: bool = False,
     lora: list[tuple[str | Path, float]] = (),
     lora_slots: SlotSpec | None = None,
     quantize: str | None = None,
@@ -212,10 +212,10 @@ def export_package(
     """Checkpoint folder or GGUF file -> model package folder, staged beside `out_dir` and renamed into place, so a
     failed export leaves nothing half-written; returns the manifest (JSON). attention: "fused" or "standard"
     (last_token_logits is the standard graph's). A GGUF file's quantized blocks are kept (MatMulNBits run at
-    `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph; compact_blocks
-    stores them as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py). tolerance: the largest
-    |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py).
-    quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
+    `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph, as MatMulNBits' own
+    arrays, or with compact_blocks as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py).
+    tolerance: the largest |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots:
+    run-time slots (export/lora.py). quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
     (export/block_quantize.py; block_size and int4_lm_head as quantize's). bars: progress bars on stderr for
     the long steps (reading, writing and proving, tensor by tensor or layer by layer), beside the `progress`
     lines; None: when stderr is a terminal."""
