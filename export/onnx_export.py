@@ -476,7 +476,8 @@ def _to_accept(max_diff: float, *, int8: bool) -> str:
 def _write_files(staging: Path, manifest: Manifest, source: Source) -> None:
     """Step 4: genai_config.json, the tokenizer and chat template, tokenizer_config.json, and last the manifest
     with every file's hash."""
-    write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
+    if manifest.architecture.genai_type is not None:  # a family onnxruntime-genai cannot run has none
+        write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
     for name, path in source.files.items():
         shutil.copyfile(path, staging / name)
     for name, text in source.texts.items():

@@ -52,6 +52,17 @@ PHI3 = SMALL | dict(
         "short_factor": [1.0 + 0.05 * i for i in range(12)], "long_factor": [1.0 + 0.5 * i for i in range(12)],
     },
 )  # fmt: skip
+# Gemma 4: sliding layers of head 16, full layers of head 32 with a quarter of their pairs rotated (proportional),
+# a window of 3; per-layer input embeddings of 8 per layer
+GEMMA4 = SMALL | dict(
+    num_hidden_layers=6, head_dim=16, global_head_dim=32, num_key_value_heads=2, sliding_window=WINDOW,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=2048, final_logit_softcapping=30.0, initializer_range=0.05,
+    rope_parameters={
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)  # fmt: skip
 PROMPTS = [  # three lengths: the padded batch
     [5, 99, 1200, 7, 640, 33, 1800, 412, 77],
     [300, 12, 2001, 5],
@@ -124,6 +135,14 @@ CASES = {
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
     # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
+    # Gemma 4 with its last 2 layers reading layers 3 (sliding) and 2 (full)'s caches, their MLPs double-wide
+    "gemma4_text-shared": Case("gemma4_text", ("Gemma4TextConfig", "Gemma4ForCausalLM"), GEMMA4 | dict(
+                               num_kv_shared_layers=2, use_double_wide_mlp=True, tie_word_embeddings=True)),
+    # no sharing; full layers taking V from K's projection (attention_k_eq_v) with 1 KV head of their own; untied
+    "gemma4_text-k-eq-v": Case("gemma4_text", ("Gemma4TextConfig", "Gemma4ForCausalLM"), GEMMA4 | dict(
+                               attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False)),
+    # model_type gemma4: the text model under model.language_model, a vision tower beside it left out
+    "gemma4": Case("gemma4", ("Gemma4TextConfig", "Gemma4ForCausalLM"), {}, image_text_of="gemma4_text-shared"),
     # short convolutions (kernel 3: a state of 2 columns) and attention layers
     "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True),
     # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
@@ -146,7 +165,8 @@ class Families:
             spec = CASES[case]
             if spec.image_text_of:
                 hf, text_folder = self.model(spec.image_text_of)
-                self._models[case] = (hf, write_image_text_folder(text_folder, self.root / case))
+                outer = CASES[spec.image_text_of].model_type.removesuffix("_text")
+                self._models[case] = (hf, write_image_text_folder(text_folder, self.root / case, outer))
             else:
                 # a deep copy: transformers writes into a config's rope_parameters, which cases may share
                 config = copy.deepcopy(spec.config)
@@ -180,12 +200,13 @@ class Families:
         return self._expected[case]
 
 
-def write_image_text_folder(text_folder: Path, folder: Path) -> Path:
+def write_image_text_folder(text_folder: Path, folder: Path, model_type: str = "gemma3") -> Path:
     from safetensors.torch import load_file, save_file
 
     folder.mkdir()
     text = json.loads((text_folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text, "eos_token_id": EOS}))
+    outer = {"model_type": model_type, "text_config": text, "eos_token_id": EOS}
+    (folder / "config.json").write_text(json.dumps(outer | {"tie_word_embeddings": text["tie_word_embeddings"]}))
     state = {
         "model.language_model." + k.removeprefix("model."): v
         for k, v in load_file(text_folder / "model.safetensors").items()
