@@ -196,7 +196,7 @@ class ConcatCache:
         if length == 0:
             self.past = self._empty(1)
         else:
-            kept = [np.ascontiguousarray(value.numpy()[:, :, :length]) for value in self.past]
+            kept = [np.array(value.numpy()[:, :, :length]) for value in self.past]  # copies, never views
             self.past = [ort.OrtValue.ortvalue_from_numpy(array, self.model.device) for array in kept]
         self.lengths[0] = length
         self.attention_mask = np.ones((1, length), dtype=np.int64)

@@ -70,7 +70,7 @@ def test_reference_model_equals_transformers(case, families):
         assert (source.model(ids)[0] - hf(ids).logits).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(c for c in CASES if FAMILIES[CASES[c].model_type].genai_type))
 def test_onnxruntime_genai_runs_the_package(case, families):
     package = families.package(case, CASES[case].graphs[0])
     genai = json.loads((package / "genai_config.json").read_text())
@@ -81,13 +81,9 @@ def test_onnxruntime_genai_runs_the_package(case, families):
         assert genai_greedy(package, prompt, NEW_TOKENS) == tokens
 
 
-@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma4"])
-def test_gemma4_is_refused_naming_what_is_missing(model_type):
-    from edgelm.export.checkpoint import CheckpointError
-    from edgelm.export.families import family_for, gguf_family
+def test_gemma4_gguf_files_are_refused_in_one_line():
+    from edgelm.export.families import gguf_family
     from edgelm.export.gguf_metadata import GGUFError
 
-    with pytest.raises(CheckpointError, match="global_head_dim.*num_kv_shared_layers"):
-        family_for(model_type)
-    with pytest.raises(GGUFError, match="global_head_dim"):
+    with pytest.raises(GGUFError, match="Gemma 4 GGUF files are not read yet"):
         gguf_family("gemma4")
