@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPT-2: every head
+    """The first layer's KV heads (Gemma 4's full layers may have others: transformers then refuses the attribute)."""
+    return config.to_dict().get("num_key_value_heads") or config.num_attention_heads  # GPT-2: every head
 
 
 def test_every_family_row_has_a_case():
