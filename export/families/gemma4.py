@@ -6,7 +6,13 @@ transformers applies only with attention_k_eq_v) or, as transformers 5 saves it,
 for the full layers; both read the same. The vision and audio towers of a gemma4 checkpoint are left out: the
 package is its text model. Mixture-of-experts layers (enable_moe_block) and bidirectional attention are refused
 in one line. onnxruntime-genai 0.18's Gemma 4 builder has neither per-layer embeddings nor KV sharing, so no
-genai_config.json is written for these packages. GGUF files of Gemma 4 are not read yet.
+genai_config.json is written for these packages.
+
+llama.cpp's converter (conversion/gemma.py Gemma4Model) writes the layer pattern, both head sizes, the KV heads and
+MLP widths per layer where they differ, the window, the number of shared layers and the per-layer input width as
+metadata, its norms as they are (no 1 + w), and the full layers' proportional rotary as rope_freqs.weight: 1 for a
+rotated pair, 1e30 (no rotation) for the rest. It writes no key for attention_k_eq_v: a full layer without
+attn_v.weight says it. gguf_config reads all of that back into config.json's keys.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ from ..checkpoint import (
     renamed,
     token_ids,
 )
+from gguf.quants import dequantize
+
 from ..decoder import Decoder, Layer, PerLayerInput
 from ..gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_cos_sin, rope_inv_freq
+from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
 from . import llama
-from .family import Blocks, Family, array, head_blocks, kept_blocks, linear, norm, packed
+from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
 
 FULL_EVERY = 6  # without layer_types, every 6th layer is full (and the last always is: transformers' rule)
 
@@ -308,7 +317,155 @@ def details(model: Gemma4) -> dict:
     }
 
 
-def _row(model_type: str, renames: tuple, note: dict) -> Family:
+ROPE_FREQS = "rope_freqs.weight"  # the full layers' rotated pairs (1) and unrotated ones (1e30)
+
+
+def _per_layer(meta: dict, key: str, n_layer: int) -> list[int]:
+    """A metadata number llama.cpp writes once, or once per layer where layers differ."""
+    value = meta.get(key)
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise GGUFError(f"metadata {key} should be one number or {n_layer}")
+        return [number({key: v}, key) for v in value]
+    return [number(meta, key)] * n_layer
+
+
+def _of_kind(values: list[int], types: list[str], kind: str, key: str) -> int:
+    found = {v for v, t in zip(values, types, strict=True) if t == kind}
+    if len(found) > 1:
+        raise GGUFError(f"metadata {key} differs between {kind} layers, which Gemma 4's config cannot say")
+    return found.pop()
+
+
+def _rotated_share(stored: dict, head_dim: int) -> float:
+    """partial_rotary_factor from rope_freqs.weight: its head_dim / 2 factors, 1 for each rotated pair first."""
+    tensor = stored.get(ROPE_FREQS)
+    if tensor is None:
+        return 1.0
+    factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+    rotated = int((factors == 1.0).sum())
+    if factors.shape != (head_dim // 2,) or not (factors[:rotated] == 1.0).all() or not (factors[rotated:] >= 1e29).all():
+        raise GGUFError(f"tensor {ROPE_FREQS} is not proportional rotary's factors (1s then 1e30s, {head_dim // 2})")
+    return 2 * rotated / head_dim
+
+
+def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
+    """config.json of a Gemma 4 file (llama.cpp's keys, read back as its converter wrote them)."""
+    arch = "gemma4"
+    n_layer = number(meta, f"{arch}.block_count")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n_layer or not all(isinstance(p, bool) for p in pattern):
+        raise GGUFError(f"metadata {arch}.attention.sliding_window_pattern should be {n_layer} booleans")
+    types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    shared = number(meta, f"{arch}.attention.shared_kv_layers", 0, positive=False)
+    kv_heads = _per_layer(meta, f"{arch}.attention.head_count_kv", n_layer)
+    inner = _per_layer(meta, f"{arch}.feed_forward_length", n_layer)
+    first_shared = n_layer - shared
+    base, wide = inner[0], inner[first_shared:]
+    if any(i != base for i in inner[:first_shared]) or any(i not in (base, 2 * base) for i in wide) or len(set(wide)) > 1:
+        raise GGUFError(f"metadata {arch}.feed_forward_length is not one width (double on the shared layers)")
+    global_head_dim = number(meta, f"{arch}.attention.key_length")
+    k_eq_v = any(f"blk.{i}.attn_v.weight" not in stored for i, t in enumerate(types[:first_shared]) if t == "full_attention")
+    sliding_kv = _of_kind(kv_heads, types, "sliding_attention", "head_count_kv")
+    full_kv = _of_kind(kv_heads, types, "full_attention", "head_count_kv")
+    if full_kv != sliding_kv and not k_eq_v:
+        raise GGUFError("full layers with their own KV heads but values of their own: transformers' Gemma 4 has none")
+    cap = meta.get(f"{arch}.final_logit_softcapping")
+    per_layer_dim = number(meta, f"{arch}.embedding_length_per_layer_input", 0, positive=False)
+    ple = stored.get("per_layer_token_embd.weight")
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": vocab,
+        "hidden_size": number(meta, f"{arch}.embedding_length"),
+        "intermediate_size": base,
+        "use_double_wide_mlp": bool(wide) and wide[0] == 2 * base,
+        "num_hidden_layers": n_layer,
+        "num_attention_heads": number(meta, f"{arch}.attention.head_count"),
+        "num_key_value_heads": sliding_kv,
+        "head_dim": number(meta, f"{arch}.attention.key_length_swa"),
+        "global_head_dim": global_head_dim,
+        "num_global_key_value_heads": full_kv if k_eq_v else None,
+        "attention_k_eq_v": k_eq_v,
+        "max_position_embeddings": context_length(meta, f"{arch}.context_length"),
+        "rms_norm_eps": number(meta, f"{arch}.attention.layer_norm_rms_epsilon", kind=float, below=MAX_NORM_EPSILON),
+        "layer_types": types,
+        "sliding_window": number(meta, f"{arch}.attention.sliding_window"),
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": per_layer_dim,
+        "vocab_size_per_layer_input": int(ple.shape[-1]) if per_layer_dim and ple is not None else vocab,
+        "final_logit_softcapping": None if not cap else number(meta, f"{arch}.final_logit_softcapping", kind=float),
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "proportional",
+                "rope_theta": number(meta, f"{arch}.rope.freq_base", kind=float),
+                "partial_rotary_factor": _rotated_share(stored, global_head_dim),
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": number(meta, f"{arch}.rope.freq_base_swa", 10_000.0, kind=float),
+            },
+        },
+        "tie_word_embeddings": "output.weight" not in stored,
+    }
+
+
+# GGUF block tensor -> HF name (`model.layers.N.` + this)
+GGUF_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "layer_output_scale.weight": "layer_scalar",
+}
+KV_PARTS = ("attn_k.", "attn_v.", "attn_k_norm.")  # what a KV-shared layer lacks
+PER_LAYER_PARTS = ("inp_gate.", "proj.", "post_norm.")
+
+
+def gguf_tensors(config: dict) -> dict[str, Entry]:
+    """HF name -> where and how the file stores it (no 1 + w norms, no permuted rows: Gemma's converter)."""
+    c = config_from_hf(config)
+    hidden, dim = c.n_embd, c.per_layer_dim
+    entries = {"model.embed_tokens.weight": Entry("token_embd.weight", (c.vocab_size, hidden))}
+    if dim:
+        entries["model.embed_tokens_per_layer.weight"] = Entry(
+            "per_layer_token_embd.weight", (c.per_layer_vocab, c.n_layer * dim)
+        )
+        entries["model.per_layer_model_projection.weight"] = Entry("per_layer_model_proj.weight", (c.n_layer * dim, hidden))
+        entries["model.per_layer_projection_norm.weight"] = Entry("per_layer_proj_norm.weight", (dim,))
+    for i in range(c.n_layer):
+        heads, kv, head_dim, inner = c.n_head, c.kv_heads(i), c.head_size(i), c.inner(i)
+        shapes = {
+            "attn_q": (heads * head_dim, hidden), "attn_k": (kv * head_dim, hidden), "attn_v": (kv * head_dim, hidden),
+            "attn_output": (hidden, heads * head_dim), "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,),
+            "ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner),
+            "inp_gate": (dim, hidden), "proj": (hidden, dim), "layer_output_scale": (1,),
+        }  # fmt: skip
+        for gguf_suffix, hf_suffix in GGUF_BLOCK.items():
+            shared = c.kv_source[i] != i
+            if (shared and gguf_suffix.startswith(KV_PARTS)) or (not dim and gguf_suffix.startswith(PER_LAYER_PARTS)):
+                continue
+            if gguf_suffix.startswith("attn_v.") and c.attention_k_eq_v and c.full(i):
+                continue
+            shape = shapes.get(gguf_suffix.split(".")[0], (hidden,))
+            entries[f"model.layers.{i}.{hf_suffix}"] = Entry(f"blk.{i}.{gguf_suffix}", shape)
+    entries["model.norm.weight"] = Entry("output_norm.weight", (hidden,))
+    return with_head(entries, config, c.vocab_size, hidden)
+
+
+def _row(model_type: str, renames: tuple, note: dict, gguf: GGUFLayout | None = None) -> Family:
     return Family(
         model_type=model_type,
         name="gemma4_text",  # gemma4's package is its text model
@@ -319,11 +476,13 @@ def _row(model_type: str, renames: tuple, note: dict) -> Family:
         decoder=decoder,
         details=lambda model: details(model) | note,
         tokens=llama.tokens,
+        gguf=gguf,
         lazy_weights=True,
     )
 
 
 ROWS = (
-    _row("gemma4_text", (), {}),
+    _row("gemma4_text", (), {}, GGUFLayout(architecture="gemma4", config=gguf_config, tensors=gguf_tensors,
+                                           also_read=(ROPE_FREQS,))),  # fmt: skip
     _row("gemma4", RENAMES, {"skipped": "the vision and audio towers: the package is the text model"}),
 )
