@@ -235,6 +235,7 @@ class Decoder:
     # Gemma 4's per-layer input embeddings: a table gathered per token (times sqrt(D)) plus the token embedding
     # projected (times n_embd ** -0.5) and RMS-normed over D, times 2 ** -0.5; layer i reads its D values
     per_layer_embedding: np.ndarray | None = None  # (V, n_layer * D)
+    per_layer_embedding_nbits: NBits | None = None  # the same table as blocks, its rows gathered from them
     per_layer_projection: Linear | None = None  # (n_embd, n_layer * D)
     per_layer_norm: Norm | None = None  # (D,)
     logits_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 4)

@@ -454,8 +454,13 @@ class _GraphBuilder:
         embeddings x projected (times n_embd ** -0.5) and RMS-normed over D, times 2 ** -0.5 (Gemma 4)."""
         dim = d.per_layer_dim
         scalar = lambda name, value: self.small_constant(name, np.array(value, dtype=np.float32))  # noqa: E731
-        table = self.constant("per_layer.embedding", d.per_layer_embedding)
-        rows = self.op("Gather", [table, io.input_ids], "per_layer/Gather", axis=0)  # (B, T, n_layer * D)
+        if d.per_layer_embedding_nbits is not None:  # a stand-in table, rewired to read the blocks
+            self.nbits_weights("per_layer.embed", d.per_layer_embedding_nbits)
+            columns = self.op("Gather", ["per_layer.embed.weight_T", io.input_ids], "per_layer/Gather", axis=1)
+            rows = self.op("Transpose", [columns], "per_layer/Transpose", perm=[1, 2, 0])  # (B, T, n_layer * D)
+        else:
+            table = self.constant("per_layer.embedding", d.per_layer_embedding)
+            rows = self.op("Gather", [table, io.input_ids], "per_layer/Gather", axis=0)  # (B, T, n_layer * D)
         rows = self.op("Mul", [rows, scalar("per_layer/row_scale", dim**0.5)], "per_layer/rows")
         projected = self.linear(x, "per_layer.projection", d.per_layer_projection)
         projected = self.op("Mul", [projected, scalar("per_layer/projection_scale", d.n_embd**-0.5)], "per_layer/scaled")
@@ -503,7 +508,7 @@ def build_fused_graph(
     total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
     lengths = [seqlens_k, g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)]
     rotary, local_rotary = _rotary_caches(g, d, io, seqlens_k)
-    per_layer = g.per_layer_inputs(x, d, io) if d.per_layer_embedding is not None else None
+    per_layer = g.per_layer_inputs(x, d, io) if d.per_layer_dim else None
     if any(layer.kv_source is not None for layer in d.layers):
         g.kv_inputs = {}
 
@@ -549,6 +554,8 @@ def build_fused_graph(
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     _gather_embedding_blocks(model, d)
+    if d.per_layer_embedding_nbits is not None:  # Gemma 4's per-layer table, kept as the file's blocks
+        _gather_blocks(model, "per_layer/Gather", "per_layer.embed", d.per_layer_embedding_nbits)
     return model, g.weights
 
 
@@ -710,9 +717,13 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
 def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder) -> None:
     """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any."""
     table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
-    if table is None:
-        return
-    gather = next(n for n in model.graph.node if n.name == "embed/Gather")
+    if table is not None:
+        _gather_blocks(model, "embed/Gather", prefix, table)
+
+
+def _gather_blocks(model: onnx.ModelProto, node: str, prefix: str, table: NBits) -> None:
+    """Rewire the stand-in Gather `node` to gather rows of the blocks written under `prefix`."""
+    gather = next(n for n in model.graph.node if n.name == node)
     packed, scales, offsets = _nbits_names(prefix, table)  # offsets: (K / block, V)
     n_blocks = table.shape[0] // table.block_size
     gather_from_nbits(

@@ -124,6 +124,9 @@ def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tup
     if not decoder.tied:
         table = decoder.embedding_nbits
         recipe["embedding"] = f"int{table.bits}" if table is not None else "fp32"
+    if decoder.per_layer_dim:  # Gemma 4's per-layer input table
+        table = decoder.per_layer_embedding_nbits
+        recipe["per_layer_embedding"] = f"int{table.bits}" if table is not None else "fp32"
     bits = [nbits.bits for nbits in kept]
     tables = head is not None or decoder.embedding_nbits is not None
     precision = "int4" if 4 in bits else "int8" if bits or tables else "fp32"

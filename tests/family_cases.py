@@ -53,10 +53,10 @@ PHI3 = SMALL | dict(
     },
 )  # fmt: skip
 # Gemma 4: sliding layers of head 16, full layers of head 32 with a quarter of their pairs rotated (proportional),
-# a window of 3; per-layer input embeddings of 8 per layer
+# a window of 3; per-layer input embeddings of 16 per layer (6 x 16 = 96 a token: whole Q8_0 blocks)
 GEMMA4 = SMALL | dict(
     num_hidden_layers=6, head_dim=16, global_head_dim=32, num_key_value_heads=2, sliding_window=WINDOW,
-    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
     vocab_size_per_layer_input=2048, final_logit_softcapping=30.0, initializer_range=0.05,
     rope_parameters={
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e5},

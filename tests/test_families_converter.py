@@ -92,6 +92,8 @@ def test_the_converters_files_export_exactly(case, llama_cpp, families, tmp_path
     q8 = convert(llama_cpp, folder, "q8_0", tmp_path)
     manifest = export_package(q8, tmp_path / "q8", accuracy_level=0, progress=quiet)
     assert manifest["precision"] != "fp32"  # the blocks were kept
+    if case.startswith("gemma4"):  # the per-layer table too, its rows gathered from the blocks
+        assert manifest["recipe"]["per_layer_embedding"] == "int8"
     with torch.no_grad():
         dequantized = open_source(q8).model(torch.from_numpy(ids))[0].numpy()
     assert float(np.abs(load(tmp_path / "q8", provider="cpu").forward(ids)[0] - dequantized).max()) < 1e-4

@@ -263,6 +263,8 @@ def decoder(model: Gemma4, *, blocks: Blocks | None = None) -> Decoder:
     cos, sin = rope_cos_sin(c, full=True)  # (P, global_head_dim / 2)
     local_cos, local_sin = rope_cos_sin(c, full=False)  # (P, head_dim / 2)
     tied = c.tie_word_embeddings
+    # the per-layer table (n_layer * D values a token: the largest tensor of E2B) gathered from the file's blocks
+    per_layer_nbits = kept_blocks(blocks, ["model.embed_tokens_per_layer.weight"]) if c.per_layer_dim else None
     return Decoder(
         family=c.model_type,
         vocab_size=c.vocab_size,
@@ -288,8 +290,15 @@ def decoder(model: Gemma4, *, blocks: Blocks | None = None) -> Decoder:
         rotary_sin_local=array(local_sin),
         embedding_scale=float(np.float32(c.n_embd**0.5)),
         attention_scale=1.0,  # the Q and K norms set the scores' size
-        per_layer_embedding=array(m.embed_tokens_per_layer.weight) if c.per_layer_dim else None,
-        per_layer_projection=linear(m.per_layer_model_projection) if c.per_layer_dim else None,
+        per_layer_embedding=None if per_layer_nbits is not None or not c.per_layer_dim else array(
+            m.embed_tokens_per_layer.weight
+        ),
+        per_layer_embedding_nbits=per_layer_nbits,
+        per_layer_projection=linear(
+            m.per_layer_model_projection, kept_blocks(blocks, ["model.per_layer_model_projection.weight"])
+        )
+        if c.per_layer_dim
+        else None,
         per_layer_norm=norm(m.per_layer_projection_norm) if c.per_layer_dim else None,
         logits_softcap=c.final_logit_softcapping,
     )
