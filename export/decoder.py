@@ -15,6 +15,9 @@ stated as data (fields named after what they do), and the weights in MatMul layo
                                                        own rotary caches
     others also       -                                layers without rotary (SmolLM3), Granite's multipliers,
                                                        partial rotary and LongRoPE's long tables (Phi-3)
+    Gemma 4 also      -                                head sizes and KV heads per layer, layers reading an
+                                                       earlier layer's keys and values, per-layer input
+                                                       embeddings, layer output scales, logit softcapping
 
 Each family module (export/families/) turns its reference model into a Decoder; export/graph.py builds the
 graph from a Decoder alone and never asks which family it has. A family made of mechanisms the Decoder has

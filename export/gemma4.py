@@ -106,7 +106,9 @@ class Gemma4Config:
         num_kv_shared_layers the last earlier cache-keeping layer of the same type (transformers'
         kv_sharing_modes)."""
         first = self.n_layer - self.num_kv_shared_layers
-        last = {kind: max(i for i in range(first) if self.layer_types[i] == kind) for kind in set(self.layer_types[:first])}
+        last = {
+            kind: max(i for i in range(first) if self.layer_types[i] == kind) for kind in set(self.layer_types[:first])
+        }
         return [i if i < first else last[self.layer_types[i]] for i in range(self.n_layer)]
 
     def inner(self, layer: int) -> int:

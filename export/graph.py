@@ -243,7 +243,9 @@ class _GraphBuilder:
         self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
         return names if len(names) == 3 else [*names, names[1]]
 
-    def head_norm(self, x: str, prefix: str, name: str, weight: np.ndarray, heads: int, head_dim: int, eps: float) -> str:
+    def head_norm(
+        self, x: str, prefix: str, name: str, weight: np.ndarray, heads: int, head_dim: int, eps: float
+    ) -> str:
         """x (B, T, heads * hs) RMS-normalized over each head's values, times `weight` (hs,)."""
         shape = self.small_constant(f"{prefix}/{name}_head_shape", np.array([0, 0, -1, head_dim], dtype=np.int64))
         flat = self.small_constant(f"{prefix}/{name}_flat_shape", np.array([0, 0, -1], dtype=np.int64))
@@ -463,7 +465,9 @@ class _GraphBuilder:
             rows = self.op("Gather", [table, io.input_ids], "per_layer/Gather", axis=0)  # (B, T, n_layer * D)
         rows = self.op("Mul", [rows, scalar("per_layer/row_scale", dim**0.5)], "per_layer/rows")
         projected = self.linear(x, "per_layer.projection", d.per_layer_projection)
-        projected = self.op("Mul", [projected, scalar("per_layer/projection_scale", d.n_embd**-0.5)], "per_layer/scaled")
+        projected = self.op(
+            "Mul", [projected, scalar("per_layer/projection_scale", d.n_embd**-0.5)], "per_layer/scaled"
+        )
         shape = self.small_constant("per_layer/shape", np.array([0, 0, d.n_layer, dim], dtype=np.int64))
         projected = self.op("Reshape", [projected, shape], "per_layer/projected")  # (B, T, n_layer, D)
         inputs = [projected, self.constant("per_layer.norm.weight", d.per_layer_norm.weight)]

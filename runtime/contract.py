@@ -82,7 +82,9 @@ class IONames:
         return [getattr(self, f"present_{kind}") % i for i, kind in _layer_states(n_layer, layer_types, kv_source)]
 
 
-def _layer_states(n_layer: int, layer_types: list[str] | None, kv_source: list[int] | None = None) -> list[tuple[int, str]]:
+def _layer_states(
+    n_layer: int, layer_types: list[str] | None, kv_source: list[int] | None = None
+) -> list[tuple[int, str]]:
     """(layer, "key" / "value" / "conv" / "recurrent") for every cache tensor, in the graph's order; a layer whose
     kv_source is another layer keeps none."""
     kinds = layer_types or ["full_attention"] * n_layer
@@ -319,8 +321,8 @@ def _parse_sharing(arch: dict, where: str) -> dict:
         if not isinstance(values, list) or len(values) != n_layer:
             raise PackageError(f"{where}: {key} must list {n_layer} integers, got {values!r:.60}")
         parsed[key] = [integer({key: v}, key, where, minimum=0 if key == "kv_source" else 1) for v in values]
-    for heads in parsed.get("layer_n_kv_head", []):
-        if arch["n_head"] % heads:
+    for kv_heads in parsed.get("layer_n_kv_head", []):
+        if arch["n_head"] % kv_heads:
             raise PackageError(f"{where}: n_head ({arch['n_head']}) must be a multiple of every layer_n_kv_head")
     source = parsed.get("kv_source")
     if source is not None:

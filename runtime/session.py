@@ -152,7 +152,9 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
             continue
         heads, head_dim = arch.kv_shape(layer)
         if len(shape) != 4 or not (agrees(shape[1], heads) and agrees(shape[3], head_dim)):
-            raise PackageError(f"{n} in {name} has shape {shape}; {described} says (batch, {heads}, length, {head_dim})")
+            raise PackageError(
+                f"{n} in {name} has shape {shape}; {described} says (batch, {heads}, length, {head_dim})"
+            )
     shape = outputs[io.logits].shape
     if len(shape) != 3 or not agrees(shape[2], arch.vocab_size):
         raise PackageError(

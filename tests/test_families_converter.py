@@ -1,5 +1,5 @@
-"""The SmolLM3, Granite (3 and dense 4.0), Phi-3 and Gemma 4 cases (tests/family_cases.py) through llama.cpp's own converter,
-convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
+"""The SmolLM3, Granite (3 and dense 4.0), Phi-3 and Gemma 4 cases (tests/family_cases.py) through llama.cpp's
+own converter, convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
 transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
 to the logits of its own dequantized weights. Run where llama.cpp's source is at $EDGELM_LLAMA_CPP (its
 `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/`; llama-cpp-python's source distribution has them under

@@ -1,5 +1,6 @@
 """Model families: one module each (gpt2.py; llama.py for Llama, Mistral, Qwen2 and Qwen3; gemma.py for
-Gemma 3; gemma4.py for Gemma 4's text model; smollm3.py; granite.py; phi3.py; lfm2.py and qwen35.py, the hybrids with layer states), holding how its
+Gemma 3; gemma4.py for Gemma 4's text model;
+smollm3.py; granite.py; phi3.py; lfm2.py and qwen35.py, the hybrids with layer states), holding how its
 Hugging Face folders and GGUF files load into its reference model, the Decoder (export/decoder.py) that model
 becomes, and its rows (`Family`, family.py). This table gathers the rows: the one list export, its error messages
 and the CLI's help read.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.quants import dequantize
 
 from ..checkpoint import (
     CheckpointError,
@@ -36,8 +37,6 @@ from ..checkpoint import (
     renamed,
     token_ids,
 )
-from gguf.quants import dequantize
-
 from ..decoder import Decoder, Layer, PerLayerInput
 from ..gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_cos_sin, rope_inv_freq
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
@@ -76,7 +75,9 @@ def _text_config(hf: dict) -> dict:
     hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k not in DEFAULTS}}
     for key in ("enable_moe_block", "use_bidirectional_attention", "attention_bias"):
         if hf.get(key):
-            raise CheckpointError(f"config.json sets {key}={hf[key]!r:.60}, which edgelm does not implement for Gemma 4")
+            raise CheckpointError(
+                f"config.json sets {key}={hf[key]!r:.60}, which edgelm does not implement for Gemma 4"
+            )
     if hf["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise CheckpointError(f"unsupported hidden_activation {hf['hidden_activation']!r:.60} for Gemma 4")
     return hf
@@ -100,7 +101,9 @@ def _full_layer_shape(hf: dict, types: list[str]) -> tuple[int, int | None]:
     overrides = hf.get("per_layer_config")
     if overrides is None:
         heads = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
-        return config_number(hf, "global_head_dim"), None if heads is None else config_number(hf, "num_global_key_value_heads")
+        return config_number(hf, "global_head_dim"), None if heads is None else config_number(
+            hf, "num_global_key_value_heads"
+        )
     if not isinstance(overrides, dict):
         raise CheckpointError("config.json's per_layer_config must be an object of layer -> overrides")
     shapes = set()
@@ -290,9 +293,9 @@ def decoder(model: Gemma4, *, blocks: Blocks | None = None) -> Decoder:
         rotary_sin_local=array(local_sin),
         embedding_scale=float(np.float32(c.n_embd**0.5)),
         attention_scale=1.0,  # the Q and K norms set the scores' size
-        per_layer_embedding=None if per_layer_nbits is not None or not c.per_layer_dim else array(
-            m.embed_tokens_per_layer.weight
-        ),
+        per_layer_embedding=None
+        if per_layer_nbits is not None or not c.per_layer_dim
+        else array(m.embed_tokens_per_layer.weight),
         per_layer_embedding_nbits=per_layer_nbits,
         per_layer_projection=linear(
             m.per_layer_model_projection, kept_blocks(blocks, ["model.per_layer_model_projection.weight"])
@@ -353,7 +356,11 @@ def _rotated_share(stored: dict, head_dim: int) -> float:
         return 1.0
     factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
     rotated = int((factors == 1.0).sum())
-    if factors.shape != (head_dim // 2,) or not (factors[:rotated] == 1.0).all() or not (factors[rotated:] >= 1e29).all():
+    if (
+        factors.shape != (head_dim // 2,)
+        or not (factors[:rotated] == 1.0).all()
+        or not (factors[rotated:] >= 1e29).all()
+    ):
         raise GGUFError(f"tensor {ROPE_FREQS} is not proportional rotary's factors (1s then 1e30s, {head_dim // 2})")
     return 2 * rotated / head_dim
 
@@ -371,10 +378,16 @@ def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
     inner = _per_layer(meta, f"{arch}.feed_forward_length", n_layer)
     first_shared = n_layer - shared
     base, wide = inner[0], inner[first_shared:]
-    if any(i != base for i in inner[:first_shared]) or any(i not in (base, 2 * base) for i in wide) or len(set(wide)) > 1:
+    if (
+        any(i != base for i in inner[:first_shared])
+        or any(i not in (base, 2 * base) for i in wide)
+        or len(set(wide)) > 1
+    ):
         raise GGUFError(f"metadata {arch}.feed_forward_length is not one width (double on the shared layers)")
     global_head_dim = number(meta, f"{arch}.attention.key_length")
-    k_eq_v = any(f"blk.{i}.attn_v.weight" not in stored for i, t in enumerate(types[:first_shared]) if t == "full_attention")
+    k_eq_v = any(
+        f"blk.{i}.attn_v.weight" not in stored for i, t in enumerate(types[:first_shared]) if t == "full_attention"
+    )
     sliding_kv = _of_kind(kv_heads, types, "sliding_attention", "head_count_kv")
     full_kv = _of_kind(kv_heads, types, "full_attention", "head_count_kv")
     if full_kv != sliding_kv and not k_eq_v:
@@ -452,7 +465,9 @@ def gguf_tensors(config: dict) -> dict[str, Entry]:
         entries["model.embed_tokens_per_layer.weight"] = Entry(
             "per_layer_token_embd.weight", (c.per_layer_vocab, c.n_layer * dim)
         )
-        entries["model.per_layer_model_projection.weight"] = Entry("per_layer_model_proj.weight", (c.n_layer * dim, hidden))
+        entries["model.per_layer_model_projection.weight"] = Entry(
+            "per_layer_model_proj.weight", (c.n_layer * dim, hidden)
+        )
         entries["model.per_layer_projection_norm.weight"] = Entry("per_layer_proj_norm.weight", (dim,))
     for i in range(c.n_layer):
         heads, kv, head_dim, inner = c.n_head, c.kv_heads(i), c.head_size(i), c.inner(i)
@@ -491,7 +506,11 @@ def _row(model_type: str, renames: tuple, note: dict, gguf: GGUFLayout | None = 
 
 
 ROWS = (
-    _row("gemma4_text", (), {}, GGUFLayout(architecture="gemma4", config=gguf_config, tensors=gguf_tensors,
-                                           also_read=(ROPE_FREQS,))),  # fmt: skip
+    _row(
+        "gemma4_text",
+        (),
+        {},
+        GGUFLayout(architecture="gemma4", config=gguf_config, tensors=gguf_tensors, also_read=(ROPE_FREQS,)),
+    ),  # fmt: skip
     _row("gemma4", RENAMES, {"skipped": "the vision and audio towers: the package is the text model"}),
 )
