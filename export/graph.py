@@ -94,8 +94,9 @@ class _GraphBuilder:
         self.accuracy_level = accuracy_level  # MatMulNBits: 0 float activations, 4 int8 activations
         self.compact = compact  # kept blocks as bit planes and factors (export/compact_blocks.py)
         self.lora_inputs: list[onnx.ValueInfoProto] = []  # LoRA slots' A and B: overridable, zero-size by default
-        # with KV sharing: layer -> the key and value inputs of its attention node, for the layers that read it
-        self.kv_inputs: dict[int, list[str]] | None = None
+        # with KV sharing: a layer's prefix ("layers.3") -> the key and value inputs of its attention node, for the
+        # layers that read its cache
+        self.kv_inputs: dict[str, list[str]] | None = None
 
     def float_output(self, name: str, shape: list) -> str:
         """Declare a contrib op's output: ONNX shape inference cannot type com.microsoft nodes, and the
@@ -299,7 +300,7 @@ class _GraphBuilder:
         n_head, _, head_dim = d.heads(layer)
         q = qkv if layer.q_norm is None else self.head_norm(qkv, prefix, "q", layer.q_norm.weight, n_head, head_dim,
                                                             d.norm_eps)  # fmt: skip
-        return [q, *self.kv_inputs[layer.kv_source]]
+        return [q, *self.kv_inputs[f"layers.{layer.kv_source}"]]
 
     def attention(
         self,
@@ -324,7 +325,7 @@ class _GraphBuilder:
             if inputs[1] == "" and self.kv_inputs is not None:
                 inputs = self.split_qkv(qkv, prefix, d, layer)
             if self.kv_inputs is not None:
-                self.kv_inputs[int(prefix.split(".")[1])] = inputs[1:]
+                self.kv_inputs[prefix] = inputs[1:]
         # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
         # own position in local_window_size, as transformers' sliding_window does: checked against it)
         window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}

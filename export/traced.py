@@ -36,7 +36,7 @@ def cache_architecture(model: torch.nn.Module) -> Architecture:
     cache_shape), for the export checks and the traced graph's names."""
     c = model.config
     return Architecture(
-        type=c.model_type, vocab_size=c.vocab_size, context_length=c.n_positions, n_layer=c.n_layer,
+        type="", vocab_size=c.vocab_size, context_length=c.n_positions, n_layer=c.n_layer,
         n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, **state_layout(model),
     )  # fmt: skip
 

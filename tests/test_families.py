@@ -80,11 +80,3 @@ def test_onnxruntime_genai_runs_the_package(case, families):
     for prompt, tokens in zip(PROMPTS[:2], families.expected(case)[:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
         assert genai_greedy(package, prompt, NEW_TOKENS) == tokens
-
-
-def test_gemma4_gguf_files_are_refused_in_one_line():
-    from edgelm.export.families import gguf_family
-    from edgelm.export.gguf_metadata import GGUFError
-
-    with pytest.raises(GGUFError, match="Gemma 4 GGUF files are not read yet"):
-        gguf_family("gemma4")

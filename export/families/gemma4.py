@@ -498,13 +498,15 @@ def _row(model_type: str, renames: tuple, note: dict, gguf: GGUFLayout | None = 
         load=lambda folder: load(folder, renames=renames),
         build=_build_from_config,
         decoder=decoder,
-        details=lambda model: details(model) | note,
+        details=lambda model: details(model) | GENAI | note,
         tokens=llama.tokens,
         gguf=gguf,
         lazy_weights=True,
     )
 
 
+# onnxruntime-genai 0.18 cannot run these packages: the manifest says so where genai_config.json would be
+GENAI = {"genai_config": "not written: onnxruntime-genai 0.18 builds neither per-layer embeddings nor KV sharing"}
 ROWS = (
     _row(
         "gemma4_text",
