@@ -83,7 +83,10 @@ def check_block_size(decoder: Decoder, block_size: int) -> None:
     """ValueError unless `block_size` is a power of two >= 16 dividing every linear's inputs."""
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
-    for width in (decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim):
+    widths = [decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim]
+    widths += [decoder.per_layer_dim] if decoder.per_layer_dim else []  # Gemma 4's per-layer projections
+    widths += [decoder.n_head * decoder.heads(layer)[2] for layer in decoder.layers]  # its full layers' heads
+    for width in widths:
         if width % block_size:
             raise ValueError(
                 f"block size {block_size} does not divide a linear layer's {width} inputs; use a smaller one"
@@ -103,11 +106,15 @@ def quantize_decoder(
     check_block_size(decoder, block_size)
     bits = 4 if mode == "int4" else 8
     head_bits = 8 if lm_head == "int8" or bits == 8 else 4
-    for layer in decoder.layers:
-        for name in ("qkv", "attention_out", "up", "down"):
-            linear: Linear = getattr(layer, name)
+    # every linear, as the reference model's below (Gemma 4's per-layer input linears too)
+    owners = [(layer, ("qkv", "attention_out", "up", "down")) for layer in decoder.layers]
+    owners += [(layer.per_layer, ("gate", "projection")) for layer in decoder.layers if layer.per_layer is not None]
+    owners += [(decoder, ("per_layer_projection",))] if decoder.per_layer_projection is not None else []
+    for owner, names in owners:
+        for name in names:
+            linear: Linear = getattr(owner, name)
             if linear.nbits is None:
-                setattr(layer, name, Linear(None, linear.bias, _nbits(linear.weight, bits=bits, block_size=block_size)))
+                setattr(owner, name, Linear(None, linear.bias, _nbits(linear.weight, bits=bits, block_size=block_size)))
     head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
     decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
     _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)

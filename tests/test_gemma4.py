@@ -14,6 +14,7 @@ import onnx
 import pytest
 from chat_package import make_chat_package
 from family_cases import PROMPTS
+from helpers import quiet
 from test_hybrid import QUESTIONS, SYSTEM, check_turns
 
 from edgelm.runtime import load
@@ -93,3 +94,16 @@ def test_what_gemma4_lacks_is_refused_in_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="per_layer_config"):
         config_from_hf(base | {"per_layer_config": {"0": {"head_dim": 64}}})  # a sliding layer's
     assert np.isfinite(config_from_hf(base).rope_theta)
+
+
+def test_export_quantize_covers_the_per_layer_linears(families, tmp_path):
+    from edgelm.export.onnx_export import export_package
+
+    folder = families.model("gemma4_text-shared")[1]
+    with pytest.raises(ValueError, match="does not divide a linear layer's 16 inputs"):  # the per-layer width
+        export_package(folder, tmp_path / "q32", quantize="int4", progress=quiet)
+    manifest = export_package(folder, tmp_path / "q16", quantize="int4", block_size=16, progress=quiet)
+    assert manifest["precision"] == "int4"  # export's proof passed against the reference on the same blocks
+    graph = onnx.load(tmp_path / "q16" / "model.onnx", load_external_data=False).graph
+    assert not [n for n in graph.node if n.op_type == "MatMul" and "per_layer" in n.name]  # all MatMulNBits
+    assert len(load(tmp_path / "q16", provider="cpu").generate(PROMPTS[0], 8, ignore_eos=True).token_ids) == 8
