@@ -107,3 +107,13 @@ def test_export_quantize_covers_the_per_layer_linears(families, tmp_path):
     graph = onnx.load(tmp_path / "q16" / "model.onnx", load_external_data=False).graph
     assert not [n for n in graph.node if n.op_type == "MatMul" and "per_layer" in n.name]  # all MatMulNBits
     assert len(load(tmp_path / "q16", provider="cpu").generate(PROMPTS[0], 8, ignore_eos=True).token_ids) == 8
+
+
+def test_quantize_int4_finds_the_soft_capped_head_and_fp16_is_refused(families, tmp_path):
+    from edgelm.quantize.quantize import quantize_package
+
+    package = families.package("gemma4_text-shared", "fused")
+    quantize_package(package, tmp_path / "int4", mode="int4", block_size=16, progress=quiet)  # head: Div, Tanh, Mul
+    assert len(load(tmp_path / "int4", provider="cpu").generate(PROMPTS[0], 8, ignore_eos=True).token_ids) == 8
+    with pytest.raises(ValueError, match="share a cache"):  # ONNX Runtime 1.32 segfaults optimizing that graph
+        quantize_package(package, tmp_path / "fp16", mode="fp16", progress=quiet)
