@@ -106,15 +106,15 @@ def quantize_decoder(
     check_block_size(decoder, block_size)
     bits = 4 if mode == "int4" else 8
     head_bits = 8 if lm_head == "int8" or bits == 8 else 4
-    # every linear, as the reference model's below (Gemma 4's per-layer input linears too)
-    owners = [(layer, ("qkv", "attention_out", "up", "down")) for layer in decoder.layers]
-    owners += [(layer.per_layer, ("gate", "projection")) for layer in decoder.layers if layer.per_layer is not None]
-    owners += [(decoder, ("per_layer_projection",))] if decoder.per_layer_projection is not None else []
-    for owner, names in owners:
-        for name in names:
+    for layer in decoder.layers:
+        for owner, name in _linear_fields(layer):
             linear: Linear = getattr(owner, name)
             if linear.nbits is None:
-                setattr(owner, name, Linear(None, linear.bias, _nbits(linear.weight, bits=bits, block_size=block_size)))
+                blocks = _nbits(linear.weight, bits=bits, block_size=block_size)
+                setattr(owner, name, Linear(None, linear.bias, blocks, lora=linear.lora))
+    projection = decoder.per_layer_projection  # Gemma 4's, quantized in the reference model too
+    if projection is not None and projection.nbits is None:
+        decoder.per_layer_projection = Linear(None, None, _nbits(projection.weight, bits=bits, block_size=block_size))
     head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
     decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
     _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)
@@ -130,6 +130,19 @@ def quantize_decoder(
         "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, read by the tied embedding too",
         "written_by": "export --quantize (block by block, no fp32 package)",
     }
+
+
+def _linear_fields(layer) -> list[tuple[object, str]]:
+    """(object, field) of each linear of a layer: its attention's or its mixer's (a hybrid's ShortConv or DeltaNet),
+    and the MLP's."""
+    if layer.conv is not None:
+        mixer = [(layer.conv, "in_proj"), (layer.conv, "out_proj")]
+    elif layer.delta_net is not None:
+        mixer = [(layer.delta_net, name) for name in ("in_proj", "z", "b", "a", "out_proj")]
+    else:
+        mixer = [(layer, "qkv"), (layer, "attention_out")]
+    per_layer = [] if layer.per_layer is None else [(layer.per_layer, "gate"), (layer.per_layer, "projection")]
+    return [*mixer, (layer, "up"), (layer, "down"), *per_layer]  # Gemma 4's per-layer input linears last
 
 
 def _quantize_reference(model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int) -> None:

@@ -175,6 +175,8 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
         onnx_model = onnx.load(str(traced_path))  # loads external data too, if the exporter wrote any
 
     _microsoft_ops(onnx_model)
+    if last_token_logits:  # one position: said in the graph, where the tracer left a name (a hybrid's graph)
+        onnx_model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 1
     if config.tie_word_embeddings:
         _share_tied_embedding(onnx_model)
     return onnx_model

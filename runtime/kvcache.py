@@ -227,8 +227,8 @@ class _Snapshots:
     for batch 1: snapshots of the states at the lengths where a turn or a multi-token step began or ended (the
     prompt's end, before and after each `extend`; the latest MAX_SNAPSHOTS, and the empty state always), and the
     ids the cache holds. `rewind_point(length)` is the longest snapshot <= length: a Conversation rewinds there
-    and feeds the rest itself. `rewind(length)` to any other length restores the snapshot before it and feeds
-    the ids between again, so speculative decoding's rollback of rejected guesses is exact too (one more run).
+    and feeds the rest itself, as speculative decoding does with its next round. `rewind(length)` to any other
+    length restores the snapshot before it and feeds the ids between again (one more run).
     The attention layers' keys and values are cut as a KV cache's are. A driver supplies _read_states and
     _write_states; the rest of the protocol is the KV driver it is mixed into."""
 

@@ -41,7 +41,8 @@ def make_chat_folder(
     extra_special: tuple[str, ...] = (),
     family: str = "llama",
 ) -> Path:
-    """A Llama checkpoint folder (or family="lfm2": LFM2, convolution and attention layers alternating): random
+    """A Llama checkpoint folder (or family="lfm2": LFM2, convolution and attention layers alternating; or
+    "qwen3_5_text": Qwen3.5, Gated DeltaNet and attention layers alternating): random
     weights, the tokenizer above (with extra_special control tokens after the others),
     tests/data/chat_templates/<template>.jinja or a path to a template (no template for template=""), EOS ids
     [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's; default: the tokenizer's)."""
@@ -65,6 +66,12 @@ def make_chat_folder(
     elif family == "lfm2":
         kinds = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
         model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**shared, layer_types=kinds))
+    elif family == "qwen3_5_text":  # heads of 64, a quarter rotated: the least GroupQueryAttention's rotary takes
+        kinds = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        config = transformers.Qwen3_5TextConfig(**shared, layer_types=kinds, head_dim=64, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=16,
+                                                linear_value_head_dim=8)  # fmt: skip
+        model = transformers.Qwen3_5ForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shared, rope_theta=1e4, rms_norm_eps=1e-5))
     folder.mkdir(parents=True, exist_ok=True)

@@ -189,7 +189,8 @@ def save_peft_adapter(hf, folder: Path, *, r: int, targets: list[str], rslora: b
 
     torch.manual_seed(seed)
     fan_in_fan_out = type(hf).__name__.startswith("GPT2")
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora, init_lora_weights=False,
+    alpha = extra.pop("lora_alpha", 2 * r)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False,
                         fan_in_fan_out=fan_in_fan_out, **extra)  # fmt: skip
     peft_model = get_peft_model(copy.deepcopy(hf), config).eval()
     peft_model.save_pretrained(folder)

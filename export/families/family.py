@@ -31,6 +31,8 @@ class GGUFLayout:
     config: Callable[[dict, dict, int], dict]  # (metadata, stored tensors, vocabulary rows) -> config.json
     tensors: Callable[[dict], dict[str, Entry]]  # config.json -> HF name -> where and how the file stores it
     also_read: tuple[str, ...] = ()  # tensors `config` reads that are not weights (Llama 3's rope_freqs.weight)
+    # config.json -> the name prefixes of tensors the model leaves out (Qwen3.5's multi-token-prediction block)
+    left_out: Callable[[dict], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class Family:
     lora_linears: tuple[tuple[str, str], ...] = ()
     # checkpoint linears the reference model holds split (Phi-3's qkv_proj): (name, its parts in row order)
     lora_packed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # LoRA: model -> {module path with %d: [(first output column, count), ...]} for the parts whose outputs are not
+    # one block in lora_linears' order inside their packed linear (Qwen3.5's q_proj: each head's query and gate)
+    lora_columns: Callable[[torch.nn.Module], dict[str, list[tuple[int, int]]]] | None = None
     # its reference model and Decoder read weights through export/lazy_weights.py (meta parameters with loaders:
     # export streams them); False: the model is read whole into memory as fp32 when opened
     lazy_weights: bool = False
