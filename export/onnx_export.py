@@ -124,6 +124,9 @@ def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tup
     if not decoder.tied:
         table = decoder.embedding_nbits
         recipe["embedding"] = f"int{table.bits}" if table is not None else "fp32"
+    if decoder.per_layer_dim:  # Gemma 4's per-layer input table
+        table = decoder.per_layer_embedding_nbits
+        recipe["per_layer_embedding"] = f"int{table.bits}" if table is not None else "fp32"
     bits = [nbits.bits for nbits in kept]
     tables = head is not None or decoder.embedding_nbits is not None
     precision = "int4" if 4 in bits else "int8" if bits or tables else "fp32"
@@ -476,7 +479,8 @@ def _to_accept(max_diff: float, *, int8: bool) -> str:
 def _write_files(staging: Path, manifest: Manifest, source: Source) -> None:
     """Step 4: genai_config.json, the tokenizer and chat template, tokenizer_config.json, and last the manifest
     with every file's hash."""
-    write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
+    if manifest.architecture.genai_type is not None:  # a family onnxruntime-genai cannot run has none
+        write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
     for name, path in source.files.items():
         shutil.copyfile(path, staging / name)
     for name, text in source.texts.items():

@@ -153,9 +153,10 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
     # before building 2 * n_layer names: n_layer may be huge (a hybrid's layer_types is a list the JSON holds)
-    if (2 * arch.n_layer if arch.layer_types is None else len(arch.cache_kinds())) > len(inputs):
+    listed = arch.layer_types is not None or arch.kv_source is not None  # lists the manifest holds, of n_layer
+    if (len(arch.cache_kinds()) if listed else 2 * arch.n_layer) > len(inputs):
         raise PackageError(f"{described} says {arch.n_layer} layers, but {name} has only {len(inputs)} inputs")
-    past, present = io.past_names(arch.n_layer, arch.layer_types), io.present_names(arch.n_layer, arch.layer_types)
+    past, present = arch.past_names(io), arch.present_names(io)
     needed_in = [io.input_ids, io.attention_mask, *past]
     needed_out = [io.logits, *present]
     missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
@@ -177,7 +178,7 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
         raise PackageError(f"{name} has inputs {described} does not name: {', '.join(unbound[:3])}")
     # fixed axes must agree with the JSON: caches (B, n_kv_head, T, head_dim), logits (B, T, vocab)
     agrees = lambda dim, expected: not isinstance(dim, int) or dim == expected  # a symbolic axis always does
-    for n, kind in zip(past + present, 2 * arch.cache_kinds(), strict=True):
+    for n, (layer, kind) in zip(past + present, 2 * arch.cache_layers(), strict=True):
         shape = inputs[n].shape if n in inputs else outputs[n].shape
         if kind not in ("key", "value"):  # a state: (batch, *the manifest's state shape)
             expected = arch.cache_shape(kind, 1)[1:]
@@ -186,9 +187,10 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
                     f"{n} in {name} has shape {shape}; {described} says (batch, {', '.join(map(str, expected))})"
                 )
             continue
-        if len(shape) != 4 or not (agrees(shape[1], arch.n_kv_head) and agrees(shape[3], arch.head_dim)):
+        heads, head_dim = arch.kv_shape(layer)
+        if len(shape) != 4 or not (agrees(shape[1], heads) and agrees(shape[3], head_dim)):
             raise PackageError(
-                f"{n} in {name} has shape {shape}; {described} says (batch, {arch.n_kv_head}, length, {arch.head_dim})"
+                f"{n} in {name} has shape {shape}; {described} says (batch, {heads}, length, {head_dim})"
             )
     shape = outputs[io.logits].shape
     if len(shape) != 3 or not agrees(shape[2], arch.vocab_size):
