@@ -50,18 +50,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _session(onnx_path: str | Path, *, prepacking: bool = False, half: bool = False) -> ort.InferenceSession:
+def _session(onnx_path: str | Path, *, prepacking: bool = False) -> ort.InferenceSession:
     """prepacking: as the runtime runs it; needed where a kernel's fast path exists only for prepacked weights
-    (MatMulNBits' int8-activation path, accuracy_level 4). Off, no second copy of the float weights is made.
-    half: a float16 graph, run unoptimized: the CPU provider computes float16 MatMuls through Casts to float32,
-    which its optimizer would fold into a float32 copy of every weight (twice the package) when the session
-    starts; unfolded, each weight is cast when its MatMul runs."""
+    (MatMulNBits' int8-activation path, accuracy_level 4). Off, no second copy of the float weights is made."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # not the notice that num_logits_to_keep, an input, is not folded
     if not prepacking:
         options.add_session_config_entry("session.disable_prepacking", "1")
-    if half:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
 
 
@@ -219,7 +214,7 @@ def _run_session(
 ) -> dict:
     """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row);
     layout: a hybrid's states (traced.state_layout)."""
-    session = _session(onnx_path, prepacking=prepacking, half=io.kv_dtype == "float16")
+    session = _session(onnx_path, prepacking=prepacking)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
     capacity = ids.shape[1] + decode_steps
     binding = session.io_binding()
