@@ -237,7 +237,7 @@ def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSl
             ))  # fmt: skip
             slot.layers.append(i)
     order = [linear for _, linear in table]
-    linears = sorted(groups.values(), key=lambda s: (order.index(s.a.split(".", 2)[2].removesuffix(".lora_A")), s.layers[0]))
+    linears = [groups[key] for key in sorted(groups, key=lambda key: (order.index(key[0]), groups[key].layers[0]))]
     for slot in linears:
         slot.layers = None if len(slot.layers) == n_layer else slot.layers
     if not linears:
