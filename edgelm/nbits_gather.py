@@ -82,7 +82,8 @@ def gather_from_nbits(
     n_blocks: int | None = None,
     offsets: str | None = None,
 ) -> None:
-    """Rewire a tied-embedding Gather to read MatMulNBits' packed weights (vocab, n_blocks, blob) and
+    """Rewire an embedding's Gather (a tied one's columns then Transpose, or an untied table's rows, axis 0) to
+    read MatMulNBits' packed weights (vocab, n_blocks, blob) and
     dequantize only the gathered rows: symmetric, so the zero point is 2^(bits-1); 4-bit values are
     packed two to a byte, low nibble first; times the block scale; plus, given `offsets` (the name of a
     (n_blocks, vocab) float tensor, the head's block offsets: export/graph.py), each block's offset. n_blocks:
@@ -91,7 +92,10 @@ def gather_from_nbits(
     graph = model.graph
     index = list(graph.node).index(gather)
     ids, out = gather.input[1], gather.output[0]
-    transpose = next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose")
+    columns = any(a.name == "axis" and a.i == 1 for a in gather.attribute)  # else rows of a (vocab, C) table
+    transpose = (
+        next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose") if columns else None
+    )
     p = (gather.name or out) + f"_int{bits}"
     if n_blocks is None:
         n_blocks = next(i.dims for i in graph.initializer if i.name == packed)[1]  # of (vocab, n_blocks, blob)
@@ -100,8 +104,10 @@ def gather_from_nbits(
     make = _node_maker(p)
     unpack, values = _unpacked_rows(make, p, packed=packed, ids=ids, bits=bits)
     dequantize, blocks = _dequantized_blocks(make, p, values, scales=scales, ids=ids, offsets=offsets)
-    rows = helper.make_node("Reshape", [blocks, f"{p}_row_shape"], [transpose.output[0]], name=f"{p}_rows")
-    graph.node.remove(transpose)
+    result = transpose.output[0] if columns else out
+    rows = helper.make_node("Reshape", [blocks, f"{p}_row_shape"], [result], name=f"{p}_rows")
+    if columns:
+        graph.node.remove(transpose)
     graph.node.remove(gather)
     for offset, node in enumerate([*unpack, *dequantize, rows]):
         graph.node.insert(index + offset, node)

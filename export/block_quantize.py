@@ -4,7 +4,8 @@ half-precision) package, block by block, with no fp32 package in between (on dis
 The recipe is quantize/recipes.py's quantize_weight_only: every linear layer of the blocks in symmetric
 `bits`-bit blocks of `block_size` inputs, rounded to nearest, by the same ONNX Runtime kernels its
 MatMulNBitsQuantizer calls (quantize_matmul_4bits / quantize_matmul_8bits), the LM head (and the tied embedding,
-which gathers its rows from the head's blocks) in 8-bit blocks unless lm_head is "int4", MatMulNBits at
+which gathers its rows from the head's blocks; an untied embedding in blocks of its own, its rows gathered from
+them) in 8-bit blocks unless lm_head is "int4", MatMulNBits at
 accuracy level 4. Each weight is quantized when the graph writes it (gguf_blocks.LazyRuns), one at a time, so
 the package holds the same bytes as `export` then `quantize` would write.
 
@@ -35,6 +36,7 @@ from .lazy_weights import SLICE_BYTES, LazyArray, TensorLoader, lazy_parameter, 
 WEIGHT_ONLY = ("int4", "int8-weight-only")
 QUANTIZE_MODES = (*WEIGHT_ONLY, "fp16")  # what export --quantize writes
 LM_HEADS = ("int8", "int4")  # quantize/recipes.py INT4_LM_HEADS
+TOKEN_EMBEDDINGS = ("embed_tokens", "wte")  # the reference models' token tables (not GPT-2's positions, wpe)
 
 
 def block_quantized(weight: np.ndarray, *, bits: int, block_size: int) -> Runs:
@@ -125,6 +127,8 @@ def quantize_decoder(
         decoder.per_layer_projection = Linear(None, None, _nbits(projection.weight, bits=bits, block_size=block_size))
     head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
     decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
+    if not decoder.tied and decoder.embedding_nbits is None:  # an untied table: blocks like the head's, rows gathered
+        decoder.embedding_nbits = _nbits(decoder.embedding.T, bits=head_bits, block_size=block_size)
     _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)
     return {
         "mode": mode,
@@ -135,7 +139,8 @@ def quantize_decoder(
         "symmetric": True,
         "accuracy_level": 4,
         "lm_head": "int8" if head_bits == 8 else "int4",
-        "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, read by the tied embedding too",
+        "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, and the embedding (the head's "
+        "blocks when tied, its own when not)",
         "written_by": "export --quantize (block by block, no fp32 package)",
     }
 
@@ -154,9 +159,13 @@ def _linear_fields(layer) -> list[tuple[object, str]]:
 
 
 def _quantize_reference(model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int) -> None:
-    """The reference model's linears (and its head, with the embedding tied to it) computing on their blocks."""
+    """The reference model's linears (and its head, with the embedding tied to it) computing on their blocks; an
+    untied token embedding reading its own blocks, at the head's bits."""
     head = model.lm_head
     tied = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is head.weight]
+    for name, embedding in model.named_modules():  # the token table (V, C): blocks along C, as the head's
+        if name.rsplit(".", 1)[-1] in TOKEN_EMBEDDINGS and embedding.weight is not head.weight:
+            embedding.weight = _reference_on_blocks(embedding.weight, bits=head_bits, block_size=block_size)
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
         width = head_bits if module is head else bits
         module.weight = _reference_on_blocks(module.weight, bits=width, block_size=block_size)

@@ -32,6 +32,7 @@ from onnx import helper
 
 from edgelm.float16 import FP16_FACTS, half_graph, to_half
 from edgelm.nbits_gather import gather_from_nbits
+from edgelm.onnxfile import placeholder
 
 from .calibration import calibrated_ranges
 from .tied_embedding import drop_unused_initializers, share_int8_embedding, tied_gathers
@@ -44,7 +45,8 @@ logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 ort.set_default_logger_severity(3)
 
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
-INT4_LM_HEADS = ("int8", "int4")  # precision of the LM head (and tied embedding) in int4 mode
+INT4_LM_HEADS = ("int8", "int4")  # precision of the LM head (and the embedding) in int4 mode
+UNTIED_TABLE = "embed.weight"  # export's name for an untied token embedding's (V, C) table (export/graph.py)
 
 
 class _QuietRootLogger:
@@ -252,8 +254,9 @@ def _check_block_size(model: onnx.ModelProto, block_size: int) -> None:
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
     inits = {i.name: i for i in model.graph.initializer}
-    for gather in tied_gathers(model):
-        n_embd = inits[gather.input[0]].dims[0]
+    untied = _untied_embedding(model)
+    for gather in tied_gathers(model) + ([untied] if untied is not None else []):
+        n_embd = inits[gather.input[0]].dims[0 if gather is not untied else 1]
         if n_embd % block_size:
             raise ValueError(f"block size {block_size} does not divide the embedding width {n_embd}; use a smaller one")
 
@@ -311,6 +314,51 @@ def _nbits_node(node, source: SourceModel, model: onnx.ModelProto, weights: dict
     )
 
 
+def _untied_embedding(model: onnx.ModelProto) -> onnx.NodeProto | None:
+    """The Gather (axis 0) of rows of an untied embedding's float (V, C) table, which export names UNTIED_TABLE."""
+    floats = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2}
+    rows = lambda n: all(a.i == 0 for a in n.attribute if a.name == "axis")  # noqa: E731
+    gathers = (n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == UNTIED_TABLE)
+    return next((n for n in gathers if n.input[0] in floats and rows(n)), None)
+
+
+def _row_blocks(source: SourceModel, name: str, *, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A (V, C) table as V rows of symmetric blocks along C, as MatMulNBits holds a (C, V) weight: packed (V, blocks,
+    blob) and scales (V, blocks), by the kernels `_blocks` calls; read a slab of rows at a time."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    quantize = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    vocab, width = source.dims(name)
+    blocks = width // block_size
+    packed = np.zeros((vocab, blocks, block_size * bits // 8), dtype=np.uint8)
+    scales = np.zeros((vocab, blocks), dtype=np.float32)
+    for start, stop in source.slabs(name):
+        weight = np.ascontiguousarray(np.asarray(source.rows(name, start, stop), dtype=np.float32).T)  # (C, rows)
+        zero_points = np.zeros((stop - start, -(-blocks * bits // 8)), dtype=np.uint8)  # unused: symmetric
+        slab_packed, slab_scales = packed[start:stop].copy(), scales[start:stop].copy()
+        quantize(slab_packed, weight, slab_scales, zero_points, block_size, stop - start, width, True)
+        packed[start:stop], scales[start:stop] = slab_packed, slab_scales
+    return packed, scales
+
+
+def _embedding_blocks(
+    gather: onnx.NodeProto, source: SourceModel, model: onnx.ModelProto, weights: dict, *, bits: int, block_size: int
+) -> tuple[str, str]:
+    """An untied table's blocks (names as export gives them), added to the model before the table (export's order)
+    as placeholders computed when written; returns (packed, scales)."""
+    name = gather.input[0]
+    vocab, width = source.dims(name)
+    blocks = width // block_size
+    outputs = Outputs(lambda: _row_blocks(source, name, bits=bits, block_size=block_size))
+    packed, scales = f"{name}_Q{bits}", f"{name}_scales"
+    weights[packed] = outputs.part(0, (vocab, blocks, block_size * bits // 8), np.uint8)
+    weights[scales] = outputs.part(1, (vocab, blocks), np.float32)
+    at = next(i for i, t in enumerate(model.graph.initializer) if t.name == name)  # where export writes them
+    for offset, new in enumerate((packed, scales)):
+        model.graph.initializer.insert(at + offset, placeholder(new, weights[new]))
+    return packed, scales
+
+
 def _gather_tied_from_nbits(quantized: onnx.ModelProto, block_size: int) -> None:
     """The tied embedding gathers from the LM head's quantized weights instead of keeping an fp32 copy."""
     packed = {n.input[1]: n for n in quantized.graph.node if n.op_type == "MatMulNBits"}
@@ -338,16 +386,23 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
     assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
     head_bits = 8 if lm_head == "int8" else bits
     linear, weights = set(_linear_matmuls(model)), {}
-    nodes = [
-        _nbits_node(n, source, model, weights, bits=head_bits if n.name == head else bits, block_size=block_size)
-        if n.name in linear and len(source.dims(n.input[1])) == 2
-        else n
-        for n in model.graph.node
-    ]
+    embedding, table = _untied_embedding(model), None
+    nodes = []
+    for n in model.graph.node:  # new weights in node order, as export writes them
+        if n is embedding:
+            table = _embedding_blocks(n, source, model, weights, bits=head_bits, block_size=block_size)
+        if n.name in linear and len(source.dims(n.input[1])) == 2:
+            n = _nbits_node(
+                n, source, model, weights, bits=head_bits if n.name == head else bits, block_size=block_size
+            )
+        nodes.append(n)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.add(domain="com.microsoft", version=1)
+    if table is not None:  # an untied embedding's rows gathered from its own blocks, at the head's bits
+        gather = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == UNTIED_TABLE)
+        gather_from_nbits(model, gather, *table, bits=head_bits, block_size=block_size)
     _gather_tied_from_nbits(model, block_size)
     write(model, source, dst, weights)
     return {
@@ -359,7 +414,8 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
         "symmetric": True,
         "accuracy_level": 4,
         "lm_head": lm_head,
-        "ops": f"linear MatMuls of the blocks int{bits}; LM head {lm_head}, read by the tied embedding too",
+        "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, and the embedding (the head's "
+        "blocks when tied, its own when not)",
     }
 
 
