@@ -130,7 +130,8 @@ def quantize_decoder(
     if not decoder.tied and decoder.embedding_nbits is None:  # an untied table: blocks like the head's, rows gathered
         decoder.embedding_nbits = _nbits(decoder.embedding.T, bits=head_bits, block_size=block_size)
     _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)
-    return {
+    untied = {} if decoder.tied else {"embedding": f"int{decoder.embedding_nbits.bits}"}
+    return untied | {
         "mode": mode,
         "bits": bits,
         "op": "MatMulNBits",

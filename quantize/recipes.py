@@ -405,7 +405,8 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
         gather_from_nbits(model, gather, *table, bits=head_bits, block_size=block_size)
     _gather_tied_from_nbits(model, block_size)
     write(model, source, dst, weights)
-    return {
+    untied = {} if table is None else {"embedding": f"int{head_bits}"}
+    return untied | {
         "mode": "int4" if bits == 4 else "int8-weight-only",
         "bits": bits,
         "op": "MatMulNBits",

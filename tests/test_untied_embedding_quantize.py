@@ -64,23 +64,26 @@ def test_export_quantize_is_export_then_quantize(untied, tmp_path, family, mode)
     direct, two_step = tmp_path / "direct", tmp_path / "two-step"
     manifest = export_package(hf, direct, quantize=mode, progress=quiet, bars=False)
     assert manifest["parity"]["max_abs_logit_diff"] < manifest["parity"]["tolerance"]
-    quantize_package(fp32, two_step, mode=mode, progress=quiet)
+    expected = quantize_package(fp32, two_step, mode=mode, progress=quiet)
+    assert manifest["recipe"]["embedding"] == expected["recipe"]["embedding"] == "int8"  # the head's bits
     for package in (direct, two_step):
         assert _float_tables(package) == [], package.name
     assert (direct / "model.onnx.data").read_bytes() == (two_step / "model.onnx.data").read_bytes()
     np.testing.assert_array_equal(_logits(direct), _logits(two_step))
 
 
-def _with_float_table(package: Path) -> onnx.ModelProto:
+def _with_float_table(package: Path, bits: int) -> onnx.ModelProto:
     """The quantized package's graph with its embedding gathered from a float table holding what its blocks hold:
-    (q - zero point) * scale, dequantized here in numpy."""
+    (q - zero point) * scale, dequantized here in numpy (4-bit values two a byte, low nibble first)."""
     model = onnx.load(package / "model.onnx")
     inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    packed, scales = inits["embed.weight_Q8"], inits["embed.weight_scales"]  # (V, blocks, block), (V, blocks)
-    table = ((packed.astype(np.float32) - 128) * scales[..., None]).reshape(VOCAB, -1)
-    ours = [n for n in model.graph.node if n.name.startswith("embed/Gather_int8_")]
-    rows = next(n for n in ours if n.name == "embed/Gather_int8_rows")
-    ids = next(n for n in ours if n.op_type == "Gather" and n.input[0] == "embed.weight_Q8").input[1]
+    packed, scales = inits[f"embed.weight_Q{bits}"], inits["embed.weight_scales"]  # (V, blocks, blob), (V, blocks)
+    if bits == 4:
+        packed = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*scales.shape, -1)
+    table = ((packed.astype(np.float32) - 2 ** (bits - 1)) * scales[..., None]).reshape(VOCAB, -1)
+    ours = [n for n in model.graph.node if n.name.startswith(f"embed/Gather_int{bits}_")]
+    rows = next(n for n in ours if n.name == f"embed/Gather_int{bits}_rows")
+    ids = next(n for n in ours if n.op_type == "Gather" and n.input[0] == f"embed.weight_Q{bits}").input[1]
     index = list(model.graph.node).index(ours[0])
     for node in ours:
         model.graph.node.remove(node)
@@ -89,15 +92,18 @@ def _with_float_table(package: Path) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8-weight-only"])
-def test_quantized_embedding_is_its_dequantized_blocks(untied, tmp_path, mode) -> None:
-    """quantize's logits are those of the same graph gathering from a float table of the blocks' values, and
-    onnxruntime-genai runs the package to the same greedy tokens."""
+@pytest.mark.parametrize(
+    ("mode", "head", "bits"), [("int4", "int8", 8), ("int8-weight-only", "int8", 8), ("int4", "int4", 4)]
+)
+def test_quantized_embedding_is_its_dequantized_blocks(untied, tmp_path, mode, head, bits) -> None:
+    """quantize's embedding takes the LM head's bits; its logits are those of the same graph gathering from a float
+    table of the blocks' values, and onnxruntime-genai runs the package to the same greedy tokens."""
     package = tmp_path / "q"
-    quantize_package(untied["llama"][1], package, mode=mode, progress=quiet)
+    manifest = quantize_package(untied["llama"][1], package, mode=mode, int4_lm_head=head, progress=quiet)
+    assert (manifest["recipe"]["lm_head"], manifest["recipe"]["embedding"]) == (f"int{bits}", f"int{bits}")
     runtime = load(package, provider="cpu")
     quantized = runtime.forward(IDS)[0]
-    reference = _with_float_table(package)
+    reference = _with_float_table(package, bits)
     table = numpy_helper.to_array(next(i for i in reference.graph.initializer if i.name == "embed.weight"))
     original = numpy_helper.to_array(
         next(i for i in onnx.load(untied["llama"][1] / "model.onnx").graph.initializer if i.name == "embed.weight")
