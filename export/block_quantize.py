@@ -127,9 +127,10 @@ def quantize_decoder(
         decoder.per_layer_projection = Linear(None, None, _nbits(projection.weight, bits=bits, block_size=block_size))
     head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
     decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
-    if not decoder.tied and decoder.embedding_nbits is None:  # an untied table: blocks like the head's, rows gathered
+    own_table = not decoder.tied and decoder.embedding_nbits is None  # untied and float: blocks like the head's
+    if own_table:
         decoder.embedding_nbits = _nbits(decoder.embedding.T, bits=head_bits, block_size=block_size)
-    _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)
+    _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size, embedding=own_table)
     untied = {} if decoder.tied else {"embedding": f"int{decoder.embedding_nbits.bits}"}
     return untied | {
         "mode": mode,
@@ -159,14 +160,17 @@ def _linear_fields(layer) -> list[tuple[object, str]]:
     return [*mixer, (layer, "up"), (layer, "down"), *per_layer]  # Gemma 4's per-layer input linears last
 
 
-def _quantize_reference(model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int) -> None:
-    """The reference model's linears (and its head, with the embedding tied to it) computing on their blocks; an
-    untied token embedding reading its own blocks, at the head's bits."""
+def _quantize_reference(
+    model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int, embedding: bool = False
+) -> None:
+    """The reference model's linears (and its head, with the embedding tied to it) computing on their blocks; with
+    `embedding`, the untied token table reading blocks of its own, at the head's bits."""
     head = model.lm_head
     tied = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight is head.weight]
-    for name, embedding in model.named_modules():  # the token table (V, C): blocks along C, as the head's
-        if name.rsplit(".", 1)[-1] in TOKEN_EMBEDDINGS and embedding.weight is not head.weight:
-            embedding.weight = _reference_on_blocks(embedding.weight, bits=head_bits, block_size=block_size)
+    tables = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in TOKEN_EMBEDDINGS] if embedding else []
+    assert not embedding or len(tables) == 1, f"the reference model has {len(tables)} token tables, not one"
+    for table in tables:  # the untied token table (V, C): blocks along C, as the head's
+        table.weight = _reference_on_blocks(table.weight, bits=head_bits, block_size=block_size)
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
         width = head_bits if module is head else bits
         module.weight = _reference_on_blocks(module.weight, bits=width, block_size=block_size)
