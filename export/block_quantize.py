@@ -83,7 +83,10 @@ def check_block_size(decoder: Decoder, block_size: int) -> None:
     """ValueError unless `block_size` is a power of two >= 16 dividing every linear's inputs."""
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
-    for width in (decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim):
+    widths = [decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim]
+    widths += [decoder.per_layer_dim] if decoder.per_layer_dim else []  # Gemma 4's per-layer projections
+    widths += [decoder.n_head * decoder.heads(layer)[2] for layer in decoder.layers]  # its full layers' heads
+    for width in widths:
         if width % block_size:
             raise ValueError(
                 f"block size {block_size} does not divide a linear layer's {width} inputs; use a smaller one"
@@ -109,6 +112,9 @@ def quantize_decoder(
             if linear.nbits is None:
                 blocks = _nbits(linear.weight, bits=bits, block_size=block_size)
                 setattr(owner, name, Linear(None, linear.bias, blocks, lora=linear.lora))
+    projection = decoder.per_layer_projection  # Gemma 4's, quantized in the reference model too
+    if projection is not None and projection.nbits is None:
+        decoder.per_layer_projection = Linear(None, None, _nbits(projection.weight, bits=bits, block_size=block_size))
     head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
     decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
     _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)
@@ -135,7 +141,8 @@ def _linear_fields(layer) -> list[tuple[object, str]]:
         mixer = [(layer.delta_net, name) for name in ("in_proj", "z", "b", "a", "out_proj")]
     else:
         mixer = [(layer, "qkv"), (layer, "attention_out")]
-    return [*mixer, (layer, "up"), (layer, "down")]
+    per_layer = [] if layer.per_layer is None else [(layer.per_layer, "gate"), (layer.per_layer, "projection")]
+    return [*mixer, (layer, "up"), (layer, "down"), *per_layer]  # Gemma 4's per-layer input linears last
 
 
 def _quantize_reference(model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int) -> None:

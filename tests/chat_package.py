@@ -56,7 +56,14 @@ def make_chat_folder(
         eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
         initializer_range=0.1,  # not near-uniform logits: a wrong position or cache would change the tokens
     )  # fmt: skip
-    if family == "lfm2":
+    if family == "gemma4":  # KV sharing (the last 2 of 6 layers), per-layer inputs, two head sizes, a window of 8
+        kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        config = transformers.Gemma4TextConfig(
+            **shared, head_dim=16, global_head_dim=32, layer_types=kinds[:layers], num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=shared["vocab_size"], sliding_window=8,
+        )  # fmt: skip
+        model = transformers.Gemma4ForCausalLM(config)
+    elif family == "lfm2":
         kinds = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
         model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**shared, layer_types=kinds))
     elif family == "qwen3_5_text":  # heads of 64, a quarter rotated: the least GroupQueryAttention's rotary takes

@@ -40,7 +40,7 @@ class Family:
     model_type: str  # the config.json model_type this row reads
     name: str  # the manifest's architecture.type (Gemma 3's image-and-text gemma3 exports as gemma3_text)
     label: str  # for people: help texts and error messages ("Qwen2/Qwen2.5")
-    genai_type: str  # onnxruntime-genai's model type, written to genai_config.json
+    genai_type: str | None  # onnxruntime-genai's model type for genai_config.json; None: genai cannot run it
     load: Callable[[Path], torch.nn.Module]  # a Hugging Face-layout folder -> reference model (eval, fp32)
     build: Callable[[dict, dict], torch.nn.Module]  # (config.json, state dict) -> reference model (GGUF files)
     decoder: Callable[..., Decoder]  # (reference model, *, blocks=None) -> what the fused graph is built from
