@@ -3,6 +3,7 @@ sizes (issue 34): speed and memory do not depend on the values.
 
     python benchmarks/shaped_checkpoints.py qwen3-0.6b /work/big-scratch/q06-bf16 --dtype bfloat16
     python benchmarks/shaped_checkpoints.py qwen3-4b /work/big-scratch/q4b-bf16 --shard-gb 2
+    python benchmarks/shaped_checkpoints.py llama-3.1-8b /work/big-scratch/l8b-bf16 --shard-gb 2
 
 The config is transformers' own (`config_class(**SHAPES[name]).save_pretrained`), the tensor names and shapes
 those of the transformers model built on the meta device, and the weights are written shard by shard in
@@ -37,6 +38,14 @@ SHAPES = {
         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000,
         eos_token_id=128009,
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000,
+        eos_token_id=128009,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
     ),
     "qwen3-4b": dict(

@@ -40,7 +40,7 @@ from ..runtime.lora_contract import (
 from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
-from .lazy_weights import materialize
+from .lazy_weights import TensorLoader, is_lazy, lazy_parameter, read
 from .peft_adapter import OUTPUT_LAYER, LoraWeights, PeftAdapter, read_peft_adapter
 
 Progress = Callable[[str], None]
@@ -140,7 +140,7 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
         adapter.select(linears | dict.fromkeys(split, True), model_type=family)
         for path, saved in adapter.base_weights.items():  # PEFT loads them over the model's: they must be its own
             module = modules.get(path)
-            if module is None or not np.array_equal(saved, module.weight.detach().numpy()):
+            if module is None or not np.array_equal(saved, read(module.weight).float().numpy()):
                 raise AdapterError(
                     f"LoRA adapter {adapter.name}: it carries its own {path} weight (PEFT's save_embedding_layers) "
                     "and it differs from this model's (a resized vocabulary?); edgelm merges only LoRA weights"
@@ -169,14 +169,24 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
                 )
     if any(OUTPUT_LAYER in adapter.modules for adapter in adapters) and model.config.tie_word_embeddings:
         head = modules[OUTPUT_LAYER]
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        weight = head.weight
+        head.weight = lazy_parameter(weight.loader) if is_lazy(weight) else torch.nn.Parameter(weight.detach().clone())
         model.config.tie_word_embeddings = False
-    with torch.no_grad():
-        for targets in expanded:
-            for path, weights in targets.items():
-                modules[path].weight += torch.from_numpy(weights.delta())
+    for targets in expanded:
+        for path, weights in targets.items():
+            modules[path].weight = _merged(modules[path].weight, weights)
     changed = [*(path for adapter in adapters for path in adapter.modules), *(p for t in expanded for p in t)]
     return {f"{path}.weight" for path in changed}  # a packed linear's parts and its own name (a GGUF file's blocks)
+
+
+def _merged(weight: torch.nn.Parameter, lora) -> torch.nn.Parameter:
+    """The weight plus the adapter's scale * B @ A, in float32, computed when the weight is read
+    (export/lazy_weights.py): a merge holds one adapted weight at a time, not the model."""
+
+    def load() -> torch.Tensor:
+        return read(weight).to(torch.float32) + torch.from_numpy(lora.delta())
+
+    return lazy_parameter(TensorLoader(tuple(weight.shape), load))
 
 
 def without_blocks(blocks, merged: set[str]):
@@ -362,7 +372,6 @@ def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progr
     (keeps_blocks: whether the package would keep a GGUF file's blocks at all)."""
     if not adapters:
         return
-    materialize(source.model)  # merging adds to every adapted weight: the model in memory, fp32
     merged = merge_adapters(source.model, adapters, family=source.family.name, packed=source.family.lora_packed)
     for adapter in adapters:
         ranks = sorted({w.rank for w in adapter.modules.values()})
