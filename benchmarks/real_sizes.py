@@ -52,7 +52,7 @@ CONVERTED = {"f32": "f32", "f16": "f16", "Q8_0": "q8_0"}  # GGUF type -> convert
 QUANTIZED = {"Q4_K_M": "q4_k_m", "Q4_0": "q4_0"}  # GGUF type -> llama_model_quantize's type, from the f16 file
 FROM_FOLDER = {"int4": "Q4_0", "int8-weight-only": "Q8_0"}  # edgelm's own quantization -> llama.cpp's file
 ROWS = (
-    "qwen3-0.6b:f32,qwen3-0.6b:f16,qwen3-0.6b:Q8_0,qwen3-0.6b:Q4_K_M,qwen3-0.6b:Q4_0,qwen3-0.6b:int4,"
+    "qwen3-0.6b:f16,qwen3-0.6b:Q8_0,qwen3-0.6b:Q4_K_M,qwen3-0.6b:Q4_0,qwen3-0.6b:int4,"
     "qwen3-0.6b:int8-weight-only,"
     "llama-3.2-1b:f16,llama-3.2-1b:Q8_0,llama-3.2-1b:Q4_K_M,llama-3.2-1b:Q4_0,llama-3.2-1b:int4,"
     "llama-3.2-1b:int8-weight-only,"
