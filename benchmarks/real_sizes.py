@@ -174,12 +174,23 @@ def make_package(row: Row, root: Path) -> None:
     print(f"  {package.name}: {figures}", flush=True)
 
 
-def make(rows: list[Row], root: Path, llamacpp_python: Path) -> None:
+def make(rows: list[Row], root: Path, llamacpp_python: Path) -> int:
+    """Each row's package and llama.cpp file; a row that fails is named at the end, the others go on."""
+    failed = []
     for row in rows:
-        make_gguf(row, root, row.kind, llamacpp_python)
-        if row.kind in FROM_FOLDER:
-            make_folder(row, root)
-        make_package(row, root)
+        try:
+            if row.kind in FROM_FOLDER:
+                make_folder(row, root)
+            else:
+                make_gguf(row, root, row.kind, llamacpp_python)
+            make_package(row, root)
+            make_gguf(row, root, row.kind, llamacpp_python)
+        except SystemExit as e:
+            print(f"{row}: {e}", flush=True)
+            failed.append(str(row))
+    if failed:
+        print(f"not made: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 # ---- time: round-robin children ---------------------------------------------------------------------
@@ -302,7 +313,7 @@ def main() -> int:
     args.results = args.results or args.dir / "real-sizes" / "results.jsonl"
     rows = parse_rows(args.rows)
     if args.step == "make":
-        make(rows, args.dir, args.llamacpp_python)
+        return make(rows, args.dir, args.llamacpp_python)
     elif args.step == "time":
         args.results.parent.mkdir(parents=True, exist_ok=True)
         missing = [
