@@ -44,6 +44,7 @@ os.environ.setdefault("LLAMA_CPP", "/work/lcpp/llama_cpp_python-0.3.36/vendor/ll
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_peer  # noqa: E402
 import peer_runner  # noqa: E402
+from peer_common import folder_bytes  # noqa: E402
 
 DIR = Path("/work/big-scratch/shaped")
 LLAMACPP_PYTHON = Path("/work/venv-llamacpp/bin/python")
@@ -227,10 +228,11 @@ def measure(rows: list[Row], root: Path, args) -> None:
                     key = (str(row), tokens, round_, system)
                     if key in done:
                         continue
-                    load = os.getloadavg()[0]
+                    load, started = os.getloadavg()[0], time.perf_counter()
                     report = peer_runner.bench_in_child(system, path, prompt, child_args, python=python)
                     report.pop("token_ids", None)
                     report.update(row=str(row), prompt_tokens=tokens, round=round_, system=system, load_average=load)
+                    report.update(child_wall_s=time.perf_counter() - started, size_mb=folder_bytes(path) / 1e6)
                     with args.results.open("a") as out:
                         out.write(json.dumps(report) + "\n")
                     if "error" in report:
@@ -268,9 +270,9 @@ def report(results: Path) -> str:
     out.append(
         "| row | prompt | edgelm decode tok/s | llama.cpp decode tok/s | decode edgelm / llama.cpp (min-max) "
         "| first token ms edgelm / llama.cpp (ratio) | load s edgelm / llama.cpp | peak RSS MB edgelm / llama.cpp "
-        "| rounds |"
+        "| size MB package / GGUF | rounds |"
     )
-    out.append("|---|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
     keys = list(dict.fromkeys((r["row"], r["prompt_tokens"]) for r in ok))
     for row, tokens in keys:
         rounds = {}
@@ -292,9 +294,11 @@ def report(results: Path) -> str:
             f"({min(decode):.2f}-{max(decode):.2f}) | {1000 * med('edgelm', 'ttft_s'):.0f} / "
             f"{1000 * med('llamacpp', 'ttft_s'):.0f} ({statistics.median(first):.2f}x) | "
             f"{med('edgelm', 'load_s'):.1f} / {med('llamacpp', 'load_s'):.1f} | "
-            f"{med('edgelm', 'peak_rss_mb'):,.0f} / {med('llamacpp', 'peak_rss_mb'):,.0f} | {len(pairs)} |"
+            f"{med('edgelm', 'peak_rss_mb'):,.0f} / {med('llamacpp', 'peak_rss_mb'):,.0f} | "
+            f"{med('edgelm', 'size_mb'):,.0f} / {med('llamacpp', 'size_mb'):,.0f} | {len(pairs)} |"
         )
     out += [f"\nFAILED {row} {tokens} {system}: {error}" for row, tokens, system, error in failed]
+    out.append(f"\n{len(lines)} children, {sum(r.get('child_wall_s', 0) for r in lines) / 60:.0f} minutes")
     return "\n".join(out)
 
 
