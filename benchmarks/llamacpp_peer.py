@@ -114,7 +114,7 @@ def interpreter(python: Path) -> dict:
 
 # ---- in the llama-cpp-python interpreter -------------------------------------------------------
 
-MAX_BATCH = 2048  # llama.cpp's own default n_batch; a 16k-token prompt in one batch holds a 16k x 16k score matrix
+MAX_BATCH = 512  # llama.cpp's own default n_ubatch: a 16k-token prompt in one batch holds a 16k x 16k score matrix
 
 
 def quantize(source: Path, target: Path, *, gguf_type: str, threads: int = 2) -> None:

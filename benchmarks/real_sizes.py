@@ -23,6 +23,13 @@ re-run skips what the file already holds, so an interrupted run resumes, and a q
 packages only times (give it a new --results). `report` prints medians over rounds and the median of the
 per-round ratios edgelm / llama.cpp (decode: higher is better; first token: lower is better), with the CPU
 and the load average the rounds ran at.
+
+Long context (`time --long-context`, with e.g. `--prompt-tokens 16384 --rows` LONG_ROWS): decode speed after
+a long prompt, where a hybrid's fixed-size state should keep its speed and attention's growing cache should not.
+edgelm's runtime feeds a prompt in one pass, whose attention scores (heads x prompt x prompt floats) do not fit
+at 16k tokens, so its child here feeds the prompt 512 tokens at a time through the KV cache
+(runtime/kvcache.py's extend, what a chat turn does) and then decodes greedily (argmax) step by step;
+llama.cpp's child feeds it in batches of 512 (its default n_ubatch).
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ ROWS = (
     "llama-3.2-1b:int8-weight-only,"
     "qwen3-4b:Q8_0,qwen3-4b:Q4_K_M,qwen3-4b:Q4_0,qwen3-4b:int4"
 )
-LONG_ROWS = "qwen3-0.6b:Q4_K_M,qwen3.5-0.8b:Q4_K_M,lfm2-1.2b:Q4_K_M"  # with --prompt-tokens 16384
+LONG_ROWS = "qwen3-0.6b:int4,qwen3.5-0.8b:int4,lfm2-1.2b:int4"  # time --long-context --prompt-tokens 16384
 
 
 @dataclass(frozen=True)
@@ -229,7 +236,10 @@ def measure(rows: list[Row], root: Path, args) -> None:
                     if key in done:
                         continue
                     load, started = os.getloadavg()[0], time.perf_counter()
-                    report = peer_runner.bench_in_child(system, path, prompt, child_args, python=python)
+                    if args.long_context and system == "edgelm":
+                        report = bench_long(path, prompt, args)
+                    else:
+                        report = peer_runner.bench_in_child(system, path, prompt, child_args, python=python)
                     report.pop("token_ids", None)
                     report.update(row=str(row), prompt_tokens=tokens, round=round_, system=system, load_average=load)
                     report.update(child_wall_s=time.perf_counter() - started, size_mb=folder_bytes(path) / 1e6)
@@ -244,6 +254,43 @@ def measure(rows: list[Row], root: Path, args) -> None:
                             f"RSS {report['peak_rss_mb']:.0f} MB (load average {load:.1f})",
                             flush=True,
                         )
+
+
+LONG_CHUNK = 512
+
+
+def child_long(package: str, prompt_path: str, threads: int, new_tokens: int) -> dict:
+    """edgelm with a long prompt fed LONG_CHUNK tokens at a time, then greedy steps (in the child process)."""
+    from peer_common import peak_rss_mb
+
+    from edgelm.runtime import load
+    from edgelm.runtime.kvcache import make_cache
+
+    prompt = json.loads(Path(prompt_path).read_text())
+    started = time.perf_counter()
+    model = load(package, provider="cpu", threads=threads)
+    load_s, started = time.perf_counter() - started, time.perf_counter()
+    runner = model.runner(None)
+    cache = make_cache(runner, [prompt[:LONG_CHUNK]], capacity=len(prompt) + new_tokens)
+    logits = cache.prompt()[0]
+    for at in range(LONG_CHUNK, len(prompt), LONG_CHUNK):
+        logits = cache.extend(prompt[at : at + LONG_CHUNK])
+    first = time.perf_counter()
+    token = np.empty((1, 1), dtype=np.int64)
+    for _ in range(new_tokens - 1):
+        token[0, 0] = int(np.argmax(logits))
+        logits = cache.next(token)[0]
+    rate = (new_tokens - 1) / (time.perf_counter() - first)
+    return {"load_s": load_s, "ttft_s": first - started, "decode_tokens_per_s": rate, "peak_rss_mb": peak_rss_mb()}
+
+
+def bench_long(path: Path, prompt: Path, args) -> dict:
+    command = [sys.executable, __file__, "long-child", str(path), str(prompt), str(args.threads), str(args.new_tokens)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # ---- report -----------------------------------------------------------------------------------------
@@ -304,6 +351,10 @@ def report(results: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if sys.argv[1:2] == ["long-child"]:
+        package, prompt, threads, new_tokens = sys.argv[2:6]
+        print(json.dumps(child_long(package, prompt, int(threads), int(new_tokens))))
+        return 0
     parser.add_argument("step", choices=("make", "time", "report"))
     parser.add_argument("--dir", type=Path, default=DIR, help="where the folders, GGUF files and packages are")
     parser.add_argument("--rows", default=ROWS, help=f"comma-separated SHAPE:KIND (long context: {LONG_ROWS})")
@@ -313,6 +364,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llamacpp-python", type=Path, default=LLAMACPP_PYTHON)
+    parser.add_argument("--long-context", action="store_true", help="edgelm feeds the prompt in pieces (see above)")
     args = parser.parse_args()
     args.results = args.results or args.dir / "real-sizes" / "results.jsonl"
     rows = parse_rows(args.rows)
