@@ -147,6 +147,8 @@ def make_folder(row: Row, root: Path) -> None:
 def make_gguf(row: Row, root: Path, kind: str, llamacpp_python: Path) -> None:
     """The GGUF file of `kind`: llama.cpp's converter on the folder, or its quantizer on the f16 file."""
     target = row.gguf(root, kind)
+    if target.exists():
+        return
     log = root / "logs" / f"{target.stem}.log"
     kind = FROM_FOLDER.get(kind, kind)
     script = llamacpp_peer.__file__
