@@ -96,6 +96,10 @@ class Row:
     def package(self, root: Path) -> Path:
         return root / f"pkg-{self.shape}-{self.kind}"
 
+    def exported(self, root: Path) -> Path:
+        """The export's wall time, peak RSS and size, written once the export succeeded: the package is done."""
+        return root / f"pkg-{self.shape}-{self.kind}.export.json"
+
     def source(self, root: Path) -> Path:
         return self.folder(root) if self.kind in FROM_FOLDER else self.gguf(root)
 
@@ -172,7 +176,7 @@ def make_gguf(row: Row, root: Path, kind: str, llamacpp_python: Path) -> None:
 
 def make_package(row: Row, root: Path) -> None:
     package = row.package(root)
-    if (package / "edgelm.json").is_file():
+    if row.exported(root).is_file():
         return
     command = [sys.executable, "-m", "edgelm.cli", "export", str(row.source(root)), str(package), "--overwrite"]
     if row.kind in FROM_FOLDER:
@@ -180,7 +184,7 @@ def make_package(row: Row, root: Path) -> None:
     print(f"exporting {package.name} ...", flush=True)
     figures = run_logged(command, root / "logs" / f"export-{package.name}.log")
     figures["package_mb"] = round(sum(f.stat().st_size for f in package.iterdir()) / 1e6, 1)
-    root.joinpath(f"{package.name}.export.json").write_text(json.dumps(figures))
+    row.exported(root).write_text(json.dumps(figures))
     print(f"  {package.name}: {figures}", flush=True)
 
 
