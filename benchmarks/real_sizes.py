@@ -64,7 +64,7 @@ ROWS = (
     "qwen3-0.6b:int8-weight-only,"
     "llama-3.2-1b:f16,llama-3.2-1b:Q8_0,llama-3.2-1b:Q4_K_M,llama-3.2-1b:Q4_0,llama-3.2-1b:int4,"
     "llama-3.2-1b:int8-weight-only,"
-    "qwen3-4b:Q8_0,qwen3-4b:Q4_K_M,qwen3-4b:Q4_0,qwen3-4b:int4"
+    "qwen3-4b:Q4_K_M,qwen3-4b:Q4_0,qwen3-4b:int4"
 )
 LONG_ROWS = "qwen3-0.6b:int4,qwen3.5-0.8b:int4,lfm2-1.2b:int4"  # time --long-context --prompt-tokens 16384
 
