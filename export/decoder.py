@@ -134,6 +134,9 @@ class DeltaNet:
     v_heads: int
     k_dim: int
     v_dim: int
+    # the value heads in the order out_proj takes them (int64 (v_heads,)): a GGUF file's kept blocks keep
+    # llama.cpp's tiled order; None: as the rule gives them
+    out_heads: np.ndarray | None = None
 
     @property
     def kernel(self) -> int:

@@ -6,7 +6,8 @@ The file's general.architecture names its family (export/families/), whose `GGUF
 the metadata makes and where each Hugging Face tensor is stored: its name (`blk.N.attn_q.weight` is
 `model.layers.N.self_attn.q_proj.weight`), its shape, and what llama.cpp's converter did to it (Llama's
 permuted Q/K rows, which `_unpermute_rows` puts back; GPT-2's Conv1D weights stored (out, in); Gemma's norms
-stored as 1 + w): an `Entry` (export/gguf_metadata.py).
+stored as 1 + w; Qwen3.5's value heads reordered and A_log stored as -exp(A_log)): an `Entry`
+(export/gguf_metadata.py).
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
@@ -23,6 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from .checkpoint import CheckpointError
 from .families import Family, gguf_family
 from .gguf_blocks import SUPPORTED_TYPES, LazyRuns, Runs, by_rows, lazy_runs, to_runs
 from .gguf_header import HeaderError, read_header
@@ -68,6 +70,16 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def _row_change(entry: Entry) -> Callable[[np.ndarray], np.ndarray] | None:
+    """What puts the file's rows of `entry` (of any array with one row per output) in Hugging Face order."""
+    if entry.heads:
+        return lambda a: _unpermute_rows(a, entry.heads)
+    if entry.rows is not None:
+        order = np.array(entry.rows, dtype=np.int64)
+        return lambda a: a[order]
+    return None
+
+
 @dataclass
 class GGUFModel:
     path: Path
@@ -102,7 +114,8 @@ class GGUFModel:
         """Rows `indices` of tensor(name), dequantizing only them; None where the file's rows are not the
         tensor's (a transposed or permuted one)."""
         entry, stored = self._lookup(name)
-        if entry.transpose or entry.heads or len(entry.shape) != 2:
+        moved = entry.heads or entry.rows is not None or entry.columns is not None or entry.inverse is not None
+        if entry.transpose or moved or len(entry.shape) != 2:
             return None
         weight = np.array(dequantize(stored.data[indices], stored.tensor_type), dtype=np.float32)
         return weight.reshape(len(indices), entry.shape[1]) + np.float32(entry.shift)
@@ -112,10 +125,15 @@ class GGUFModel:
         entry, stored = self._lookup(name)
         weight = np.array(dequantize(stored.data, stored.tensor_type), dtype=np.float32).reshape(entry.shape)
         _forget(stored)
-        if entry.heads:
-            weight = _unpermute_rows(weight, entry.heads)
+        change = _row_change(entry)
+        if change is not None:
+            weight = change(weight)
+        if entry.columns is not None:
+            weight = weight[:, list(entry.columns)]
         if entry.shift:
             weight += np.float32(entry.shift)
+        if entry.inverse is not None:
+            weight = entry.inverse(weight).astype(np.float32)
         return np.ascontiguousarray(weight.T) if entry.transpose else weight
 
     def lazy_nbits(self, name: str) -> LazyRuns | None:
@@ -123,20 +141,19 @@ class GGUFModel:
         entry, stored = self._lookup(name)
         if len(entry.shape) != 2:
             return None
-        change = (lambda a: _unpermute_rows(a, entry.heads)) if entry.heads else None
-        runs = lazy_runs(stored.tensor_type, stored.data, entry.shape[1], change)
+        runs = lazy_runs(stored.tensor_type, stored.data, entry.shape[1], _row_change(entry))
         return runs if runs is None else runs.with_load(lambda: _forgotten(runs.load, stored))
 
     def matmul_nbits(self, name: str) -> Runs | None:
         """Linear weight `name` (N = out features, K = in features) as MatMulNBits runs, from its own quantized
-        blocks without requantizing (export/gguf_blocks.py); None for float types and those with no such form."""
+        blocks without requantizing (export/gguf_blocks.py); None for float types and those with no such form. Its
+        rows are the Hugging Face tensor's, its columns the file's (Entry.columns)."""
         entry, stored = self._lookup(name)
         if len(entry.shape) != 2:
             return None
         runs = to_runs(stored.tensor_type, stored.data, entry.shape[1])
-        if runs is None or not entry.heads:
-            return runs
-        return by_rows(runs, lambda a: _unpermute_rows(a, entry.heads))
+        change = _row_change(entry)
+        return runs if runs is None or change is None else by_rows(runs, change)
 
 
 def _token_id(meta: dict, key: str, vocab: int) -> int | None:
@@ -175,7 +192,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         stored[t.name] = _Stored(t.tensor_type, t.dims, rows, partial(_drop_pages, mapped._mmap, t.start, t.nbytes))
     try:
         return _build(path, stored, header.metadata)
-    except GGUFError as error:
+    except (GGUFError, CheckpointError) as error:  # CheckpointError: the config the metadata makes, refused
         raise GGUFError(_one_line(path, error)) from None
 
 
@@ -197,7 +214,8 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     if blocks > len(stored):  # before the tensor map makes an entry for each
         raise GGUFError(f"{len(stored)} tensors cannot hold the {blocks} blocks it claims")
     entries = family.gguf.tensors(config)
-    _check_tensors(stored, entries, arch, also=family.gguf.also_read)
+    left_out = family.gguf.left_out(config) if family.gguf.left_out else ()
+    _check_tensors(stored, entries, arch, also=family.gguf.also_read, left_out=left_out)
     ids, tokenizer_json = _tokenizer(meta, vocab)
     bos, pad = ids["bos"], ids["padding"]
     eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"]) if i is not None))
@@ -219,15 +237,19 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     )
 
 
-def _check_tensors(stored: dict[str, _Stored], entries: dict, arch: str, *, also: tuple[str, ...]) -> None:
-    """Every tensor the family expects is there with its shape, and no other (but those `also` read)."""
+def _check_tensors(
+    stored: dict[str, _Stored], entries: dict, arch: str, *, also: tuple[str, ...], left_out: tuple[str, ...] = ()
+) -> None:
+    """Every tensor the family expects is there with its shape, and no other (but those `also` read and those
+    whose names start with one of `left_out`)."""
     for hf_name, entry in entries.items():
         if entry.gguf_name not in stored:
             raise GGUFError(f"tensor {entry.gguf_name} ({hf_name}) is missing")
         shape = tuple(reversed(stored[entry.gguf_name].shape))
         if shape != entry.shape:
             raise GGUFError(f"tensor {entry.gguf_name} has shape {shape}, expected {entry.shape}")
-    extra = set(stored) - {e.gguf_name for e in entries.values()} - set(also)
+    extra = {name for name in stored if not name.startswith(left_out)} - {e.gguf_name for e in entries.values()}
+    extra -= set(also)
     if extra:
         raise GGUFError(f"unexpected tensor {sorted(extra)[0]} for architecture {arch}")
 

@@ -5,6 +5,7 @@ file's family (its `GGUFLayout`) for the config.json and the tensor map these ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,11 @@ class Entry:
     transpose: bool = False  # GPT-2 Conv1D: Hugging Face keeps (in, out)
     heads: int = 0  # > 0: undo llama.cpp's rotary row permutation over this many heads
     shift: float = 0.0  # added on reading: -1 for Gemma's norms, which llama.cpp stores as 1 + w
+    rows: tuple[int, ...] | None = None  # Hugging Face row i is the file's row rows[i] (Qwen3.5's tiled value heads)
+    # Hugging Face column j is the file's column columns[j]: tensor() reorders them; the kept blocks (matmul_nbits)
+    # cannot (a block spans neighbouring columns) and keep the file's order, which the family's Decoder then feeds
+    columns: tuple[int, ...] | None = None
+    inverse: Callable[[np.ndarray], np.ndarray] | None = None  # undoes a rewrite of the values (Qwen3.5's -exp(A_log))
 
 
 def number(

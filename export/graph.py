@@ -401,6 +401,9 @@ class _GraphBuilder:
         gated = self.op(
             "Mul", [out, self.op("Mul", [z, self.op("Sigmoid", [z], f"{p}/z_sigmoid")], f"{p}/z_silu")], f"{p}/gated"
         )
+        if n.out_heads is not None:
+            order = self.small_constant(f"{p}/out_heads", n.out_heads)
+            gated = self.op("Gather", [gated, order], f"{p}/reordered", axis=2)
         flat = self.small_constant(f"{p}/flat", np.array([0, 0, -1], dtype=np.int64))
         return self.linear(self.op("Reshape", [gated, flat], f"{p}/flat_out"), f"{prefix}.delta.out_proj", n.out_proj)
 

@@ -7,7 +7,13 @@ llama-cpp-python's source distribution on PyPI: it is downloaded with pip (never
 size and sha256, and only `vendor/llama.cpp/models/ggml-vocab-*` is kept, in `$EDGELM_CACHE/llamacpp-vocab/`
 (default `~/.cache/edgelm/llamacpp-vocab/`).
 
-    python scripts/fetch_llamacpp_vocab.py        # prints the cached folder's path
+The same archive carries llama.cpp's own HF-to-GGUF converter (`convert_hf_to_gguf.py`, `conversion/`, `gguf-py/`:
+pure Python, nothing to build) and real chat templates (`models/templates/`). They are kept in
+`$EDGELM_CACHE/llamacpp-converter/`, so the tests that run the converter on tiny models
+(tests/test_families_converter.py and the family tests that use it) run wherever the archive can be had.
+
+    python scripts/fetch_llamacpp_vocab.py              # prints the cached vocab folder's path
+    python scripts/fetch_llamacpp_vocab.py --converter  # prints the cached converter folder's path
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ PACKAGE = "llama-cpp-python==0.3.36"
 ARCHIVE = "llama_cpp_python-0.3.36.tar.gz"
 SIZE = 76_589_250
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-MEMBERS = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-"
+ROOT = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+MEMBERS = ROOT + "models/ggml-vocab-"
 FOLDER = "llamacpp-vocab"
+CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")  # below ROOT
+CONVERTER_FOLDER = "llamacpp-converter"
 COMPLETE = "COMPLETE"  # written last, holding the archive's sha256: a folder without it is a partial copy
 
 
@@ -50,15 +59,28 @@ def is_complete(folder: Path) -> bool:
     return marker.is_file() and marker.read_text().strip() == SHA256
 
 
-def _extract(archive: Path, target: Path) -> int:
-    """Copy the vocabulary files out of the archive into `target`; how many there were."""
+def _vocab_file(name: str) -> str | None:
+    """Where an archive member goes in the vocab folder: the ggml-vocab-* files, flat."""
+    rest = name[len(MEMBERS) - len("ggml-vocab-") :] if name.startswith(MEMBERS) else ""
+    return rest if rest and "/" not in rest else None
+
+
+def _converter_file(name: str) -> str | None:
+    """Where an archive member goes in the converter folder: its path below llama.cpp's root."""
+    rest = name[len(ROOT) :] if name.startswith(ROOT) else ""
+    return rest if rest.startswith(CONVERTER_MEMBERS) and ".." not in rest.split("/") else None
+
+
+def _extract(archive: Path, target: Path, place) -> int:
+    """Copy the members `place` names a path for out of the archive into `target`; how many there were."""
     count = 0
     with tarfile.open(archive, "r:gz") as tar:
         for member in tar:
-            name = member.name.rsplit("/", 1)[-1]
-            if not member.isfile() or not member.name.startswith(MEMBERS) or "/" in member.name[len(MEMBERS) :]:
+            relative = place(member.name) if member.isfile() else None
+            if relative is None:
                 continue
-            with tar.extractfile(member) as src, (target / name).open("wb") as dst:
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(member) as src, (target / relative).open("wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
             count += 1
     return count
@@ -66,8 +88,17 @@ def _extract(archive: Path, target: Path) -> int:
 
 def fetch_llamacpp_vocab(cache_dir: str | Path | None = None) -> Path:
     """Path of the cached folder of ggml-vocab-* files; downloads the archive only when the cache lacks them."""
+    return _fetch(cache_dir, FOLDER, _vocab_file)
+
+
+def fetch_llamacpp_converter(cache_dir: str | Path | None = None) -> Path:
+    """Path of the cached folder holding llama.cpp's convert_hf_to_gguf.py, conversion/ and gguf-py/."""
+    return _fetch(cache_dir, CONVERTER_FOLDER, _converter_file)
+
+
+def _fetch(cache_dir: str | Path | None, folder: str, place) -> Path:
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / FOLDER
+    target = cache / folder
     if is_complete(target):
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -80,19 +111,26 @@ def fetch_llamacpp_vocab(cache_dir: str | Path | None = None) -> Path:
         archive = Path(tmp) / ARCHIVE
         if not is_valid_archive(archive):
             raise RuntimeError(f"{ARCHIVE} from pip does not match the expected size {SIZE} and sha256 {SHA256}")
-        partial = Path(tempfile.mkdtemp(prefix=f"{FOLDER}.", suffix=".part", dir=cache))
-        try:
-            if _extract(archive, partial) == 0:
-                raise RuntimeError(f"{ARCHIVE} holds no {MEMBERS}* files")
-            (partial / COMPLETE).write_text(SHA256 + "\n")
-            if target.exists():
-                shutil.rmtree(target)
-            partial.replace(target)
-        finally:
-            if partial.exists():
-                shutil.rmtree(partial)
+        for other, other_place in ((FOLDER, _vocab_file), (CONVERTER_FOLDER, _converter_file)):
+            if other != folder and not is_complete(cache / other):
+                _unpack(archive, cache / other, other_place)  # one download fills both folders
+        _unpack(archive, target, place)
     return target
 
 
+def _unpack(archive: Path, target: Path, place) -> None:
+    partial = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".part", dir=target.parent))
+    try:
+        if _extract(archive, partial, place) == 0:
+            raise RuntimeError(f"{ARCHIVE} holds none of the files wanted for {target.name}")
+        (partial / COMPLETE).write_text(SHA256 + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        partial.replace(target)
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial)
+
+
 if __name__ == "__main__":
-    print(fetch_llamacpp_vocab())
+    print(fetch_llamacpp_converter() if "--converter" in sys.argv[1:] else fetch_llamacpp_vocab())

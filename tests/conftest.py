@@ -108,6 +108,26 @@ def llamacpp_vocab() -> Path:
         pytest.skip(f"llama.cpp vocab files not cached and not fetchable: {error}")
 
 
+@pytest.fixture(scope="session")
+def llamacpp_converter() -> Path:
+    """llama.cpp's HF-to-GGUF converter folder (convert_hf_to_gguf.py, conversion/, gguf-py/): $EDGELM_LLAMA_CPP
+    where set (a llama.cpp checkout), else the copy fetched from llama-cpp-python's sdist once; skipped where
+    neither can be had, or without sentencepiece (the converter imports it)."""
+    import os
+
+    pytest.importorskip("sentencepiece")
+    source = os.environ.get("EDGELM_LLAMA_CPP")
+    if source:
+        if not (Path(source) / "convert_hf_to_gguf.py").is_file():
+            pytest.skip(f"$EDGELM_LLAMA_CPP ({source}) has no convert_hf_to_gguf.py")
+        return Path(source)
+    module = _script("fetch_llamacpp_vocab")
+    try:
+        return module.fetch_llamacpp_converter()
+    except (OSError, RuntimeError) as error:
+        pytest.skip(f"llama.cpp's converter not cached and not fetchable: {error}")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models: a second torch thread costs more in handoffs than it gains (4x on a busy machine). A test

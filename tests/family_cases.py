@@ -127,7 +127,7 @@ CASES = {
     # short convolutions (kernel 3: a state of 2 columns) and attention layers
     "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True),
     # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
-    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35),
+    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35, gguf=True),
 }  # fmt: skip
 
 
@@ -234,6 +234,18 @@ LFM2_NAMES = {  # llama.cpp's LFM2 names (gguf-py's tensor map)
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.out_proj.weight": "attn_output.weight",
     "self_attn.q_layernorm.weight": "attn_q_norm.weight", "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+}  # fmt: skip
+QWEN35_NAMES = {  # llama.cpp's qwen35 names
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }  # fmt: skip
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -350,16 +362,68 @@ def _write_lfm2_metadata(writer, c) -> None:
     writer.add_float32("lfm2.attention.layer_norm_rms_epsilon", c.norm_eps)
 
 
+def _write_qwen35_metadata(writer, c) -> None:
+    """What conversion/qwen.py's Qwen3_5TextModel writes (no MTP block here)."""
+    writer.add_uint32("qwen35.context_length", c.max_position_embeddings)
+    writer.add_uint32("qwen35.embedding_length", c.hidden_size)
+    writer.add_uint32("qwen35.feed_forward_length", c.intermediate_size)
+    writer.add_uint32("qwen35.block_count", c.num_hidden_layers)
+    writer.add_uint32("qwen35.attention.head_count", c.num_attention_heads)
+    writer.add_uint32("qwen35.attention.head_count_kv", c.num_key_value_heads)
+    writer.add_uint32("qwen35.attention.key_length", c.head_dim)
+    writer.add_uint32("qwen35.attention.value_length", c.head_dim)
+    writer.add_float32("qwen35.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_float32("qwen35.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    writer.add_uint32("qwen35.ssm.conv_kernel", c.linear_conv_kernel_dim)
+    writer.add_uint32("qwen35.ssm.state_size", c.linear_key_head_dim)
+    writer.add_uint32("qwen35.ssm.group_count", c.linear_num_key_heads)
+    writer.add_uint32("qwen35.ssm.time_step_rank", c.linear_num_value_heads)
+    writer.add_uint32("qwen35.ssm.inner_size", c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    writer.add_uint32("qwen35.full_attention_interval", 4)
+    writer.add_uint32("qwen35.rope.dimension_count", int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    writer.add_array("qwen35.rope.dimension_sections", [11, 11, 10, 0])
+
+
+def _qwen35_tensor(name: str, weight: np.ndarray, c) -> np.ndarray:
+    """What conversion/qwen.py does to a Qwen3.5 tensor: the value heads from grouped by key head to tiled
+    (_LinearAttentionVReorderBase), then A_log as -exp(A_log), the kernel squeezed, the norms but the gated one
+    as 1 + w (Qwen3NextModel)."""
+    k_heads, v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+    key, v_dim = 2 * k_heads * c.linear_key_head_dim, c.linear_value_head_dim
+
+    def tiled(rows: np.ndarray, width: int) -> np.ndarray:  # _reorder_v_heads along the rows
+        grouped = rows.reshape(k_heads, v_heads // k_heads, width, *rows.shape[1:])
+        return grouped.swapaxes(0, 1).reshape(rows.shape)
+
+    if name.endswith("conv1d.weight"):
+        weight = weight.squeeze(1)
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        weight = np.concatenate([weight[:key], tiled(weight[key:], v_dim)])
+    elif name.endswith("in_proj_z.weight"):
+        weight = tiled(weight, v_dim)
+    elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        weight = tiled(weight, 1)
+    elif name.endswith("out_proj.weight") and "linear_attn" in name:
+        weight = tiled(weight.T, v_dim).T
+    if name.endswith("A_log"):
+        weight = -np.exp(weight)
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        weight = weight + np.float32(1.0)
+    return weight
+
+
 def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
     """The transformers model as llama.cpp's converter writes it (f32 tensors, its metadata keys)."""
     import gguf
     from test_gguf import _add_tokenizer  # pytest puts tests/ on the path
 
     c = hf.config
-    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
-    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES, "phi3": PHI3_NAMES, "lfm2": LFM2_NAMES}.get(arch, LLAMA_NAMES)
+    arch = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen35"}.get(c.model_type, c.model_type)
+    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES, "phi3": PHI3_NAMES, "lfm2": LFM2_NAMES, "qwen35": QWEN35_NAMES}
+    names = names.get(arch, LLAMA_NAMES)
     writer = gguf.GGUFWriter(path, arch)
-    metadata = {"gpt2": _write_gpt2_metadata, "lfm2": _write_lfm2_metadata}
+    metadata = {"gpt2": _write_gpt2_metadata, "lfm2": _write_lfm2_metadata, "qwen35": _write_qwen35_metadata}
     metadata[arch](writer, c) if arch in metadata else _write_metadata(writer, c, arch)
     if arch == "phi3":
         _write_phi3_extras(writer, c)
@@ -375,6 +439,8 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
             weight = weight.squeeze(1)  # "conv op requires 2d tensor"
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = _permute(weight, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
+        if arch == "qwen35":
+            weight = _qwen35_tensor(name, weight, c)
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(weight) + np.float32(shift))
     rope = getattr(c, "rope_parameters", None) or {}

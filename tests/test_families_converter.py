@@ -1,9 +1,9 @@
 """The SmolLM3, Granite (3 and dense 4.0) and Phi-3 cases (tests/family_cases.py) through llama.cpp's own converter,
 convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
 transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
-to the logits of its own dequantized weights. Run where llama.cpp's source is at $EDGELM_LLAMA_CPP (its
-`convert_hf_to_gguf.py`, `conversion/` and `gguf-py/`; llama-cpp-python's source distribution has them under
-vendor/llama.cpp) and sentencepiece is installed; skipped otherwise.
+to the logits of its own dequantized weights. The converter is the copy scripts/fetch_llamacpp_vocab.py keeps
+from llama-cpp-python's source distribution (or a llama.cpp checkout at $EDGELM_LLAMA_CPP); the tests need
+sentencepiece (the converter imports it) and skip without it or without the converter.
 
 The converter hashes a BPE tokenizer to name its pre-tokenizer and refuses one it does not know, as it does
 the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what is tested here)."""
@@ -11,7 +11,6 @@ the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,40 +29,45 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short")
 CONVERT = """
 import sys
-sys.path[:0] = [sys.argv[1] + "/gguf-py", sys.argv[1]]
+source, folder, outtype, out, label = sys.argv[1:]
+sys.path[:0] = [source + "/gguf-py", source]
 import conversion.base
-conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: label
 import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", sys.argv[3], "--outfile", sys.argv[4]]
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outtype", outtype, "--outfile", out]
 convert_hf_to_gguf.main()
 """
 
 
 @pytest.fixture(scope="module")
-def llama_cpp() -> Path:
-    source = os.environ.get("EDGELM_LLAMA_CPP")
-    if not source or not (Path(source) / "convert_hf_to_gguf.py").is_file():
-        pytest.skip("set EDGELM_LLAMA_CPP to llama.cpp's source folder to run its converter")
-    pytest.importorskip("sentencepiece")  # the converter imports it
-    return Path(source)
+def llama_cpp(llamacpp_converter: Path) -> Path:
+    return llamacpp_converter
 
 
-def convert(llama_cpp: Path, folder: Path, outtype: str, tmp_path: Path) -> Path:
+def convert(
+    llama_cpp: Path, folder: Path, outtype: str, tmp_path: Path, *, pre: str = "gpt-2", chat_template: str | None = None
+) -> Path:
+    """The converter's `outtype` file of the folder (copied into tmp_path once), its tokenizer's pre-tokenizer
+    named `pre`, with `chat_template` when given."""
     source = tmp_path / "hf"
     if not source.exists():
         shutil.copytree(folder, source)
         # the converter's Phi-3 reads a GPT-2-style tokenizer only when the folder says so
         config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+        if chat_template is not None:
+            config["chat_template"] = chat_template
         (source / "tokenizer_config.json").write_text(json.dumps(config))
         # transformers 5 saves granitemoehybrid's layer kinds as "full_attention"; the converter knows the
         # published checkpoints' "attention" only (and would take the layers for Mamba ones)
         hf_config = json.loads((source / "config.json").read_text())
-        if "layer_types" in hf_config:
+        if hf_config["model_type"] == "granitemoehybrid":
             hf_config["layer_types"] = [k.replace("full_attention", "attention") for k in hf_config["layer_types"]]
             (source / "config.json").write_text(json.dumps(hf_config))
     out = tmp_path / f"{outtype}.gguf"
     run = subprocess.run(
-        [sys.executable, "-c", CONVERT, str(llama_cpp), str(source), outtype, str(out)], capture_output=True, text=True
+        [sys.executable, "-c", CONVERT, str(llama_cpp), str(source), outtype, str(out), pre],
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     return out

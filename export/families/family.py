@@ -31,6 +31,8 @@ class GGUFLayout:
     config: Callable[[dict, dict, int], dict]  # (metadata, stored tensors, vocabulary rows) -> config.json
     tensors: Callable[[dict], dict[str, Entry]]  # config.json -> HF name -> where and how the file stores it
     also_read: tuple[str, ...] = ()  # tensors `config` reads that are not weights (Llama 3's rope_freqs.weight)
+    # config.json -> the name prefixes of tensors the model leaves out (Qwen3.5's multi-token-prediction block)
+    left_out: Callable[[dict], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
