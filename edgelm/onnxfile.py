@@ -21,6 +21,7 @@ full copy of the weights is ever held.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,15 @@ INLINE_LIMIT = 1024  # bytes: initializers smaller than this stay inside model.o
 ALIGNMENT = 1 << 12  # offset of every tensor of at least this many bytes: a page
 SMALL_ALIGNMENT = 64  # offset of the smaller ones (a cache line)
 PROTOBUF_LIMIT = 1_800_000_000  # bytes: past this a whole model cannot be serialized as one protobuf (2 GB)
+
+
+@dataclass(frozen=True)
+class SameBytes:
+    """A weight of `save_model` whose initializer points at another one's bytes in the data file (`of`, of the
+    same type and shape) instead of a copy: ONNX Runtime maps the two apart, so a node reading a few rows of one
+    (a tied embedding's gather) does not keep resident the pages another node's prepacking read of the other."""
+
+    of: str
 
 
 def placeholder(name: str, array: np.ndarray) -> onnx.TensorProto:
@@ -56,14 +66,16 @@ def save_model(
 ) -> str | None:
     """Write `model` to `path` and its initializers of at least INLINE_LIMIT bytes to `<path>.data`; returns
     that file's name, or None when no initializer is that large (then no data file is left behind).
-    weights: initializer name -> array for the placeholder initializers (see `placeholder`); floating arrays
-    but float16 ones are written as float32, C order, converted one at a time; each is removed from `weights`
-    once written, so the caller's other references decide when its memory goes. The model's initializers are changed in
-    place to point into the data file. on_write: called with each tensor's bytes once it is written (progress)."""
+    weights: initializer name -> array for the placeholder initializers (see `placeholder`), or SameBytes;
+    floating arrays but float16 ones are written as float32, C order, converted one at a time; each is removed
+    from `weights` once written, so the caller's other references decide when its memory goes. The model's
+    initializers are changed in place to point into the data file. on_write: called with each tensor's bytes
+    once it is written (progress)."""
     path = Path(path)
     model.producer_name = "edgelm"
     model.producer_version = __version__
     weights = weights if weights is not None else {}
+    shared = {name: weights.pop(name).of for name in [n for n, w in weights.items() if isinstance(w, SameBytes)]}
     for tensor in model.graph.initializer:  # small placeholders (shape constants) are filled in inline
         if tensor.name in weights and _nbytes(weights[tensor.name]) < INLINE_LIMIT:
             tensor.raw_data = _take_data(tensor, weights).tobytes()
@@ -87,13 +99,20 @@ def save_model(
                     tensor.external_data.add(key=key, value=str(value))
     elif target.exists():
         target.unlink()  # an old one from an earlier save
+    by_name = {tensor.name: tensor for tensor in model.graph.initializer}
+    for name, of in shared.items():
+        tensor, source = by_name[name], by_name[of]
+        assert source.data_location == onnx.TensorProto.EXTERNAL, f"{name}: {of} is not in the data file"
+        assert (tensor.data_type, tensor.dims) == (source.data_type, source.dims), f"{name} is not shaped as {of}"
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        tensor.external_data.extend(source.external_data)
     onnx.save_model(model, str(path))
     return location
 
 
 def stored_bytes(weights: dict[str, np.ndarray]) -> int:
     """Bytes `save_model(..., weights=weights)` writes for them (before alignment)."""
-    return sum(_nbytes(array) for array in weights.values())
+    return sum(_nbytes(array) for array in weights.values() if not isinstance(array, SameBytes))
 
 
 def _size(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> int | None:

@@ -83,7 +83,10 @@ def check_block_size(decoder: Decoder, block_size: int) -> None:
     """ValueError unless `block_size` is a power of two >= 16 dividing every linear's inputs."""
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
-    for width in (decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim):
+    widths = [decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim]
+    widths += [decoder.per_layer_dim] if decoder.per_layer_dim else []  # Gemma 4's per-layer projections
+    widths += [decoder.n_head * decoder.heads(layer)[2] for layer in decoder.layers]  # its full layers' heads
+    for width in widths:
         if width % block_size:
             raise ValueError(
                 f"block size {block_size} does not divide a linear layer's {width} inputs; use a smaller one"
@@ -104,10 +107,14 @@ def quantize_decoder(
     bits = 4 if mode == "int4" else 8
     head_bits = 8 if lm_head == "int8" or bits == 8 else 4
     for layer in decoder.layers:
-        for name in ("qkv", "attention_out", "up", "down"):
-            linear: Linear = getattr(layer, name)
+        for owner, name in _linear_fields(layer):
+            linear: Linear = getattr(owner, name)
             if linear.nbits is None:
-                setattr(layer, name, Linear(None, linear.bias, _nbits(linear.weight, bits=bits, block_size=block_size)))
+                blocks = _nbits(linear.weight, bits=bits, block_size=block_size)
+                setattr(owner, name, Linear(None, linear.bias, blocks, lora=linear.lora))
+    projection = decoder.per_layer_projection  # Gemma 4's, quantized in the reference model too
+    if projection is not None and projection.nbits is None:
+        decoder.per_layer_projection = Linear(None, None, _nbits(projection.weight, bits=bits, block_size=block_size))
     head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
     decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
     _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size)
@@ -123,6 +130,19 @@ def quantize_decoder(
         "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, read by the tied embedding too",
         "written_by": "export --quantize (block by block, no fp32 package)",
     }
+
+
+def _linear_fields(layer) -> list[tuple[object, str]]:
+    """(object, field) of each linear of a layer: its attention's or its mixer's (a hybrid's ShortConv or DeltaNet),
+    and the MLP's."""
+    if layer.conv is not None:
+        mixer = [(layer.conv, "in_proj"), (layer.conv, "out_proj")]
+    elif layer.delta_net is not None:
+        mixer = [(layer.delta_net, name) for name in ("in_proj", "z", "b", "a", "out_proj")]
+    else:
+        mixer = [(layer, "qkv"), (layer, "attention_out")]
+    per_layer = [] if layer.per_layer is None else [(layer.per_layer, "gate"), (layer.per_layer, "projection")]
+    return [*mixer, (layer, "up"), (layer, "down"), *per_layer]  # Gemma 4's per-layer input linears last
 
 
 def _quantize_reference(model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int) -> None:

@@ -15,6 +15,9 @@ stated as data (fields named after what they do), and the weights in MatMul layo
                                                        own rotary caches
     others also       -                                layers without rotary (SmolLM3), Granite's multipliers,
                                                        partial rotary and LongRoPE's long tables (Phi-3)
+    Gemma 4 also      -                                head sizes and KV heads per layer, layers reading an
+                                                       earlier layer's keys and values, per-layer input
+                                                       embeddings, layer output scales, logit softcapping
 
 Each family module (export/families/) turns its reference model into a Decoder; export/graph.py builds the
 graph from a Decoder alone and never asks which family it has. A family made of mechanisms the Decoder has
@@ -148,6 +151,16 @@ class DeltaNet:
 
 
 @dataclass
+class PerLayerInput:
+    """A layer's share of the per-layer input embeddings (Gemma 4), after its MLP's residual Add:
+    x + norm(proj(act(x W_gate) * its (B, T, D) input))."""
+
+    gate: Linear  # (n_embd, D)
+    projection: Linear  # (D, n_embd)
+    norm: Norm  # (n_embd,)
+
+
+@dataclass
 class Layer:
     attention_norm: Norm  # the norm before attention, or before the layer's convolution
     qkv: Linear | None  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim; None in a convolution layer
@@ -165,6 +178,15 @@ class Layer:
     conv: ShortConv | None = None  # a convolution layer (its state is past.%d.conv): no attention
     delta_net: DeltaNet | None = None  # a linear-attention layer (past.%d.conv and past.%d.recurrent)
     attention_gate: bool = False  # qkv also gives a gate after V: attention output * sigmoid(gate) (Qwen3.5)
+    # Gemma 4's parts
+    head_dim: int | None = None  # this layer's head size and KV heads where they are not the Decoder's
+    n_kv_head: int | None = None
+    inner_dim: int | None = None  # this layer's MLP width where it is not the Decoder's (a double-wide MLP)
+    kv_source: int | None = None  # an earlier layer whose keys and values this one attends over (its qkv is Q alone)
+    value_is_key: bool = False  # qkv is Q and K; V is K's projection, before the key norm
+    v_norm: bool = False  # RMSNorm without a weight over each value head
+    per_layer: PerLayerInput | None = None
+    output_scale: float | None = None  # the residual stream times this after the layer
 
     def __post_init__(self) -> None:
         mixers = (self.qkv is not None) + (self.conv is not None) + (self.delta_net is not None)
@@ -180,7 +202,8 @@ class Layer:
             mixer = [n.in_proj, n.z, n.b, n.a, n.out_proj]
         else:
             mixer = [self.qkv, self.attention_out]
-        return [*mixer, self.up, self.down]
+        extra = [] if self.per_layer is None else [self.per_layer.gate, self.per_layer.projection]
+        return [*mixer, self.up, self.down, *extra]
 
 
 @dataclass
@@ -215,6 +238,13 @@ class Decoder:
     rotary_cos_long: np.ndarray | None = None  # (P, rotary_dim / 2): LongRoPE's long-factor tables, which a row
     rotary_sin_long: np.ndarray | None = None  # longer than rotary_long_after tokens rotates by (Phi-3)
     rotary_long_after: int | None = None
+    # Gemma 4's per-layer input embeddings: a table gathered per token (times sqrt(D)) plus the token embedding
+    # projected (times n_embd ** -0.5) and RMS-normed over D, times 2 ** -0.5; layer i reads its D values
+    per_layer_embedding: np.ndarray | None = None  # (V, n_layer * D)
+    per_layer_embedding_nbits: NBits | None = None  # the same table as blocks, its rows gathered from them
+    per_layer_projection: Linear | None = None  # (n_embd, n_layer * D)
+    per_layer_norm: Norm | None = None  # (D,)
+    logits_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 4)
 
     def __post_init__(self) -> None:
         assert self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}"
@@ -225,6 +255,14 @@ class Decoder:
         assert not sliding or self.rotary_cos_local is not None, "sliding-window layers need local rotary caches"
         assert (self.rotary_long_after is None) == (self.rotary_cos_long is None), "long tables and their threshold"
         assert not (sliding and self.rotary_cos_long is not None), "long rotary tables with sliding layers"
+
+    def heads(self, layer: Layer) -> tuple[int, int, int]:
+        """(query heads, KV heads, head size) of a layer."""
+        return self.n_head, layer.n_kv_head or self.n_kv_head, layer.head_dim or self.head_dim
+
+    @property
+    def per_layer_dim(self) -> int:
+        return 0 if self.per_layer_norm is None else self.per_layer_norm.weight.shape[0]
 
     @property
     def n_layer(self) -> int:

@@ -41,7 +41,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelm.nbits_gather import gather_from_nbits
-from edgelm.onnxfile import placeholder
+from edgelm.onnxfile import SameBytes, placeholder
 
 from ..runtime.contract import IONames
 from .compact_blocks import write_blocks
@@ -94,6 +94,9 @@ class _GraphBuilder:
         self.accuracy_level = accuracy_level  # MatMulNBits: 0 float activations, 4 int8 activations
         self.compact = compact  # kept blocks as bit planes and factors (export/compact_blocks.py)
         self.lora_inputs: list[onnx.ValueInfoProto] = []  # LoRA slots' A and B: overridable, zero-size by default
+        # with KV sharing: a layer's prefix ("layers.3") -> the key and value inputs of its attention node, for the
+        # layers that read its cache
+        self.kv_inputs: dict[str, list[str]] | None = None
 
     def float_output(self, name: str, shape: list) -> str:
         """Declare a contrib op's output: ONNX shape inference cannot type com.microsoft nodes, and the
@@ -230,40 +233,50 @@ class _GraphBuilder:
         shape = ["batch_size", "sequence_length", decoder.n_embd]
         return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
 
-    def split_qkv(self, qkv: str, prefix: str, d: Decoder) -> list[str]:
-        """Q, K and V split from the packed product."""
-        widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
-        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
+    def split_qkv(self, qkv: str, prefix: str, d: Decoder, layer: Layer | None = None) -> list[str]:
+        """Q, K and V split from the packed product (V is K's projection where the layer says so)."""
+        n_head, n_kv_head, head_dim = d.heads(layer) if layer is not None else (d.n_head, d.n_kv_head, d.head_dim)
+        widths = [n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim]
         names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
+        if layer is not None and layer.value_is_key:
+            widths, names = widths[:2], names[:2]
+        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
         self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
-        return names
+        return names if len(names) == 3 else [*names, names[1]]
+
+    def head_norm(
+        self, x: str, prefix: str, name: str, weight: np.ndarray, heads: int, head_dim: int, eps: float
+    ) -> str:
+        """x (B, T, heads * hs) RMS-normalized over each head's values, times `weight` (hs,)."""
+        shape = self.small_constant(f"{prefix}/{name}_head_shape", np.array([0, 0, -1, head_dim], dtype=np.int64))
+        flat = self.small_constant(f"{prefix}/{name}_flat_shape", np.array([0, 0, -1], dtype=np.int64))
+        split = self.op("Reshape", [x, shape], f"{prefix}/{name}_heads")  # (B, T, heads, hs)
+        inputs = [split, self.constant(f"{prefix}.{name}_norm.weight", weight)]
+        normed = self.op("SimplifiedLayerNormalization", inputs, f"{prefix}/{name}_norm", axis=-1, epsilon=eps)
+        self.float_output(normed, ["batch_size", "sequence_length", heads, head_dim])
+        return self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed")  # (B, T, heads * hs)
 
     def head_norms(self, qkv: str, prefix: str, layer: Layer, decoder: Decoder) -> list[str]:
         """GroupQueryAttention's query, key and value inputs: the packed product alone, or, with per-head norms
-        (Qwen3, Gemma 3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is)."""
+        (Qwen3, Gemma 3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is,
+        or weightless-normed: Gemma 4's v_norm)."""
         if layer.q_norm is None:
             return [qkv, "", ""]
         d = decoder
-        widths = [d.n_head * d.head_dim, d.n_kv_head * d.head_dim, d.n_kv_head * d.head_dim]
-        widths += [d.n_head * d.head_dim] if layer.attention_gate else []  # the gate after V (Qwen3.5)
-        if layer.attention_gate:
+        n_head, n_kv_head, head_dim = d.heads(layer)
+        if layer.attention_gate:  # the gate after V (Qwen3.5)
+            widths = [n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim, n_head * head_dim]
             sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
             names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v", f"{prefix}/gate"]
             self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
         else:
-            self.split_qkv(qkv, prefix, d)
-        heads = self.small_constant(f"{prefix}/head_shape", np.array([0, 0, -1, d.head_dim], dtype=np.int64))
-        flat = self.small_constant(f"{prefix}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
-        out = []
-        for name, norm, width in zip(("q", "k"), (layer.q_norm, layer.k_norm), widths, strict=False):
-            split = self.op("Reshape", [f"{prefix}/{name}", heads], f"{prefix}/{name}_heads")  # (B, T, heads, hs)
-            inputs = [split, self.constant(f"{prefix}.{name}_norm.weight", norm.weight)]
-            normed = self.op(
-                "SimplifiedLayerNormalization", inputs, f"{prefix}/{name}_norm", axis=-1, epsilon=d.norm_eps
-            )
-            self.float_output(normed, ["batch_size", "sequence_length", width // d.head_dim, d.head_dim])
-            out.append(self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed"))  # (B, T, heads * hs)
-        return [*out, f"{prefix}/v"]
+            names = self.split_qkv(qkv, prefix, d, layer)
+        q = self.head_norm(names[0], prefix, "q", layer.q_norm.weight, n_head, head_dim, d.norm_eps)
+        k = self.head_norm(names[1], prefix, "k", layer.k_norm.weight, n_kv_head, head_dim, d.norm_eps)
+        v = names[2]
+        if layer.v_norm:
+            v = self.head_norm(v, prefix, "v", np.ones(head_dim, np.float32), n_kv_head, head_dim, d.norm_eps)
+        return [q, k, v]
 
     def rotated(self, qkv: list[str], prefix: str, d: Decoder, rotary: _Rotary) -> list[str]:
         """Q and K rotated before attention, each row at its own positions into the tables (com.microsoft
@@ -281,6 +294,14 @@ class _GraphBuilder:
         self.float_output(k, ["batch_size", "sequence_length", d.n_kv_head * d.head_dim])
         return [q, k, v]
 
+    def shared_inputs(self, qkv: str, prefix: str, layer: Layer, d: Decoder) -> list[str]:
+        """A KV-shared layer's GroupQueryAttention inputs: its query (normed), and the key and value inputs of the
+        layer it reads (kv_inputs), which that layer's node already wrote into the cache this node reads."""
+        n_head, _, head_dim = d.heads(layer)
+        q = qkv if layer.q_norm is None else self.head_norm(qkv, prefix, "q", layer.q_norm.weight, n_head, head_dim,
+                                                            d.norm_eps)  # fmt: skip
+        return [q, *self.kv_inputs[f"layers.{layer.kv_source}"]]
+
     def attention(
         self,
         h: str,
@@ -295,8 +316,16 @@ class _GraphBuilder:
         `rotary`: the layer's rotary caches (None: no positions), applied inside the node or, where it cannot
         (per-row tables, a rotary width it does not take), before it. Returns its (B, T, n_head * head_dim) output."""
         past, present = io
+        n_head, n_kv_head, head_dim = d.heads(layer)
         qkv = self.linear(h, f"{prefix}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
-        inputs = self.head_norms(qkv, prefix, layer, d)
+        if layer.kv_source is not None:  # Q alone: keys and values are another layer's, read from its cache
+            inputs = self.shared_inputs(qkv, prefix, layer, d)
+        else:
+            inputs = self.head_norms(qkv, prefix, layer, d)
+            if inputs[1] == "" and self.kv_inputs is not None:
+                inputs = self.split_qkv(qkv, prefix, d, layer)
+            if self.kv_inputs is not None:
+                self.kv_inputs[prefix] = inputs[1:]
         # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
         # own position in local_window_size, as transformers' sliding_window does: checked against it)
         window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}
@@ -311,14 +340,14 @@ class _GraphBuilder:
                 [f"{prefix}/attention", *present],
                 name=f"{prefix}/GroupQueryAttention",
                 domain=MS_DOMAIN,
-                num_heads=d.n_head,
-                kv_num_heads=d.n_kv_head,
-                scale=d.attention_scale or 1.0 / float(np.sqrt(d.head_dim)),
+                num_heads=n_head,
+                kv_num_heads=n_kv_head,
+                scale=d.attention_scale or 1.0 / float(np.sqrt(head_dim)),
                 **({"do_rotary": 1, "rotary_interleaved": 0} if inside else {}),
                 **window,
             )
         )
-        out = self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", d.n_head * d.head_dim])
+        out = self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", n_head * head_dim])
         if not layer.attention_gate:
             return out
         gate = self.op("Sigmoid", [f"{prefix}/gate"], f"{prefix}/gate/Sigmoid")
@@ -407,14 +436,15 @@ class _GraphBuilder:
         flat = self.small_constant(f"{p}/flat", np.array([0, 0, -1], dtype=np.int64))
         return self.linear(self.op("Reshape", [gated, flat], f"{p}/flat_out"), f"{prefix}.delta.out_proj", n.out_proj)
 
-    def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder) -> str:
+    def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder, inner_dim: int | None = None) -> str:
         """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
-        it: two MatMulNBits showed no clear win)."""
+        it: two MatMulNBits showed no clear win); inner_dim: the layer's width, where not the Decoder's."""
+        inner_dim = inner_dim or decoder.inner_dim
         h = self.linear(x, f"{prefix}.up", up)
-        shape = ["batch_size", "sequence_length", decoder.inner_dim]
+        shape = ["batch_size", "sequence_length", inner_dim]
         gate = h
         if decoder.gated_mlp:
-            sizes = self.small_constant(f"{prefix}/split_sizes", np.array([decoder.inner_dim] * 2, dtype=np.int64))
+            sizes = self.small_constant(f"{prefix}/split_sizes", np.array([inner_dim] * 2, dtype=np.int64))
             names = [f"{prefix}/gate", f"{prefix}/up"]
             self.nodes.append(helper.make_node("Split", [h, sizes], names, name=f"{prefix}/Split", axis=-1))
             gate, h = names
@@ -424,6 +454,44 @@ class _GraphBuilder:
             gelu = "Gelu" if decoder.activation == "gelu" else "FastGelu"  # exact erf form, or the tanh form
             act = self.float_output(self.op(gelu, [gate], f"{prefix}/{gelu}", domain=MS_DOMAIN), shape)
         return self.op("Mul", [act, h], f"{prefix}/gated") if decoder.gated_mlp else act
+
+    def per_layer_inputs(self, x: str, d: Decoder, io: IONames) -> str:
+        """(B, T, n_layer, D): the per-layer table's rows for each token (times sqrt(D)) plus the token
+        embeddings x projected (times n_embd ** -0.5) and RMS-normed over D, times 2 ** -0.5 (Gemma 4)."""
+        dim = d.per_layer_dim
+        scalar = lambda name, value: self.small_constant(name, np.array(value, dtype=np.float32))  # noqa: E731
+        if d.per_layer_embedding_nbits is not None:  # a stand-in table, rewired to read the blocks
+            self.nbits_weights("per_layer.embed", d.per_layer_embedding_nbits)
+            columns = self.op("Gather", ["per_layer.embed.weight_T", io.input_ids], "per_layer/Gather", axis=1)
+            rows = self.op("Transpose", [columns], "per_layer/Transpose", perm=[1, 2, 0])  # (B, T, n_layer * D)
+        else:
+            table = self.constant("per_layer.embedding", d.per_layer_embedding)
+            rows = self.op("Gather", [table, io.input_ids], "per_layer/Gather", axis=0)  # (B, T, n_layer * D)
+        rows = self.op("Mul", [rows, scalar("per_layer/row_scale", dim**0.5)], "per_layer/rows")
+        projected = self.linear(x, "per_layer.projection", d.per_layer_projection)
+        projected = self.op(
+            "Mul", [projected, scalar("per_layer/projection_scale", d.n_embd**-0.5)], "per_layer/scaled"
+        )
+        shape = self.small_constant("per_layer/shape", np.array([0, 0, d.n_layer, dim], dtype=np.int64))
+        projected = self.op("Reshape", [projected, shape], "per_layer/projected")  # (B, T, n_layer, D)
+        inputs = [projected, self.constant("per_layer.norm.weight", d.per_layer_norm.weight)]
+        normed = self.op("SimplifiedLayerNormalization", inputs, "per_layer/norm", axis=-1, epsilon=d.norm_eps)
+        self.float_output(normed, ["batch_size", "sequence_length", d.n_layer, dim])
+        total = self.op("Add", [normed, self.op("Reshape", [rows, shape], "per_layer/rows_4d")], "per_layer/sum")
+        return self.op("Mul", [total, scalar("per_layer/mean_scale", 2.0**-0.5)], "per_layer/inputs")
+
+    def per_layer_step(self, x: str, prefix: str, layer: Layer, d: Decoder, inputs: str, index: int) -> str:
+        """x + norm(proj(act(x W_gate) * layer `index`'s (B, T, D) per-layer input))."""
+        part = layer.per_layer
+        mine = self.op("Gather", [inputs, self.small_constant(f"{prefix}/per_layer_index", np.array(index))],
+                       f"{prefix}/per_layer_input", axis=2)  # fmt: skip
+        gate = self.linear(x, f"{prefix}.per_layer.gate", part.gate)  # (B, T, D)
+        shape = ["batch_size", "sequence_length", d.per_layer_dim]
+        act = self.float_output(self.op("FastGelu", [gate], f"{prefix}/per_layer/FastGelu", domain=MS_DOMAIN), shape)
+        out = self.linear(self.op("Mul", [act, mine], f"{prefix}/per_layer/gated"), f"{prefix}.per_layer.projection",
+                          part.projection)  # fmt: skip
+        out = self.norm(out, f"{prefix}.per_layer.norm", part.norm, d)
+        return self.op("Add", [x, out], f"{prefix}/per_layer_residual")
 
 
 def build_fused_graph(
@@ -448,6 +516,9 @@ def build_fused_graph(
     total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
     lengths = [seqlens_k, g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)]
     rotary, local_rotary = _rotary_caches(g, d, io, seqlens_k)
+    per_layer = g.per_layer_inputs(x, d, io) if d.per_layer_dim else None
+    if any(layer.kv_source is not None for layer in d.layers):
+        g.kv_inputs = {}
 
     h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
@@ -458,17 +529,27 @@ def build_fused_graph(
             out = g.delta_net(h, p, layer.delta_net, d, io, i)
         else:
             caches = (local_rotary if layer.sliding_window is not None else rotary) if layer.rotary else None
-            attention = g.attention(h, p, layer, d, (io.past(i), io.present(i)), lengths, caches)
+            cache = (io.past(i), io.present(i))
+            if layer.kv_source is not None:  # the source's present in, a present of its own that nothing reads out
+                cache = (io.present(layer.kv_source), (f"{p}/present_key", f"{p}/present_value"))
+            attention = g.attention(h, p, layer, d, cache, lengths, caches)
             out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
         if layer.attention_post_norm is not None:
             out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
         out = _scaled(g, out, d.residual_scale, f"{p}/attention_scaled")
         h, x = g.residual_norm(x, out, f"{p}.mlp_norm", layer.mlp_norm, d, residual=f"{p}/attention_residual")
-        down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d), f"{p}.mlp.down", layer.down)
+        down = g.linear(g.mlp(h, f"{p}.mlp", layer.up, d, layer.inner_dim), f"{p}.mlp.down", layer.down)
         if layer.mlp_post_norm is not None:
             down = g.norm(down, f"{p}.mlp_post_norm", layer.mlp_post_norm, d)
         down = _scaled(g, down, d.residual_scale, f"{p}/mlp_scaled")
-        if i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
+        if layer.per_layer is not None or layer.output_scale is not None:  # steps after the residual sum
+            x = g.op("Add", [x, down], f"{p}/mlp_residual")
+            if layer.per_layer is not None:
+                x = g.per_layer_step(x, p, layer, d, per_layer, i)
+            x, down = _scaled(g, x, layer.output_scale, f"{p}/layer_scaled"), None
+            if i + 1 < d.n_layer:
+                h = g.norm(x, f"layers.{i + 1}.attention_norm", d.layers[i + 1].attention_norm, d)
+        elif i + 1 < d.n_layer:  # the residual sum and the next layer's attention norm
             nxt = f"layers.{i + 1}.attention_norm"
             h, x = g.residual_norm(x, down, nxt, d.layers[i + 1].attention_norm, d, residual=f"{p}/mlp_residual")
     _logits(g, d, io, x, down, head=head, axis_1=axis_1)
@@ -480,7 +561,9 @@ def build_fused_graph(
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
-    _gather_embedding_blocks(model, d)
+    _gather_embedding_blocks(model, d, g.weights, compact=compact)
+    if d.per_layer_embedding_nbits is not None:  # Gemma 4's per-layer table, kept as the file's blocks
+        _gather_blocks(model, "per_layer/Gather", "per_layer.embed", d.per_layer_embedding_nbits)
     return model, g.weights
 
 
@@ -567,8 +650,11 @@ def _scaled(g: _GraphBuilder, x: str, scale: float | None, name: str) -> str:
     return g.op("Mul", [x, g.small_constant(f"{name}/scale", np.array(scale, dtype=np.float32))], name)
 
 
-def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, head: str | None, axis_1: str) -> None:
-    """The last residual, the final norm and the LM head, on the last k positions (io.logits_to_keep)."""
+def _logits(
+    g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str | None, *, head: str | None, axis_1: str
+) -> None:
+    """The last residual (down None: x holds it already), the final norm and the LM head, on the last k positions
+    (io.logits_to_keep)."""
     # Keep the last k positions before the LM head: Slice(x, -k:) is every position for k = 0 (the default,
     # for evaluation) and the last one for k = 1 (generation).
     g.constant(io.logits_to_keep, np.array(0, dtype=np.int64))
@@ -577,9 +663,12 @@ def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, hea
     end = g.small_constant("const_int64_max", np.array([np.iinfo(np.int64).max], dtype=np.int64))
     # The last residual and the final norm in one node over every position, then the Slice: normalizing T rows
     # of C is cheap beside the LM head, and one Slice after it is a node fewer than one on each input.
-    x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
+    if down is None:
+        x = g.norm(x, "final_norm", d.final_norm, d)
+    else:
+        x, _ = g.residual_norm(x, down, "final_norm", d.final_norm, d, residual=None)
     x = g.op("Slice", [x, start, end, axis_1], "keep/Slice")
-    logits = io.logits if d.logits_divisor is None else "lm_head/logits"
+    logits = io.logits if d.logits_divisor is None and d.logits_softcap is None else "lm_head/logits"
     if d.head_nbits is not None:
         g.matmul_nbits(x, "lm_head", d.head_nbits, logits)
     else:
@@ -587,12 +676,14 @@ def _logits(g: _GraphBuilder, d: Decoder, io: IONames, x: str, down: str, *, hea
     if d.logits_divisor is not None:  # Granite's logits_scaling
         divisor = g.small_constant("lm_head/divisor", np.array(d.logits_divisor, dtype=np.float32))
         g.op("Div", [logits, divisor], io.logits)
+    if d.logits_softcap is not None:  # Gemma 4: cap * tanh(logits / cap)
+        cap = g.small_constant("lm_head/softcap", np.array(d.logits_softcap, dtype=np.float32))
+        capped = g.op("Tanh", [g.op("Div", [logits, cap], "lm_head/capped")], "lm_head/tanh")
+        g.op("Mul", [capped, cap], io.logits)
 
 
 def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
     """The graph's inputs and outputs, named as the manifest names them."""
-    kv_shape = ["batch_size", d.n_kv_head, "past_sequence_length", d.head_dim]
-    present_shape = ["batch_size", d.n_kv_head, "present_sequence_length", d.head_dim]  # max(buffer, total)
     inputs = [
         helper.make_tensor_value_info(io.input_ids, TensorProto.INT64, ["batch_size", "sequence_length"]),
         helper.make_tensor_value_info(io.attention_mask, TensorProto.INT64, ["batch_size", "total_sequence_length"]),
@@ -619,6 +710,11 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
                     helper.make_tensor_value_info(getattr(io, f"present_{kind}") % i, TensorProto.FLOAT, state)
                 )
             continue
+        if layer.kv_source is not None:  # reads another layer's cache: none of its own
+            continue
+        _, n_kv_head, head_dim = d.heads(layer)
+        kv_shape = ["batch_size", n_kv_head, "past_sequence_length", head_dim]
+        present_shape = ["batch_size", n_kv_head, "present_sequence_length", head_dim]  # max(buffer, total)
         for past_name, present_name in zip(io.past(i), io.present(i), strict=True):
             inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, present_shape))
@@ -626,13 +722,27 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
     return inputs, outputs
 
 
-def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder) -> None:
-    """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any."""
+def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder, weights: dict, *, compact: bool) -> None:
+    """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any.
+    Tied plain blocks are gathered through initializers of their own that point at the head's bytes (SameBytes):
+    ONNX Runtime maps them apart from the ones MatMulNBits prepacks and lets go, so the head's pages need not stay
+    resident for the few rows a step gathers (runtime/session.py drops them; compact blocks are computed at load,
+    and the gather reads the computed tensors)."""
     table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
-    if table is None:
-        return
-    gather = next(n for n in model.graph.node if n.name == "embed/Gather")
+    if table is not None:
+        _gather_blocks(model, "embed/Gather", prefix, table, weights if d.tied and not compact else None)
+
+
+def _gather_blocks(model: onnx.ModelProto, node: str, prefix: str, table: NBits, weights: dict | None = None) -> None:
+    """Rewire the stand-in Gather `node` to gather rows of the blocks written under `prefix`; with `weights`,
+    through initializers of their own naming the same bytes (the tied head's, above)."""
+    gather = next(n for n in model.graph.node if n.name == node)
     packed, scales, offsets = _nbits_names(prefix, table)  # offsets: (K / block, V)
+    if weights is not None:
+        for name in filter(None, (packed, scales, offsets)):
+            model.graph.initializer.append(placeholder(f"{name}/rows", weights[name]))
+            weights[f"{name}/rows"] = SameBytes(name)
+        packed, scales, offsets = (None if name is None else f"{name}/rows" for name in (packed, scales, offsets))
     n_blocks = table.shape[0] // table.block_size
     gather_from_nbits(
         model, gather, packed, scales, bits=table.bits, block_size=table.block_size, n_blocks=n_blocks, offsets=offsets

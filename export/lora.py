@@ -194,7 +194,8 @@ def _selected(template: str, names: list[str]) -> bool:
 
 
 def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSlots:
-    """The slots for `spec` on this model (base_sha256 left empty until the weights are written)."""
+    """The slots for `spec` on this model (base_sha256 left empty until the weights are written). A linear held by
+    some layers only (a hybrid model's attention or convolution layers) has slots in those layers."""
     table = family.lora_linears
     if not table:
         raise AdapterError(f"the {family.name} family has no LoRA slots")
@@ -206,30 +207,59 @@ def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSl
         )
     modules = dict(model.named_modules())
     split = packed_paths(modules, family.lora_packed)
+    n_layer = model.config.n_layer
+    columns = family.lora_columns(model) if family.lora_columns is not None else {}
     linears: dict[str, SlotLinear] = {}
     offsets: dict[str, int] = {}
     for template, linear in table:  # in the packed order: a part's offset counts the parts before it
-        in_features, out_features = _linear_features(modules, split, template % 0)
+        layers = [i for i in range(n_layer) if template % i in modules or template % i in split]
+        if not layers:
+            continue
+        in_features, out_features = _linear_features(modules, split, template % layers[0])
         offset = offsets.get(linear, 0)
         offsets[linear] = offset + out_features
         if not _selected(template, spec.modules):
             continue
         slot = linears.setdefault(
-            linear, SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", in_features, 0, [])
-        )
-        slot.parts.append({"module": template, "offset": offset, "width": out_features})
+            linear,
+            SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", in_features, 0, [],
+                       None if len(layers) == n_layer else layers),
+        )  # fmt: skip
+        part = {"module": template, "offset": offset, "width": out_features}
+        if template in columns:
+            runs = [[first, count] for first, count in columns[template]]
+            assert sum(count for _, count in runs) == out_features, f"{template}'s columns miss some of its outputs"
+            part |= {"offset": runs[0][0], "columns": runs}
+        slot.parts.append(part)
     for linear, slot in linears.items():
         slot.out_features = offsets[linear]
-    n_layer = model.config.n_layer
+    if not linears:
+        raise AdapterError(f"no layer of this {family.name} model holds {', '.join(spec.modules)}")
     return LoraSlots(spec.max_rank, list(spec.modules), n_layer, "", list(linears.values()))
 
 
 def add_slots(decoder: Decoder, slots: LoraSlots) -> None:
-    """Mark the decoder's slotted linears: the graph adds x @ A @ B to them (export/graph.py)."""
+    """Mark the decoder's slotted linears: the graph adds x @ A @ B to them (export/graph.py). A linear whose
+    inputs the graph feeds in another order than the checkpoint's gets that order as the slot's rows."""
     for slot in slots.linears:
-        linear = slot.a.split(".")[2]  # "layers.%d.qkv.lora_A" -> the Layer field "qkv"
-        for index, layer in enumerate(decoder.layers):
-            getattr(layer, linear).lora = (slot.a % index, slot.b % index)
+        path = slot.a.split(".", 2)[2].removesuffix(".lora_A")  # "layers.%d.conv.in_proj.lora_A" -> "conv.in_proj"
+        for index in slot.layer_indices(len(decoder.layers)):
+            target = decoder.layers[index]
+            for name in path.split("."):  # a Layer field, or a field of its mixer (ShortConv, DeltaNet)
+                target = getattr(target, name)
+            target.lora = (slot.a % index, slot.b % index)
+            rows = _input_order(decoder.layers[index], path)
+            assert index == slot.layer_indices(len(decoder.layers))[0] or rows == slot.rows, f"{path}: orders differ"
+            slot.rows = rows
+
+
+def _input_order(layer, path: str) -> list[int] | None:
+    """The inputs of a DeltaNet's out_proj whose kept GGUF blocks take the value heads in the file's order
+    (DeltaNet.out_heads): the graph gathers them so, and A's rows must follow."""
+    net = layer.delta_net
+    if path != "delta_net.out_proj" or net is None or net.out_heads is None:
+        return None
+    return (np.asarray(net.out_heads)[:, None] * net.v_dim + np.arange(net.v_dim)).ravel().tolist()
 
 
 def weights_hash(manifest: Manifest) -> str:
@@ -247,7 +277,7 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
     tensors = {}
     for slot in slots.linears:
         width = len(slot.parts) * rank
-        for layer in range(slots.n_layer):
+        for layer in slot.layer_indices(slots.n_layer):
             a = np.zeros((slot.in_features, width), np.float32)
             b = np.zeros((width, slot.out_features), np.float32)
             for index, part in enumerate(slot.parts):
@@ -263,9 +293,9 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
                         f"{where}: {path} adapts a ({weights.b.shape[0]}, {weights.a.shape[1]}) weight but the "
                         f"package's is ({part['width']}, {slot.in_features}) (shape mismatch)"
                     )
-                columns = slice(index * rank, index * rank + weights.rank)
-                a[:, columns] = weights.a.T
-                b[columns, part["offset"] : part["offset"] + part["width"]] = weights.scale * weights.b.T
+                rows = slice(index * rank, index * rank + weights.rank)
+                a[:, rows] = weights.a.T if slot.rows is None else weights.a.T[slot.rows]
+                b[rows, _columns(part)] = weights.scale * weights.b.T
             tensors[slot.a % layer], tensors[slot.b % layer] = a, b
     missing = sorted(set(adapter.modules) - used)
     if missing:
@@ -275,6 +305,12 @@ def _slot_tensors(slots: LoraSlots, adapter: PeftAdapter, where: str) -> dict[st
             + (f" ({len(missing)} modules without a slot)" if len(missing) > 1 else "")
         )
     return tensors
+
+
+def _columns(part: dict) -> np.ndarray:
+    """The packed linear's output columns a part's outputs fill, in order."""
+    runs = part.get("columns") or [[part["offset"], part["width"]]]
+    return np.concatenate([np.arange(first, first + count) for first, count in runs])
 
 
 def convert_adapter(

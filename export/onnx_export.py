@@ -124,6 +124,9 @@ def kept_recipe(decoder: Decoder, source: Source, *, accuracy_level: int) -> tup
     if not decoder.tied:
         table = decoder.embedding_nbits
         recipe["embedding"] = f"int{table.bits}" if table is not None else "fp32"
+    if decoder.per_layer_dim:  # Gemma 4's per-layer input table
+        table = decoder.per_layer_embedding_nbits
+        recipe["per_layer_embedding"] = f"int{table.bits}" if table is not None else "fp32"
     bits = [nbits.bits for nbits in kept]
     tables = head is not None or decoder.embedding_nbits is not None
     precision = "int4" if 4 in bits else "int8" if bits or tables else "fp32"
@@ -200,7 +203,7 @@ def export_package(
     accuracy_level: int = 4,
     tolerance: float | None = None,
     overwrite: bool = False,
-    compact_blocks: bool = True,
+    compact_blocks: bool = False,
     lora: list[tuple[str | Path, float]] = (),
     lora_slots: SlotSpec | None = None,
     quantize: str | None = None,
@@ -212,10 +215,10 @@ def export_package(
     """Checkpoint folder or GGUF file -> model package folder, staged beside `out_dir` and renamed into place, so a
     failed export leaves nothing half-written; returns the manifest (JSON). attention: "fused" or "standard"
     (last_token_logits is the standard graph's). A GGUF file's quantized blocks are kept (MatMulNBits run at
-    `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph; compact_blocks
-    stores them as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py). tolerance: the largest
-    |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots: run-time slots (export/lora.py).
-    quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
+    `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph, as MatMulNBits' own
+    arrays, or with compact_blocks as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py).
+    tolerance: the largest |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots:
+    run-time slots (export/lora.py). quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
     (export/block_quantize.py; block_size and int4_lm_head as quantize's). bars: progress bars on stderr for
     the long steps (reading, writing and proving, tensor by tensor or layer by layer), beside the `progress`
     lines; None: when stderr is a terminal."""
@@ -476,7 +479,8 @@ def _to_accept(max_diff: float, *, int8: bool) -> str:
 def _write_files(staging: Path, manifest: Manifest, source: Source) -> None:
     """Step 4: genai_config.json, the tokenizer and chat template, tokenizer_config.json, and last the manifest
     with every file's hash."""
-    write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
+    if manifest.architecture.genai_type is not None:  # a family onnxruntime-genai cannot run has none
+        write_json(staging / GENAI_CONFIG_FILE, genai_config(manifest))
     for name, path in source.files.items():
         shutil.copyfile(path, staging / name)
     for name, text in source.texts.items():

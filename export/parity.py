@@ -17,10 +17,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ..runtime.contract import LAYER_STATES, IONames
+from ..runtime.contract import Architecture, IONames
 from .checkpoint import CheckpointError
 from .lazy_weights import float64_stream
-from .traced import state_layout
+from .traced import cache_architecture, state_layout
 
 
 def _worst(worst: float, ort_logits: np.ndarray, torch_logits: np.ndarray) -> float:
@@ -83,14 +83,14 @@ def check_parity(
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
     layer_types = state_layout(model).get("layer_types")
+    arch = cache_architecture(model)
 
     def ort_feed(ids, mask, positions, past):
         feed = {io.input_ids: ids.numpy(), io.attention_mask: mask.numpy(), io.position_ids: positions.numpy()}
-        return feed | dict(zip(io.past_names(config.n_layer, layer_types), past, strict=True))
+        return feed | dict(zip(arch.past_names(io), past, strict=True))
 
     if layer_types is None:
-        empty = np.zeros((2, config.n_kv_head, 0, config.head_dim), dtype=np.float32)
-        ort_past = [empty] * (2 * config.n_layer)
+        ort_past = [np.zeros(arch.cache_shape(kind, 2, layer), np.float32) for layer, kind in arch.cache_layers()]
     else:  # a hybrid model's own empty state, flattened in the graph's order
         ort_past = [t.numpy() for layer in model.empty_state(2) for t in layer]
     torch_past = None
@@ -182,7 +182,7 @@ def check_parity_shared(
     each reference layer (progress)."""
     config = model.config
     layout = state_layout(model)
-    ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed, short=7 if layout else 5)
+    ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed, short=7 if layout.get("layer_types") else 5)
     outputs = _run_session(
         onnx_path, io, config, ids, lengths, decode_steps, layout=layout, prepacking=prepacking, on_step=on_step
     )
@@ -219,18 +219,20 @@ def _run_session(
     capacity = ids.shape[1] + decode_steps
     binding = session.io_binding()
     binding.bind_output(io.logits)  # first, so it is get_outputs()[0]; allocated by each run
-    layer_types = layout.get("layer_types")
-    past, present = io.past_names(config.n_layer, layer_types), io.present_names(config.n_layer, layer_types)
+    arch = Architecture(
+        type="", vocab_size=config.vocab_size, context_length=config.n_positions, n_layer=config.n_layer,
+        n_head=config.n_head, n_kv_head=config.n_kv_head, head_dim=config.head_dim, **layout,
+    )  # fmt: skip
+    past, present = arch.past_names(io), arch.present_names(io)
     states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run
-    kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
-    for past_name, present_name, kind in zip(past, present, kinds, strict=True):
+    for past_name, present_name, (layer, kind) in zip(past, present, arch.cache_layers(), strict=True):
         if kind in ("conv", "recurrent"):
             values = [
                 ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), np.float32)) for _ in "ab"
             ]
             states.append([past_name, present_name, *values])
             continue
-        zeros = np.zeros((2, config.n_kv_head, capacity, config.head_dim), dtype=np.float32)
+        zeros = np.zeros(arch.cache_shape(kind, 2, layer, capacity), dtype=np.float32)
         buffer = ort.OrtValue.ortvalue_from_numpy(zeros)
         binding.bind_ortvalue_input(past_name, buffer)
         binding.bind_ortvalue_output(present_name, buffer)

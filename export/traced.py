@@ -21,19 +21,30 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ..runtime.contract import LAYER_STATES, MODEL_FILE, IONames
+from ..runtime.contract import MODEL_FILE, Architecture, IONames
 
 
 def state_layout(model: torch.nn.Module) -> dict:
-    """A hybrid reference model's layer_types, conv_state and recurrent_state (export/lfm2.py); {} for the others,
-    whose every layer holds a key and a value."""
+    """The manifest's cache fields a reference model has beyond heads and head size: a hybrid's layer_types,
+    conv_state and recurrent_state (export/lfm2.py), Gemma 4's kv_source and per-layer shapes (export/gemma4.py);
+    {} for the others, whose every layer holds a key and a value of one shape."""
     return model.state_layout() if hasattr(model, "state_layout") else {}
 
 
-def io_names(n_layer: int, io: IONames, layer_types: list[str] | None = None) -> tuple[list[str], list[str]]:
+def cache_architecture(model: torch.nn.Module) -> Architecture:
+    """The contract's view of a reference model's cache: which tensors, of which shapes (Architecture.cache_layers,
+    cache_shape), for the export checks and the traced graph's names."""
+    c = model.config
+    return Architecture(
+        type="", vocab_size=c.vocab_size, context_length=c.n_positions, n_layer=c.n_layer,
+        n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, **state_layout(model),
+    )  # fmt: skip
+
+
+def io_names(arch: Architecture, io: IONames) -> tuple[list[str], list[str]]:
     """The graph's input and output names in _FlatDecoder's order."""
-    inputs = [io.input_ids, io.attention_mask, io.position_ids, *io.past_names(n_layer, layer_types)]
-    return inputs, [io.logits, *io.present_names(n_layer, layer_types)]
+    inputs = [io.input_ids, io.attention_mask, io.position_ids, *arch.past_names(io)]
+    return inputs, [io.logits, *arch.present_names(io)]
 
 
 class _FlatDecoder(torch.nn.Module):
@@ -44,8 +55,8 @@ class _FlatDecoder(torch.nn.Module):
         super().__init__()
         self.model = model
         self.last_token_logits = last_token_logits
-        kinds = state_layout(model).get("layer_types") or ["full_attention"] * model.config.n_layer
-        self.counts = [len(LAYER_STATES[kind]) for kind in kinds]
+        layers = [layer for layer, _ in cache_architecture(model).cache_layers()]
+        self.counts = [layers.count(layer) for layer in dict.fromkeys(layers)]  # per cache-keeping layer
 
     def forward(self, input_ids, attention_mask, position_ids, *past_flat):
         starts = [sum(self.counts[:i]) for i in range(len(self.counts))]
@@ -118,8 +129,8 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
     config = model.config
     model = model.eval()
     layout = state_layout(model)
-    layer_types = layout.get("layer_types")
-    input_names, output_names = io_names(config.n_layer, io, layer_types)
+    arch = cache_architecture(model)
+    input_names, output_names = io_names(arch, io)
     # Trace with distinct sizes (batch 2, 3 new tokens, 5 past) so no axis is mistaken for another.
     batch, seq, past = 2, 3, 5
     dummy = [
@@ -127,13 +138,8 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
         torch.ones(batch, past + seq, dtype=torch.long),
         torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous(),
     ]
-    shapes = {
-        "key": (batch, config.n_kv_head, past, config.head_dim),
-        "value": (batch, config.n_kv_head, past, config.head_dim),
-    }
-    shapes |= {kind: (batch, *layout[f"{kind}_state"]) for kind in ("conv", "recurrent") if f"{kind}_state" in layout}
-    kinds = [kind for layer in layer_types or ["full_attention"] * config.n_layer for kind in LAYER_STATES[layer]]
-    dummy += [torch.zeros(shapes[kind]) for kind in kinds]
+    kinds = arch.cache_kinds()
+    dummy += [torch.zeros(arch.cache_shape(kind, batch, layer, past)) for layer, kind in arch.cache_layers()]
     ids, mask, positions = input_names[:3]
     dynamic_axes = {
         ids: {0: "batch_size", 1: "sequence_length"},
@@ -169,6 +175,8 @@ def trace_graph(model: torch.nn.Module, *, io: IONames, opset: int, last_token_l
         onnx_model = onnx.load(str(traced_path))  # loads external data too, if the exporter wrote any
 
     _microsoft_ops(onnx_model)
+    if last_token_logits:  # one position: said in the graph, where the tracer left a name (a hybrid's graph)
+        onnx_model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 1
     if config.tie_word_embeddings:
         _share_tied_embedding(onnx_model)
     return onnx_model

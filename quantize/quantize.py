@@ -184,6 +184,11 @@ def quantize_package(
     package, out_dir = Path(package), Path(out_dir)
     staged = StagedOutput(out_dir, inputs=[package, calibration_text, eval_text], overwrite=overwrite)
     spec, weights = _read_source(package)
+    if mode == "fp16" and spec.arch.kv_source is not None:  # seen on Gemma 4's fused graph with KV sharing
+        raise ValueError(
+            "fp16 of a package whose layers share a cache (edgelm.json architecture.kv_source) is refused: ONNX "
+            "Runtime 1.32 crashes optimizing that graph in fp16; use int4, int8-weight-only or dynamic"
+        )
     evaluated = evaluate and eval_text is not None and recipe.evaluated
     # the fp32 package runs only to calibrate or to be compared with: loading it costs its size in memory
     source = load(package, provider="cpu") if recipe.calibrated or evaluated else None

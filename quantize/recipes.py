@@ -161,9 +161,16 @@ def quantize_dynamic_int8(src: Path, dst: Path, *, per_channel: bool = True) -> 
 
 
 def _lm_head(model: onnx.ModelProto) -> str | None:
-    """The MatMul that produces the logits (a graph output)."""
-    outputs = {o.name for o in model.graph.output}
-    return next((n.name for n in model.graph.node if n.op_type == "MatMul" and n.output[0] in outputs), None)
+    """The MatMul that produces the logits (a graph output), itself or through the scaling and soft-capping after
+    it (Granite's Div, Gemma 4's Div, Tanh and Mul: each reads the product as its first input)."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    for output in model.graph.output:
+        node = producers.get(output.name)
+        while node is not None and node.op_type in ("Div", "Tanh", "Mul"):
+            node = producers.get(node.input[0])
+        if node is not None and node.op_type == "MatMul":
+            return node.name
+    return None
 
 
 def _share_tied_int8(quantized: onnx.ModelProto, tied: set[str]) -> None:

@@ -69,18 +69,31 @@ class IONames:
     def present(self, layer: int) -> tuple[str, str]:
         return self.present_key % layer, self.present_value % layer
 
-    def past_names(self, n_layer: int, layer_types: list[str] | None = None) -> list[str]:
-        """Every layer's cache inputs in order: key and value, or its states (layer_types: the architecture's)."""
-        return [getattr(self, f"past_{kind}") % i for i, kind in _layer_states(n_layer, layer_types)]
+    def past_names(
+        self, n_layer: int, layer_types: list[str] | None = None, kv_source: list[int] | None = None
+    ) -> list[str]:
+        """Every layer's cache inputs in order: key and value, or its states (layer_types and kv_source: the
+        architecture's; a layer reading another's cache has none)."""
+        return [getattr(self, f"past_{kind}") % i for i, kind in _layer_states(n_layer, layer_types, kv_source)]
 
-    def present_names(self, n_layer: int, layer_types: list[str] | None = None) -> list[str]:
-        return [getattr(self, f"present_{kind}") % i for i, kind in _layer_states(n_layer, layer_types)]
+    def present_names(
+        self, n_layer: int, layer_types: list[str] | None = None, kv_source: list[int] | None = None
+    ) -> list[str]:
+        return [getattr(self, f"present_{kind}") % i for i, kind in _layer_states(n_layer, layer_types, kv_source)]
 
 
-def _layer_states(n_layer: int, layer_types: list[str] | None) -> list[tuple[int, str]]:
-    """(layer, "key" / "value" / "conv" / "recurrent") for every cache tensor, in the graph's order."""
+def _layer_states(
+    n_layer: int, layer_types: list[str] | None, kv_source: list[int] | None = None
+) -> list[tuple[int, str]]:
+    """(layer, "key" / "value" / "conv" / "recurrent") for every cache tensor, in the graph's order; a layer whose
+    kv_source is another layer keeps none."""
     kinds = layer_types or ["full_attention"] * n_layer
-    return [(i, state) for i, kind in enumerate(kinds) for state in LAYER_STATES[kind]]
+    return [
+        (i, state)
+        for i, kind in enumerate(kinds)
+        if kv_source is None or kv_source[i] == i
+        for state in LAYER_STATES[kind]
+    ]
 
 
 @dataclass
@@ -101,21 +114,45 @@ class Architecture:
     layer_types: list[str] | None = None
     conv_state: list[int] | None = None  # (channels, kernel - 1) of a convolution state
     recurrent_state: list[int] | None = None  # (value heads, key head size, value head size)
+    # KV sharing (Gemma 4): per layer, the layer whose keys and values its attention reads: itself (it keeps a
+    # cache) or an earlier layer (it has no past/present of its own). None: every layer its own.
+    kv_source: list[int] | None = None
+    # per layer, its cache's head size and KV heads where layers differ (Gemma 4's full layers); None: head_dim,
+    # n_kv_head for every layer
+    layer_head_dim: list[int] | None = None
+    layer_n_kv_head: list[int] | None = None
 
     @property
     def has_state(self) -> bool:
         """Whether some layer keeps a state that folds tokens in (it cannot be cut back to any length)."""
         return any(kind not in ATTENTION_LAYERS for kind in self.layer_types or ())
 
-    def cache_shape(self, kind: str, batch: int) -> tuple[int, ...]:
-        """An empty cache tensor of one kind ("key", "value", "conv", "recurrent") for `batch` rows."""
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of a layer's keys and values."""
+        heads = self.n_kv_head if self.layer_n_kv_head is None else self.layer_n_kv_head[layer]
+        return heads, self.head_dim if self.layer_head_dim is None else self.layer_head_dim[layer]
+
+    def cache_shape(self, kind: str, batch: int, layer: int = 0, length: int = 0) -> tuple[int, ...]:
+        """A cache tensor of one kind ("key", "value", "conv", "recurrent") of `layer` for `batch` rows, keys and
+        values `length` positions long."""
         if kind in ("key", "value"):
-            return (batch, self.n_kv_head, 0, self.head_dim)
+            heads, head_dim = self.kv_shape(layer)
+            return (batch, heads, length, head_dim)
         return (batch, *(self.conv_state if kind == "conv" else self.recurrent_state))
+
+    def cache_layers(self) -> list[tuple[int, str]]:
+        """(layer, kind) of every cache tensor, in past_names order."""
+        return _layer_states(self.n_layer, self.layer_types, self.kv_source)
 
     def cache_kinds(self) -> list[str]:
         """The kind of every cache tensor, in past_names order."""
-        return [kind for _, kind in _layer_states(self.n_layer, self.layer_types)]
+        return [kind for _, kind in self.cache_layers()]
+
+    def past_names(self, io: IONames) -> list[str]:
+        return io.past_names(self.n_layer, self.layer_types, self.kv_source)
+
+    def present_names(self, io: IONames) -> list[str]:
+        return io.present_names(self.n_layer, self.layer_types, self.kv_source)
 
 
 @dataclass
@@ -195,7 +232,7 @@ class Manifest:
         for key in ("lora", "sampling"):  # packages without them keep the manifest they always had
             if data[key] is None:
                 del data[key]
-        for key in ("layer_types", "conv_state", "recurrent_state"):
+        for key in ("layer_types", "conv_state", "recurrent_state", "kv_source", "layer_head_dim", "layer_n_kv_head"):
             if data["architecture"][key] is None:
                 del data["architecture"][key]
         if self.architecture.layer_types is None:  # the state names only in hybrid packages' manifests
@@ -269,7 +306,33 @@ def _parse_architecture(arch: dict, where: str) -> Architecture:
         details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
         genai_type=arch.get("genai_type") if isinstance(arch.get("genai_type"), str) else None,
         **_parse_layers(arch, where),
+        **_parse_sharing(arch, where),
     )
+
+
+def _parse_sharing(arch: dict, where: str) -> dict:
+    """kv_source (each layer's source: itself or an earlier layer that keeps its own cache) and the per-layer
+    cache shapes, where the manifest has them."""
+    n_layer, parsed = arch["n_layer"], {}
+    for key in ("kv_source", "layer_head_dim", "layer_n_kv_head"):
+        values = arch.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, list) or len(values) != n_layer:
+            raise PackageError(f"{where}: {key} must list {n_layer} integers, got {values!r:.60}")
+        parsed[key] = [integer({key: v}, key, where, minimum=0 if key == "kv_source" else 1) for v in values]
+    for kv_heads in parsed.get("layer_n_kv_head", []):
+        if arch["n_head"] % kv_heads:
+            raise PackageError(f"{where}: n_head ({arch['n_head']}) must be a multiple of every layer_n_kv_head")
+    source = parsed.get("kv_source")
+    if source is not None:
+        for i, s in enumerate(source):
+            if s > i or source[s] != s:
+                raise PackageError(
+                    f"{where}: kv_source[{i}] is {s}: a layer reads its own cache or that of an earlier layer "
+                    "which keeps its own"
+                )
+    return parsed
 
 
 def _parse_layers(arch: dict, where: str) -> dict:
@@ -373,7 +436,7 @@ def _genai_decoder(manifest: Manifest) -> dict:
         inputs["position_ids"] = io.position_ids
     inputs |= {"past_key_names": io.past_key, "past_value_names": io.past_value}
     outputs = {"logits": io.logits, "present_key_names": io.present_key, "present_value_names": io.present_value}
-    states = {kind for _, kind in _layer_states(arch.n_layer, arch.layer_types)}
+    states = {kind for _, kind in arch.cache_layers()}
     for kind in ("conv", "recurrent"):
         if kind in states:
             inputs[f"past_{kind}_names"] = getattr(io, f"past_{kind}")

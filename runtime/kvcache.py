@@ -67,8 +67,8 @@ def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -
     run, in present_names order, or None for an empty cache). Every row is unpadded."""
     spec = model.spec
     batch, length = input_ids.shape
-    kinds = spec.arch.cache_kinds()
-    past_length = 0 if past is None else past[kinds.index("key")].shape[2]
+    layers = spec.arch.cache_layers()
+    past_length = 0 if past is None else past[[kind for _, kind in layers].index("key")].shape[2]
     feed = {
         spec.io.input_ids: input_ids.astype(np.int64),
         spec.io.attention_mask: np.ones((batch, past_length + length), dtype=np.int64),
@@ -77,8 +77,8 @@ def plain_feed(model: Runner, input_ids: np.ndarray, past: list | None = None) -
         positions = np.arange(past_length, past_length + length, dtype=np.int64)
         feed[spec.io.position_ids] = np.broadcast_to(positions, (batch, length)).copy()
     if past is None:
-        past = [np.zeros(spec.arch.cache_shape(kind, batch), dtype=model.kv_dtype) for kind in kinds]
-    feed.update(zip(spec.io.past_names(spec.arch.n_layer, spec.arch.layer_types), past, strict=True))
+        past = [np.zeros(spec.arch.cache_shape(kind, batch, layer), dtype=model.kv_dtype) for layer, kind in layers]
+    feed.update(zip(spec.arch.past_names(spec.io), past, strict=True))
     return feed
 
 
@@ -90,15 +90,14 @@ MAX_GENERATION_BYTES = 64 << 30
 
 
 def kv_cache_bytes(spec: PackageSpec, *, batch: int, capacity: int, itemsize: int = 4) -> int:
-    """Bytes of a (batch, n_kv_head, capacity, head_dim) key and value buffer for every attention layer, plus a
-    hybrid model's fixed-size states (which do not grow with the context)."""
+    """Bytes of a (batch, KV heads, capacity, head size) key and value buffer for every layer that keeps its own
+    (a layer reading another's cache keeps none; heads and head sizes per layer), plus a hybrid model's
+    fixed-size states (which do not grow with the context)."""
     arch = spec.arch
-    if arch.layer_types is None:
+    if arch.layer_types is None and arch.kv_source is None and arch.layer_head_dim is None:
         return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
-    kinds = arch.cache_kinds()
-    kv = kinds.count("key") * 2 * batch * arch.n_kv_head * capacity * arch.head_dim
-    states = sum(int(np.prod(arch.cache_shape(kind, batch))) for kind in kinds if kind in ("conv", "recurrent"))
-    return (kv + states) * itemsize
+    shapes = [arch.cache_shape(kind, batch, layer, capacity) for layer, kind in arch.cache_layers()]
+    return sum(int(np.prod(shape)) for shape in shapes) * itemsize
 
 
 def available_memory_bytes() -> int:
@@ -166,12 +165,12 @@ class ConcatCache:
         self.past = self._empty(batch)
         self.binding = model.session.io_binding()
         arch = spec.arch  # the cache tensors' names, built once rather than every step
-        self.past_names = spec.io.past_names(arch.n_layer, arch.layer_types)
-        self.present_names = spec.io.present_names(arch.n_layer, arch.layer_types)
+        self.past_names = arch.past_names(spec.io)
+        self.present_names = arch.present_names(spec.io)
 
     def _empty(self, batch: int) -> list[ort.OrtValue]:
         arch, device = self.spec.arch, self.model.device
-        shapes = [arch.cache_shape(kind, batch) for kind in arch.cache_kinds()]
+        shapes = [arch.cache_shape(kind, batch, layer) for layer, kind in arch.cache_layers()]
         return [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.model.kv_dtype), device) for shape in shapes]
 
     def prompt(self) -> np.ndarray:
@@ -197,7 +196,7 @@ class ConcatCache:
         if length == 0:
             self.past = self._empty(1)
         else:
-            kept = [np.ascontiguousarray(value.numpy()[:, :, :length]) for value in self.past]
+            kept = [np.array(value.numpy()[:, :, :length]) for value in self.past]  # copies, never views
             self.past = [ort.OrtValue.ortvalue_from_numpy(array, self.model.device) for array in kept]
         self.lengths[0] = length
         self.attention_mask = np.ones((1, length), dtype=np.int64)
@@ -228,8 +227,8 @@ class _Snapshots:
     for batch 1: snapshots of the states at the lengths where a turn or a multi-token step began or ended (the
     prompt's end, before and after each `extend`; the latest MAX_SNAPSHOTS, and the empty state always), and the
     ids the cache holds. `rewind_point(length)` is the longest snapshot <= length: a Conversation rewinds there
-    and feeds the rest itself. `rewind(length)` to any other length restores the snapshot before it and feeds
-    the ids between again, so speculative decoding's rollback of rejected guesses is exact too (one more run).
+    and feeds the rest itself, as speculative decoding does with its next round. `rewind(length)` to any other
+    length restores the snapshot before it and feeds the ids between again (one more run).
     The attention layers' keys and values are cut as a KV cache's are. A driver supplies _read_states and
     _write_states; the rest of the protocol is the KV driver it is mixed into."""
 
@@ -355,10 +354,9 @@ class SharedCache:
         self.capacity = capacity
         binding = self.binding = model.session.io_binding()
         binding.bind_output(io.logits, "cpu")  # bound first: a prompt's logits are get_outputs()[0]
-        shape = (batch, arch.n_kv_head, capacity, arch.head_dim)
-        past, present = io.past_names(arch.n_layer, arch.layer_types), io.present_names(arch.n_layer, arch.layer_types)
+        past, present = arch.past_names(io), arch.present_names(io)
         self.buffers, self.state_names, pairs = [], [], []
-        for past_name, present_name, kind in zip(past, present, arch.cache_kinds(), strict=True):
+        for past_name, present_name, (layer, kind) in zip(past, present, arch.cache_layers(), strict=True):
             if kind in STATE_KINDS:  # fixed size: kept as they are when the buffers grow
                 state_shape = arch.cache_shape(kind, batch)
                 new = [ort.OrtValue.ortvalue_from_numpy(np.zeros(state_shape, model.kv_dtype), model.device)]
@@ -366,7 +364,7 @@ class SharedCache:
                 pairs.append(self.state_pairs[len(pairs)] if old is not None else new)
                 self.state_names.append((past_name, present_name))
                 continue
-            array = np.zeros(shape, model.kv_dtype)
+            array = np.zeros(arch.cache_shape(kind, batch, layer, capacity), model.kv_dtype)
             if old is not None:
                 kept = old[len(self.buffers)].numpy()[:, :, : min(capacity, old[len(self.buffers)].shape()[2])]
                 array[:, :, : kept.shape[2]] = kept

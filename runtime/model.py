@@ -133,7 +133,7 @@ class Model(AdapterMixin):
         list of the previous call, or None for an empty cache). Returns logits (B, T, V) for every
         position (the graph's default) and the present keys/values. adapter: a loaded LoRA adapter's name."""
         arch = self.spec.arch
-        names = [self.spec.io.logits, *self.spec.io.present_names(arch.n_layer, arch.layer_types)]
+        names = [self.spec.io.logits, *arch.present_names(self.spec.io)]
         feed = plain_feed(self, input_ids, past) | ({} if adapter is None else self._adapter(adapter).arrays)
         try:
             outputs = self.session.run(names, feed)

@@ -197,7 +197,9 @@ def external_data_locations(model_path: Path) -> list[str]:
 def check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str, Path]) -> None:
     """Each tensor's byte range must be a number inside its file, and no two may overlap: ONNX Runtime reads
     whatever range it is given, and a file edgelm (or any ONNX saver) writes never shares bytes between tensors.
-    A range without a length (ONNX Runtime then takes the tensor's own size) is checked for its offset only."""
+    Two tensors may name the same range exactly (edgelm.onnxfile.SameBytes: a tied head's blocks, gathered by
+    the embedding under names of their own). A range without a length (ONNX Runtime then takes the tensor's own
+    size) is checked for its offset only."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for entry in entries:
         size = files[entry.location].stat().st_size
@@ -215,9 +217,10 @@ def check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str,
             by_file.setdefault(entry.location, []).append((offset, offset + length, entry.tensor))
     for location, ranges in by_file.items():
         ranges.sort()
-        for (_, end, first), (start, _, second) in zip(ranges, ranges[1:], strict=False):
-            if start < end:
+        for (begin, end, first), (start, stop, second) in zip(ranges, ranges[1:], strict=False):
+            if start < end and (start, stop) != (begin, end):  # the same range twice: one tensor's two names
                 raise PackageError(
                     f"tensors {first!r} and {second!r} in {model_path.name} overlap in {location} from byte "
-                    f"{start}; each tensor must have bytes of its own (a corrupt or crafted model file)"
+                    f"{start}; each tensor must have bytes of its own or name another's exactly (a corrupt or "
+                    "crafted model file)"
                 )

@@ -82,6 +82,7 @@ def open_session(model_path: Path, providers: list[str], threads: int | None) ->
     except Exception as e:  # onnxruntime raises its own pybind exception types
         raise PackageError(f"ONNX Runtime cannot load {model_path.name}: {ort_reason(e)}") from None
     _return_freed_heap()
+    _drop_read_weight_pages(model_path.parent)
     return session
 
 
@@ -97,6 +98,42 @@ def _return_freed_heap() -> None:
         return
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+ *(.*)$")  # smaps: a mapping's header line
+_MADV_DONTNEED = 4  # Linux's value, the same on every architecture
+
+
+def _drop_read_weight_pages(folder: Path) -> None:
+    """Let go of the package's file pages that building the session read. ONNX Runtime maps external data into
+    memory and prepacks MatMulNBits and MatMul weights into copies of its own; a weight that another node also
+    reads stays mapped (a tied embedding gathers rows of the LM head's blocks), with every page the prepacking
+    read still resident, though a decode step needs a few of them. A mapping none of whose pages was ever
+    written (no Anonymous pages: a write to a private mapping copies the page) holds exactly the file's bytes,
+    so dropping its pages changes nothing but the resident size: a later read maps them again from the page
+    cache (what this saves: docs/benchmarks.md, "Real sizes: where a K-quant step goes")."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+        madvise = ctypes.CDLL("libc.so.6").madvise
+    except (OSError, AttributeError):  # no procfs, or another C library: nothing to do
+        return
+    prefix = str(folder.resolve()) + os.sep
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mapping, clean = None, False
+    for line in [*smaps.splitlines(), "0-0 - - - - end"]:
+        header = _MAPPING.match(line)
+        if header is None:
+            if line.startswith("Anonymous:"):  # pages copied on write; a file page not yet written back counts
+                # as Private_Dirty though it holds the file's bytes
+                clean = clean and line.split()[1] == "0"
+            continue
+        if mapping is not None and clean:
+            madvise(mapping[0], mapping[1] - mapping[0], _MADV_DONTNEED)
+        start, end, path = header.groups()
+        mapping = (int(start, 16), int(end, 16)) if path.startswith(prefix) else None
+        clean = mapping is not None
 
 
 @dataclass
@@ -116,9 +153,10 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
     # before building 2 * n_layer names: n_layer may be huge (a hybrid's layer_types is a list the JSON holds)
-    if (2 * arch.n_layer if arch.layer_types is None else len(arch.cache_kinds())) > len(inputs):
+    listed = arch.layer_types is not None or arch.kv_source is not None  # lists the manifest holds, of n_layer
+    if (len(arch.cache_kinds()) if listed else 2 * arch.n_layer) > len(inputs):
         raise PackageError(f"{described} says {arch.n_layer} layers, but {name} has only {len(inputs)} inputs")
-    past, present = io.past_names(arch.n_layer, arch.layer_types), io.present_names(arch.n_layer, arch.layer_types)
+    past, present = arch.past_names(io), arch.present_names(io)
     needed_in = [io.input_ids, io.attention_mask, *past]
     needed_out = [io.logits, *present]
     missing = [n for n in needed_in if n not in inputs] + [n for n in needed_out if n not in outputs]
@@ -140,7 +178,7 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
         raise PackageError(f"{name} has inputs {described} does not name: {', '.join(unbound[:3])}")
     # fixed axes must agree with the JSON: caches (B, n_kv_head, T, head_dim), logits (B, T, vocab)
     agrees = lambda dim, expected: not isinstance(dim, int) or dim == expected  # a symbolic axis always does
-    for n, kind in zip(past + present, 2 * arch.cache_kinds(), strict=True):
+    for n, (layer, kind) in zip(past + present, 2 * arch.cache_layers(), strict=True):
         shape = inputs[n].shape if n in inputs else outputs[n].shape
         if kind not in ("key", "value"):  # a state: (batch, *the manifest's state shape)
             expected = arch.cache_shape(kind, 1)[1:]
@@ -149,9 +187,10 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
                     f"{n} in {name} has shape {shape}; {described} says (batch, {', '.join(map(str, expected))})"
                 )
             continue
-        if len(shape) != 4 or not (agrees(shape[1], arch.n_kv_head) and agrees(shape[3], arch.head_dim)):
+        heads, head_dim = arch.kv_shape(layer)
+        if len(shape) != 4 or not (agrees(shape[1], heads) and agrees(shape[3], head_dim)):
             raise PackageError(
-                f"{n} in {name} has shape {shape}; {described} says (batch, {arch.n_kv_head}, length, {arch.head_dim})"
+                f"{n} in {name} has shape {shape}; {described} says (batch, {heads}, length, {head_dim})"
             )
     shape = outputs[io.logits].shape
     if len(shape) != 3 or not agrees(shape[2], arch.vocab_size):

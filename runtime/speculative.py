@@ -2,7 +2,9 @@
 
 Each round feeds the newest token and k guessed ones as one multi-token step (logits for every position),
 keeps the longest run of guesses the model agrees with plus the model's own next token, and rewinds the KV
-cache past the rest. Two ways to guess (speculative= in generate/stream/chat/conversation):
+cache past the rest. A hybrid model's states cannot be cut back (runtime/kvcache.py _Snapshots): its cache goes
+back to the snapshot taken before the round, and the accepted ids are fed again in front of the next round's
+(docs/hybrid.md: that costs no run of its own). Two ways to guess (speculative= in generate/stream/chat/conversation):
 
 - "lookup": prompt lookup decoding (Saxena 2023; llama.cpp's lookup): the longest of the last n tokens
   (n in NGRAM_SIZES) that occurred before, in the prompt or the output, proposes the tokens that followed it;
@@ -264,9 +266,12 @@ class Draft:
         return guesses, (q if q else None)
 
     def rewind(self, kept: int) -> None:
+        """Back to the draft cache's snapshot at or before `kept` (every length for a KV cache): the next
+        proposal feeds the ids after it."""
         if kept < len(self.held):
-            self.cache.rewind(kept)
-            self.held = self.held[:kept]
+            point = self.cache.rewind_point(kept)
+            self.cache.rewind(point)
+            self.held = self.held[:point]
 
 
 @dataclass
@@ -333,23 +338,29 @@ def speculative_decode(
                 state.accepted_tokens += len(queue) - 1
     finally:
         if int(cache.lengths[0]) > len(history):
-            cache.rewind(len(history))
+            cache.rewind(cache.rewind_point(len(history)))
 
 
 def _round(
     runner: Runner, cache: Cache, picker: TokenPicker, proposer, length: DraftLength, history: list[int], left: int
 ) -> list[int]:
-    """Feed the newest token and the guesses; the accepted guesses and the model's own next token."""
+    """Feed the newest token and the guesses; the accepted guesses and the model's own next token. A cache that
+    cannot go back to any length (a hybrid's states) goes back to its snapshot at or before the accepted length,
+    and the ids from there are fed in front of the next round's: no run of its own."""
     room = runner.spec.arch.context_length - len(history)
     guesses, q = proposer.propose(history, min(length.k, left - 1, room))
+    fed = history[int(cache.lengths[0]) :]  # the newest token, after a rewind to a snapshot the ids since it too
     if not guesses:
         length.last_proposed = 0
-        logits = cache.next(np.array([[history[-1]]], dtype=np.int64))
-        return [picker.choose(logits[0])]
-    logits = cache.extend([history[-1], *guesses], all_logits=True)  # (len(guesses) + 1, V)
+        if len(fed) == 1:
+            logits = cache.next(np.array([fed], dtype=np.int64))[0]
+        else:
+            logits = cache.extend(fed, all_logits=True)[-1]
+        return [picker.choose(logits)]
+    logits = cache.extend([*fed, *guesses], all_logits=True)[len(fed) - 1 :]  # (len(guesses) + 1, V)
     accepted, token = check_guesses(picker, logits, guesses, q)
     if accepted < len(guesses):
-        cache.rewind(len(history) + accepted)
+        cache.rewind(cache.rewind_point(len(history) + accepted))
     proposer.rewind(len(history) + accepted)
     length.last_proposed = len(guesses)
     length.update(len(guesses), accepted)

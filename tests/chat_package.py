@@ -41,7 +41,8 @@ def make_chat_folder(
     extra_special: tuple[str, ...] = (),
     family: str = "llama",
 ) -> Path:
-    """A Llama checkpoint folder (or family="lfm2": LFM2, convolution and attention layers alternating): random
+    """A Llama checkpoint folder (or family="lfm2": LFM2, convolution and attention layers alternating; or
+    "qwen3_5_text": Qwen3.5, Gated DeltaNet and attention layers alternating): random
     weights, the tokenizer above (with extra_special control tokens after the others),
     tests/data/chat_templates/<template>.jinja or a path to a template (no template for template=""), EOS ids
     [<|im_end|>, <|eot_id|>]; `vocab` embedding rows (>= the tokenizer's; default: the tokenizer's)."""
@@ -55,9 +56,22 @@ def make_chat_folder(
         eos_token_id=[IM_END, EOT], pad_token_id=0, tie_word_embeddings=True,
         initializer_range=0.1,  # not near-uniform logits: a wrong position or cache would change the tokens
     )  # fmt: skip
-    if family == "lfm2":
+    if family == "gemma4":  # KV sharing (the last 2 of 6 layers), per-layer inputs, two head sizes, a window of 8
+        kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        config = transformers.Gemma4TextConfig(
+            **shared, head_dim=16, global_head_dim=32, layer_types=kinds[:layers], num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=shared["vocab_size"], sliding_window=8,
+        )  # fmt: skip
+        model = transformers.Gemma4ForCausalLM(config)
+    elif family == "lfm2":
         kinds = ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]
         model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**shared, layer_types=kinds))
+    elif family == "qwen3_5_text":  # heads of 64, a quarter rotated: the least GroupQueryAttention's rotary takes
+        kinds = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        config = transformers.Qwen3_5TextConfig(**shared, layer_types=kinds, head_dim=64, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=16,
+                                                linear_value_head_dim=8)  # fmt: skip
+        model = transformers.Qwen3_5ForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shared, rope_theta=1e4, rms_norm_eps=1e-5))
     folder.mkdir(parents=True, exist_ok=True)

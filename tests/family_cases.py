@@ -52,6 +52,17 @@ PHI3 = SMALL | dict(
         "short_factor": [1.0 + 0.05 * i for i in range(12)], "long_factor": [1.0 + 0.5 * i for i in range(12)],
     },
 )  # fmt: skip
+# Gemma 4: sliding layers of head 16, full layers of head 32 with a quarter of their pairs rotated (proportional),
+# a window of 3; per-layer input embeddings of 16 per layer (6 x 16 = 96 a token: whole Q8_0 blocks)
+GEMMA4 = SMALL | dict(
+    num_hidden_layers=6, head_dim=16, global_head_dim=32, num_key_value_heads=2, sliding_window=WINDOW,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=2048, final_logit_softcapping=30.0, initializer_range=0.05,
+    rope_parameters={
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)  # fmt: skip
 PROMPTS = [  # three lengths: the padded batch
     [5, 99, 1200, 7, 640, 33, 1800, 412, 77],
     [300, 12, 2001, 5],
@@ -124,6 +135,15 @@ CASES = {
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
     # names for Gemma3ForConditionalGeneration), a vision tower beside them left out
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
+    # Gemma 4 with its last 2 layers reading layers 3 (sliding) and 2 (full)'s caches, their MLPs double-wide
+    "gemma4_text-shared": Case("gemma4_text", ("Gemma4TextConfig", "Gemma4ForCausalLM"), GEMMA4 | dict(
+                               num_kv_shared_layers=2, use_double_wide_mlp=True, tie_word_embeddings=True), gguf=True),
+    # no sharing; full layers taking V from K's projection (attention_k_eq_v) with 1 KV head of their own; untied
+    "gemma4_text-k-eq-v": Case("gemma4_text", ("Gemma4TextConfig", "Gemma4ForCausalLM"), GEMMA4 | dict(
+                               attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False),
+                               gguf=True),
+    # model_type gemma4: the text model under model.language_model, a vision tower beside it left out
+    "gemma4": Case("gemma4", ("Gemma4TextConfig", "Gemma4ForCausalLM"), {}, image_text_of="gemma4_text-shared"),
     # short convolutions (kernel 3: a state of 2 columns) and attention layers
     "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True),
     # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
@@ -146,7 +166,8 @@ class Families:
             spec = CASES[case]
             if spec.image_text_of:
                 hf, text_folder = self.model(spec.image_text_of)
-                self._models[case] = (hf, write_image_text_folder(text_folder, self.root / case))
+                outer = CASES[spec.image_text_of].model_type.removesuffix("_text")
+                self._models[case] = (hf, write_image_text_folder(text_folder, self.root / case, outer))
             else:
                 # a deep copy: transformers writes into a config's rope_parameters, which cases may share
                 config = copy.deepcopy(spec.config)
@@ -180,12 +201,13 @@ class Families:
         return self._expected[case]
 
 
-def write_image_text_folder(text_folder: Path, folder: Path) -> Path:
+def write_image_text_folder(text_folder: Path, folder: Path, model_type: str = "gemma3") -> Path:
     from safetensors.torch import load_file, save_file
 
     folder.mkdir()
     text = json.loads((text_folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text, "eos_token_id": EOS}))
+    outer = {"model_type": model_type, "text_config": text, "eos_token_id": EOS}
+    (folder / "config.json").write_text(json.dumps(outer | {"tie_word_embeddings": text["tie_word_embeddings"]}))
     state = {
         "model.language_model." + k.removeprefix("model."): v
         for k, v in load_file(text_folder / "model.safetensors").items()
@@ -218,6 +240,10 @@ GEMMA_NAMES = LLAMA_NAMES | {  # Gemma's norms around attention and the MLP
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+GEMMA4_NAMES = GEMMA_NAMES | {  # and its per-layer inputs and output scale
+    "per_layer_input_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight", "layer_scalar": "layer_output_scale.weight",
+}  # fmt: skip
 PHI3_NAMES = LLAMA_NAMES | {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 GPT2_NAMES = {
     "ln_1.weight": "attn_norm.weight", "ln_1.bias": "attn_norm.bias", "attn.c_attn.weight": "attn_qkv.weight",
@@ -252,6 +278,9 @@ GLOBAL_NAMES = {
     "transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
     "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
     "lm_head.weight": "output.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }  # fmt: skip
 
 
@@ -362,6 +391,48 @@ def _write_lfm2_metadata(writer, c) -> None:
     writer.add_float32("lfm2.attention.layer_norm_rms_epsilon", c.norm_eps)
 
 
+def _write_gemma4_metadata(writer, c) -> None:
+    """What conversion/gemma.py's Gemma4Model writes: per-layer KV heads and MLP widths where layers differ, both
+    head sizes, the layer pattern, the shared layers, the per-layer input width, and rope_freqs.weight (1 for a
+    rotated pair of the full layers, 1e30 for the others)."""
+    values = c.to_dict()  # transformers refuses c.num_key_value_heads where full layers have their own
+    types, n_layer, shared = values["layer_types"], values["num_hidden_layers"], values["num_kv_shared_layers"]
+    full_head = next(v["head_dim"] for v in values["per_layer_config"].values())
+    full_kv = next(
+        v.get("num_key_value_heads", values["num_key_value_heads"]) for v in values["per_layer_config"].values()
+    )
+    inner = values["intermediate_size"]
+    writer.add_uint32("gemma4.context_length", values["max_position_embeddings"])
+    writer.add_uint32("gemma4.embedding_length", values["hidden_size"])
+    wide = [inner * (2 if values["use_double_wide_mlp"] and i >= n_layer - shared else 1) for i in range(n_layer)]
+    writer.add_array("gemma4.feed_forward_length", wide) if len(set(wide)) > 1 else writer.add_uint32(
+        "gemma4.feed_forward_length", inner
+    )
+    writer.add_uint32("gemma4.block_count", n_layer)
+    writer.add_uint32("gemma4.attention.head_count", values["num_attention_heads"])
+    kv = [values["num_key_value_heads"] if t == "sliding_attention" else full_kv for t in types]
+    writer.add_array("gemma4.attention.head_count_kv", kv) if len(set(kv)) > 1 else writer.add_uint32(
+        "gemma4.attention.head_count_kv", kv[0]
+    )
+    for key, size in (("attention.key_length", full_head), ("attention.value_length", full_head),
+                      ("attention.key_length_swa", values["head_dim"]),
+                      ("attention.value_length_swa", values["head_dim"]), ("rope.dimension_count", full_head),
+                      ("rope.dimension_count_swa", values["head_dim"])):  # fmt: skip
+        writer.add_uint32(f"gemma4.{key}", size)
+    rope = values["rope_parameters"]
+    writer.add_float32("gemma4.rope.freq_base", rope["full_attention"]["rope_theta"])
+    writer.add_float32("gemma4.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+    writer.add_float32("gemma4.attention.layer_norm_rms_epsilon", values["rms_norm_eps"])
+    writer.add_float32("gemma4.final_logit_softcapping", values["final_logit_softcapping"])
+    writer.add_uint32("gemma4.attention.sliding_window", values["sliding_window"])
+    writer.add_uint32("gemma4.attention.shared_kv_layers", shared)
+    writer.add_uint32("gemma4.embedding_length_per_layer_input", values["hidden_size_per_layer_input"])
+    writer.add_array("gemma4.attention.sliding_window_pattern", [t == "sliding_attention" for t in types])
+    rotated = int(full_head * rope["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * rotated + [1e30] * (full_head // 2 - rotated)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+
 def _write_qwen35_metadata(writer, c) -> None:
     """What conversion/qwen.py's Qwen3_5TextModel writes (no MTP block here)."""
     writer.add_uint32("qwen35.context_length", c.max_position_embeddings)
@@ -419,11 +490,12 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
     from test_gguf import _add_tokenizer  # pytest puts tests/ on the path
 
     c = hf.config
-    arch = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen35"}.get(c.model_type, c.model_type)
-    names = {"gemma3": GEMMA_NAMES, "gpt2": GPT2_NAMES, "phi3": PHI3_NAMES, "lfm2": LFM2_NAMES, "qwen35": QWEN35_NAMES}
-    names = names.get(arch, LLAMA_NAMES)
+    arch = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "qwen3_5_text": "qwen35"}.get(c.model_type, c.model_type)
+    names = {"gemma3": GEMMA_NAMES, "gemma4": GEMMA4_NAMES, "gpt2": GPT2_NAMES, "phi3": PHI3_NAMES, "lfm2": LFM2_NAMES,
+             "qwen35": QWEN35_NAMES}.get(arch, LLAMA_NAMES)  # fmt: skip
     writer = gguf.GGUFWriter(path, arch)
-    metadata = {"gpt2": _write_gpt2_metadata, "lfm2": _write_lfm2_metadata, "qwen35": _write_qwen35_metadata}
+    metadata = {"gpt2": _write_gpt2_metadata, "lfm2": _write_lfm2_metadata, "qwen35": _write_qwen35_metadata,
+                "gemma4": _write_gemma4_metadata}  # fmt: skip
     metadata[arch](writer, c) if arch in metadata else _write_metadata(writer, c, arch)
     if arch == "phi3":
         _write_phi3_extras(writer, c)
@@ -444,7 +516,9 @@ def write_gguf(hf: torch.nn.Module, path: Path) -> Path:
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(weight) + np.float32(shift))
     rope = getattr(c, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "llama3":
+    if arch == "gemma4":
+        pass  # its rope_freqs.weight was written with the metadata
+    elif rope.get("rope_type") == "llama3":
         writer.add_tensor(
             "rope_freqs.weight",
             llama3_rope_factors(rope, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads),

@@ -77,13 +77,16 @@ def save_random_model(folder: Path, classes: tuple[str, str], config: dict, *, s
 
     torch.manual_seed(seed)
     model = getattr(transformers, classes[1])(getattr(transformers, classes[0])(**config)).eval()
-    gemma = "Gemma" in classes[1]
+    gemma = "Gemma" in classes[1] and "Gemma4" not in classes[1]  # Gemma 4's norms scale by w itself
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("_proj.bias"):
                 param.normal_(0.0, 0.5)
             elif name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5) if gemma else param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, 1 when initialized
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     shutil.copyfile(BUNDLED_TOKENIZER, folder / "tokenizer.json")
     model.generation_config.eos_token_id = None  # transformers generates exactly the tokens asked for
@@ -186,7 +189,8 @@ def save_peft_adapter(hf, folder: Path, *, r: int, targets: list[str], rslora: b
 
     torch.manual_seed(seed)
     fan_in_fan_out = type(hf).__name__.startswith("GPT2")
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora, init_lora_weights=False,
+    alpha = extra.pop("lora_alpha", 2 * r)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False,
                         fan_in_fan_out=fan_in_fan_out, **extra)  # fmt: skip
     peft_model = get_peft_model(copy.deepcopy(hf), config).eval()
     peft_model.save_pretrained(folder)

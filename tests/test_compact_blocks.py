@@ -163,11 +163,12 @@ def test_runtime_folds_the_unpacking_away(files, tmp_path):
     assert not any(n.op_type == "BitShift" for n in graph.node)
 
 
-@pytest.mark.parametrize("level", [0, 4])
-def test_onnxruntime_genai_runs_a_compact_package(files, level, tmp_path):
+@pytest.mark.parametrize("level, compact", [(0, True), (4, True), (4, False)])
+def test_onnxruntime_genai_runs_a_compact_package(files, level, compact, tmp_path):
     """onnxruntime-genai folds the unpacking too (its sessions optimize at "all" unless told otherwise): llama.cpp's
-    Q4_K_M (a Q6_K value beside Q4_K query and key, a Q6_K tied table) gives edgelm's greedy ids."""
-    export_package(files["Q4_K_M"], tmp_path / "pkg", accuracy_level=level, progress=quiet)
+    Q4_K_M (a Q6_K value beside Q4_K query and key, a Q6_K tied table) gives edgelm's greedy ids; plain, the
+    embedding gathers the tied table through names of its own for the head's bytes (edgelm.onnxfile.SameBytes)."""
+    export_package(files["Q4_K_M"], tmp_path / "pkg", accuracy_level=level, compact_blocks=compact, progress=quiet)
     genai_options = json.loads((tmp_path / "pkg" / "genai_config.json").read_text())["model"]["decoder"]
     assert genai_options["session_options"]["graph_optimization_level"] == "ORT_ENABLE_ALL"  # folds the blocks
     prompt = [5, 17, 300, 42, 9, 100, 77]
@@ -177,10 +178,16 @@ def test_onnxruntime_genai_runs_a_compact_package(files, level, tmp_path):
     assert len(genai) > 3 and genai == ids[: len(genai)]
 
 
-def test_plain_blocks_at_the_command_line(files, tmp_path):
+@pytest.mark.parametrize(
+    "option, storage", [([], "plain"), (["--plain-blocks"], "plain"), (["--compact-blocks"], "compact")]
+)
+def test_storage_at_the_command_line(files, tmp_path, option, storage):
+    """Plain blocks are the default: compact ones load several times slower, at a peak of several copies of the
+    weights (docs/benchmarks.md, "Real sizes")."""
     from edgelm.cli import main
 
-    assert main(["export", str(files["Q2_K"]), str(tmp_path / "plain"), "--plain-blocks"]) == 0
-    graph = onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph
-    assert "lm_head.weight_Q8" in {i.name for i in graph.initializer} and graph.node[0].op_type != "BitShift"
-    assert '"storage": "plain"' in (tmp_path / "plain" / "edgelm.json").read_text()
+    assert main(["export", str(files["Q2_K"]), str(tmp_path / "pkg"), *option]) == 0
+    graph = onnx.load(str(tmp_path / "pkg" / "model.onnx"), load_external_data=False).graph
+    plain = "lm_head.weight_Q8" in {i.name for i in graph.initializer} and graph.node[0].op_type != "BitShift"
+    assert plain == (storage == "plain")
+    assert f'"storage": "{storage}"' in (tmp_path / "pkg" / "edgelm.json").read_text()

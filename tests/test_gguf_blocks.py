@@ -309,7 +309,7 @@ SMOLLM2_K = Path.home() / ".cache" / "edgelm" / "kquants" / "SmolLM2-135M-Instru
 @pytest.mark.skipif(not SMOLLM2_K.is_file(), reason=f"no {SMOLLM2_K} (make it: benchmarks/make_kquants.py)")
 def test_smollm2_q4_k_m_keeps_every_linear(tmp_path):
     """SmolLM2's Q4_K_M as llama.cpp writes it: 576 is no multiple of 256, so most linears are Q5_0."""
-    manifest = export_package(SMOLLM2_K, tmp_path / "pkg", progress=quiet)
+    manifest = export_package(SMOLLM2_K, tmp_path / "pkg", compact_blocks=True, progress=quiet)
     recipe = manifest["recipe"]
     assert recipe["kept_linears"] == 120 and recipe["float_linears"] == 0 and recipe["lm_head"] == "int8"
     assert recipe["gguf_types"]["embed_tokens"] == {"Q8_0": 1}

@@ -111,12 +111,19 @@ def _add_gguf_options(p: argparse.ArgumentParser) -> None:
         default=4,
         help="kept GGUF blocks: MatMulNBits' accuracy_level, 4 (default) int8 activations, 0 float",
     )
-    p.add_argument(
+    storage = p.add_mutually_exclusive_group()
+    storage.add_argument(
+        "--compact-blocks",
+        action="store_true",
+        help="kept GGUF blocks as small on disk as the file holds them: 5- and 6-bit values as bit planes, scales "
+        "as the file's own numbers, which ONNX Runtime unpacks at every load. Loading then takes several times "
+        "longer and a memory peak of several copies of the weights (a 1B model: 4.4 GB against 1.9 GB; "
+        "docs/benchmarks.md)",
+    )
+    storage.add_argument(
         "--plain-blocks",
         action="store_true",
-        help="kept GGUF blocks as MatMulNBits' own 4- and 8-bit arrays and float32 scales: a bigger package that "
-        "loads faster and with a lower memory peak (docs/results.md). By default 5- and 6-bit values are stored as "
-        "bit planes and scales as the file's own numbers, which ONNX Runtime unpacks when a session loads",
+        help="kept GGUF blocks as MatMulNBits' own 4- and 8-bit arrays and float32 scales (the default)",
     )
 
 
@@ -156,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         accuracy_level=args.accuracy_level,
         tolerance=args.tolerance,
         overwrite=args.overwrite,
-        compact_blocks=not args.plain_blocks,
+        compact_blocks=args.compact_blocks,
         lora=[parse_lora_argument(text) for text in args.lora],
         lora_slots=merge_slot_specs([parse_slot_argument(text) for text in args.lora_slots]),
         quantize=args.quantize,

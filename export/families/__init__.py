@@ -1,5 +1,6 @@
 """Model families: one module each (gpt2.py; llama.py for Llama, Mistral, Qwen2 and Qwen3; gemma.py for
-Gemma 3; smollm3.py; granite.py; phi3.py; lfm2.py and qwen35.py, the hybrids with layer states), holding how its
+Gemma 3; gemma4.py for Gemma 4's text model;
+smollm3.py; granite.py; phi3.py; lfm2.py and qwen35.py, the hybrids with layer states), holding how its
 Hugging Face folders and GGUF files load into its reference model, the Decoder (export/decoder.py) that model
 becomes, and its rows (`Family`, family.py). This table gathers the rows: the one list export, its error messages
 and the CLI's help read.
@@ -12,21 +13,17 @@ from __future__ import annotations
 
 from ..checkpoint import CheckpointError
 from ..gguf_metadata import GGUFError
-from . import gemma, gpt2, granite, lfm2, llama, phi3, qwen35, smollm3
+from . import gemma, gemma4, gpt2, granite, lfm2, llama, phi3, qwen35, smollm3
 from .family import Blocks, Family, GGUFLayout, checked_tokens, kept_blocks
 
 __all__ = ["FAMILIES", "Blocks", "Family", "GGUFLayout", "checked_tokens", "family_for", "gguf_family", "kept_blocks"]
 
-MODULES = (gpt2, llama, gemma, smollm3, granite, phi3, lfm2, qwen35)
+MODULES = (gpt2, llama, gemma, gemma4, smollm3, granite, phi3, lfm2, qwen35)
 FAMILIES: dict[str, Family] = {row.model_type: row for module in MODULES for row in module.ROWS}
 GGUF_FAMILIES: dict[str, Family] = {row.gguf.architecture: row for row in FAMILIES.values() if row.gguf}
 # families read and refused, with what is missing (config.json model_type or GGUF architecture -> why)
-GEMMA4 = (
-    "Gemma 4 is not supported: its full-attention layers cache keys of another head size (global_head_dim) and its "
-    "last layers read an earlier layer's cache (num_kv_shared_layers), which a package, one cache of one shape per "
-    "layer, cannot hold"
-)
-REFUSED = {"gemma4_text": GEMMA4, "gemma4": GEMMA4}
+REFUSED: dict[str, str] = {}
+GGUF_REFUSED: dict[str, str] = {}
 
 
 def family_for(model_type: object) -> Family:
@@ -42,8 +39,8 @@ def family_for(model_type: object) -> Family:
 
 def gguf_family(architecture: object) -> Family:
     """The family of a GGUF file's general.architecture."""
-    if architecture in REFUSED:
-        raise GGUFError(REFUSED[architecture])
+    if architecture in GGUF_REFUSED:
+        raise GGUFError(GGUF_REFUSED[architecture])
     if architecture not in GGUF_FAMILIES:
         raise GGUFError(f"architecture {architecture!r:.60} is not supported ({', '.join(sorted(GGUF_FAMILIES))} are)")
     return GGUF_FAMILIES[architecture]

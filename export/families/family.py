@@ -40,7 +40,7 @@ class Family:
     model_type: str  # the config.json model_type this row reads
     name: str  # the manifest's architecture.type (Gemma 3's image-and-text gemma3 exports as gemma3_text)
     label: str  # for people: help texts and error messages ("Qwen2/Qwen2.5")
-    genai_type: str  # onnxruntime-genai's model type, written to genai_config.json
+    genai_type: str | None  # onnxruntime-genai's model type for genai_config.json; None: genai cannot run it
     load: Callable[[Path], torch.nn.Module]  # a Hugging Face-layout folder -> reference model (eval, fp32)
     build: Callable[[dict, dict], torch.nn.Module]  # (config.json, state dict) -> reference model (GGUF files)
     decoder: Callable[..., Decoder]  # (reference model, *, blocks=None) -> what the fused graph is built from
@@ -51,6 +51,9 @@ class Family:
     lora_linears: tuple[tuple[str, str], ...] = ()
     # checkpoint linears the reference model holds split (Phi-3's qkv_proj): (name, its parts in row order)
     lora_packed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # LoRA: model -> {module path with %d: [(first output column, count), ...]} for the parts whose outputs are not
+    # one block in lora_linears' order inside their packed linear (Qwen3.5's q_proj: each head's query and gate)
+    lora_columns: Callable[[torch.nn.Module], dict[str, list[tuple[int, int]]]] | None = None
     # its reference model and Decoder read weights through export/lazy_weights.py (meta parameters with loaders:
     # export streams them); False: the model is read whole into memory as fp32 when opened
     lazy_weights: bool = False

@@ -242,6 +242,16 @@ def _build_from_gguf(hf: dict, state: dict) -> Lfm2:
     return build(config_from_hf(hf), state)
 
 
+# LoRA: the attention and convolution layers' own linears (slots only in the layers that hold them), and the MLP
+LORA_LINEARS = tuple(
+    (f"model.layers.%d.{path}", target)
+    for path, target in (
+        ("self_attn.q_proj", "qkv"), ("self_attn.k_proj", "qkv"), ("self_attn.v_proj", "qkv"),
+        ("self_attn.out_proj", "attention_out"), ("conv.in_proj", "conv.in_proj"), ("conv.out_proj", "conv.out_proj"),
+        ("feed_forward.w1", "up"), ("feed_forward.w3", "up"), ("feed_forward.w2", "down"),
+    )
+)  # fmt: skip
+
 ROWS = (
     Family(
         model_type="lfm2",
@@ -254,5 +264,6 @@ ROWS = (
         details=details,
         tokens=tokens,
         gguf=GGUFLayout(architecture="lfm2", config=gguf_config, tensors=gguf_tensors),
+        lora_linears=LORA_LINEARS,
     ),
 )

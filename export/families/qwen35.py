@@ -354,6 +354,30 @@ def _build_from_gguf(hf: dict, state: dict) -> Qwen35:
     return build(config_from_hf(hf), state)
 
 
+# LoRA: the gated attention's, the Gated DeltaNet's and the MLP's linears (slots only in the layers that hold them)
+LORA_LINEARS = tuple(
+    (f"model.layers.%d.{path}", target)
+    for path, target in (
+        ("self_attn.q_proj", "qkv"), ("self_attn.k_proj", "qkv"), ("self_attn.v_proj", "qkv"),
+        ("self_attn.o_proj", "attention_out"), ("linear_attn.in_proj_qkv", "delta_net.in_proj"),
+        ("linear_attn.in_proj_z", "delta_net.z"), ("linear_attn.in_proj_b", "delta_net.b"),
+        ("linear_attn.in_proj_a", "delta_net.a"), ("linear_attn.out_proj", "delta_net.out_proj"),
+        ("mlp.gate_proj", "up"), ("mlp.up_proj", "up"), ("mlp.down_proj", "down"),
+    )
+)  # fmt: skip
+
+
+def lora_columns(model: Qwen35) -> dict[str, list[tuple[int, int]]]:
+    """Where q_proj, k_proj and v_proj's outputs sit in the packed [Q, K, V, gate] linear (_gated_qkv): q_proj's
+    rows are each head's query then its gate."""
+    c = model.config
+    q, kv, hd = c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.head_dim
+    gate = q + 2 * kv
+    heads = [run for h in range(c.n_head) for run in ((h * hd, hd), (gate + h * hd, hd))]
+    attn = "model.layers.%d.self_attn."
+    return {f"{attn}q_proj": heads, f"{attn}k_proj": [(q, kv)], f"{attn}v_proj": [(q + kv, kv)]}
+
+
 ROWS = (
     Family(
         model_type="qwen3_5_text",
@@ -366,5 +390,7 @@ ROWS = (
         details=details,
         tokens=tokens,
         gguf=GGUFLayout(architecture="qwen35", config=gguf_config, tensors=gguf_tensors, left_out=gguf_left_out),
+        lora_linears=LORA_LINEARS,
+        lora_columns=lora_columns,
     ),
 )
