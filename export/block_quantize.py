@@ -1,5 +1,5 @@
-"""`export --quantize int4 | int8-weight-only`: a Hugging Face folder straight to a weight-only quantized package,
-block by block, with no fp32 package in between (on disk or in memory).
+"""`export --quantize int4 | int8-weight-only | fp16`: a Hugging Face folder straight to a weight-only quantized (or
+half-precision) package, block by block, with no fp32 package in between (on disk or in memory).
 
 The recipe is quantize/recipes.py's quantize_weight_only: every linear layer of the blocks in symmetric
 `bits`-bit blocks of `block_size` inputs, rounded to nearest, by the same ONNX Runtime kernels its
@@ -12,6 +12,11 @@ The proof compares the graph with the reference model computing on what the bloc
 weight of the reference is replaced by its blocks' values (quantized and dequantized when read), as for a GGUF
 file's kept blocks, so the check is the graph's, not the rounding's (the rounding's cost is what `quantize
 --eval-text` measures).
+
+fp16 is `quantize --mode fp16`'s conversion (edgelm/float16.py: onnxruntime's convert_float_to_float16) run on
+the fused graph before its weights are written, each float weight converted to float16 as it is written; its
+proof runs ONNX Runtime on the half-precision graph (float16 weights, activations, KV cache and logits) against
+the float64 reference on the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from functools import partial
 import numpy as np
 import torch
 
+from edgelm.float16 import FP16_FACTS, half_graph, to_half
+
 from .decoder import Decoder, Linear, NBits
 from .gguf_blocks import LazyRuns, Runs, dequantized
-from .lazy_weights import SLICE_BYTES, TensorLoader, lazy_parameter, read
+from .lazy_weights import SLICE_BYTES, LazyArray, TensorLoader, lazy_parameter, read
 
-QUANTIZE_MODES = ("int4", "int8-weight-only")
+WEIGHT_ONLY = ("int4", "int8-weight-only")
+QUANTIZE_MODES = (*WEIGHT_ONLY, "fp16")  # what export --quantize writes
 LM_HEADS = ("int8", "int4")  # quantize/recipes.py INT4_LM_HEADS
 
 
@@ -99,8 +107,8 @@ def quantize_decoder(
     """Every float linear of `decoder` as weight-only blocks and the LM head as `lm_head` blocks (the tied embedding
     gathering from them); the reference model's weights replaced by what the blocks hold. Returns the recipe
     (quantize/recipes.py quantize_weight_only's facts)."""
-    if mode not in QUANTIZE_MODES:
-        raise ValueError(f"unknown export quantization {mode!r}; valid: {', '.join(QUANTIZE_MODES)}")
+    if mode not in WEIGHT_ONLY:
+        raise ValueError(f"unknown weight-only quantization {mode!r}; valid: {', '.join(WEIGHT_ONLY)}")
     if lm_head not in LM_HEADS:
         raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(LM_HEADS)}")
     check_block_size(decoder, block_size)
@@ -155,3 +163,22 @@ def _quantize_reference(model: torch.nn.Module, *, bits: int, head_bits: int, bl
         if module is head:
             for embedding in tied:
                 embedding.weight = module.weight  # one parameter again
+
+
+def half_precision(graph, weights: dict) -> dict:
+    """export --quantize fp16: the fused graph (its weights held apart, in `weights`) converted as `quantize --mode
+    fp16` converts an fp32 package's; returns the recipe's facts. Each float weight the conversion turned to
+    float16 is read and converted when it is written, one at a time."""
+    converted, names = half_graph(graph)
+    graph.CopyFrom(converted)
+    for name in names:
+        weights[name] = _half(weights[name])
+    return FP16_FACTS | {"written_by": "export --quantize fp16 (tensor by tensor, no fp32 package)"}
+
+
+def _half(array) -> LazyArray:
+    def load() -> np.ndarray:
+        values = np.asarray(array, dtype=np.float32)  # a LazyArray is read now, once
+        return to_half(values.shape, lambda start, stop: values[start:stop])
+
+    return LazyArray(array.shape, load, np.float16)

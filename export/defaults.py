@@ -9,6 +9,9 @@ KEPT_FLOAT_TOLERANCE = 1e-3
 # not: on SmolLM2-135M (logits up to ~35) that moved logits by up to about 2. The check then
 # guards against a wrong graph (a wrong weight scrambles the logits), not against rounding.
 INT8_ACTIVATION_TOLERANCE = 4.0
+# export --quantize fp16: float16 weights and activations throughout (about 3 significant digits), against the
+# float64 reference on the checkpoint's own weights: like the int8 one, a guard against a wrong graph.
+FP16_TOLERANCE = 1.0
 DEFAULT_OPSET = 17
 # "fused": ONNX Runtime's GroupQueryAttention and a shared KV buffer (export/graph.py), the fast graph;
 # "standard": the traced graph of standard ONNX ops only, for runtimes other than ONNX Runtime.

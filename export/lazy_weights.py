@@ -38,8 +38,39 @@ class TensorLoader:
     def numel(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    # A family's work on its state dict (Phi-3's packed projections split, a GGUF file's squeezed axis put back)
+    # takes loaders as it takes tensors: these shape operations give loaders of their results, nothing read.
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def derived(self, change: Callable[[torch.Tensor], torch.Tensor]) -> TensorLoader:
+        """The loader of `change(tensor)` (a view, a slice, a reshaping): its shape found on the meta device."""
+        shape = tuple(change(torch.empty(self.shape, device="meta")).shape)
+        return TensorLoader(shape, lambda: change(self.load()))
+
     def t(self) -> TensorLoader:
-        return TensorLoader(tuple(reversed(self.shape)), lambda: self.load().t())
+        return self.derived(torch.Tensor.t)
+
+    def unsqueeze(self, dim: int) -> TensorLoader:
+        return self.derived(lambda x: x.unsqueeze(dim))
+
+    def reshape(self, *shape: int) -> TensorLoader:
+        return self.derived(lambda x: x.reshape(*shape))
+
+    def __getitem__(self, index) -> TensorLoader:
+        return self.derived(lambda x: x[index])
+
+    def split(self, sizes: int | list[int], dim: int = 0) -> tuple[TensorLoader, ...]:
+        count = len(torch.empty(self.shape, device="meta").split(sizes, dim))
+        return tuple(self.derived(lambda x, i=i: x.split(sizes, dim)[i]) for i in range(count))
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[TensorLoader, ...]:
+        count = len(torch.empty(self.shape, device="meta").chunk(chunks, dim))
+        return tuple(self.derived(lambda x, i=i: x.chunk(chunks, dim)[i]) for i in range(count))
 
 
 def lazy_parameter(loader: TensorLoader) -> torch.nn.Parameter:

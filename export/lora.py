@@ -40,7 +40,7 @@ from ..runtime.lora_contract import (
 from ..runtime.package import file_sha256, read_package
 from .decoder import Decoder
 from .families import Family
-from .lazy_weights import materialize
+from .lazy_weights import TensorLoader, is_lazy, lazy_parameter, read
 from .peft_adapter import OUTPUT_LAYER, LoraWeights, PeftAdapter, read_peft_adapter
 
 Progress = Callable[[str], None]
@@ -140,7 +140,7 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
         adapter.select(linears | dict.fromkeys(split, True), model_type=family)
         for path, saved in adapter.base_weights.items():  # PEFT loads them over the model's: they must be its own
             module = modules.get(path)
-            if module is None or not np.array_equal(saved, module.weight.detach().numpy()):
+            if module is None or not np.array_equal(saved, read(module.weight).float().numpy()):
                 raise AdapterError(
                     f"LoRA adapter {adapter.name}: it carries its own {path} weight (PEFT's save_embedding_layers) "
                     "and it differs from this model's (a resized vocabulary?); edgelm merges only LoRA weights"
@@ -169,14 +169,24 @@ def merge_adapters(model: torch.nn.Module, adapters: list[PeftAdapter], *, famil
                 )
     if any(OUTPUT_LAYER in adapter.modules for adapter in adapters) and model.config.tie_word_embeddings:
         head = modules[OUTPUT_LAYER]
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        weight = head.weight
+        head.weight = lazy_parameter(weight.loader) if is_lazy(weight) else torch.nn.Parameter(weight.detach().clone())
         model.config.tie_word_embeddings = False
-    with torch.no_grad():
-        for targets in expanded:
-            for path, weights in targets.items():
-                modules[path].weight += torch.from_numpy(weights.delta())
+    for targets in expanded:
+        for path, weights in targets.items():
+            modules[path].weight = _merged(modules[path].weight, weights)
     changed = [*(path for adapter in adapters for path in adapter.modules), *(p for t in expanded for p in t)]
     return {f"{path}.weight" for path in changed}  # a packed linear's parts and its own name (a GGUF file's blocks)
+
+
+def _merged(weight: torch.nn.Parameter, lora) -> torch.nn.Parameter:
+    """The weight plus the adapter's scale * B @ A, in float32, computed when the weight is read
+    (export/lazy_weights.py): a merge holds one adapted weight at a time, not the model."""
+
+    def load() -> torch.Tensor:
+        return read(weight).to(torch.float32) + torch.from_numpy(lora.delta())
+
+    return lazy_parameter(TensorLoader(tuple(weight.shape), load))
 
 
 def without_blocks(blocks, merged: set[str]):
@@ -195,7 +205,9 @@ def _selected(template: str, names: list[str]) -> bool:
 
 def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSlots:
     """The slots for `spec` on this model (base_sha256 left empty until the weights are written). A linear held by
-    some layers only (a hybrid model's attention or convolution layers) has slots in those layers."""
+    some layers only (a hybrid model's attention or convolution layers) has slots in those layers; layers whose
+    linear has other parts or widths (Gemma 4's KV-shared layers: Q alone; its full layers' larger heads) get a
+    slot record of their own, under the same per-layer names."""
     table = family.lora_linears
     if not table:
         raise AdapterError(f"the {family.name} family has no LoRA slots")
@@ -209,33 +221,38 @@ def plan_slots(model: torch.nn.Module, family: Family, spec: SlotSpec) -> LoraSl
     split = packed_paths(modules, family.lora_packed)
     n_layer = model.config.n_layer
     columns = family.lora_columns(model) if family.lora_columns is not None else {}
-    linears: dict[str, SlotLinear] = {}
-    offsets: dict[str, int] = {}
-    for template, linear in table:  # in the packed order: a part's offset counts the parts before it
-        layers = [i for i in range(n_layer) if template % i in modules or template % i in split]
-        if not layers:
-            continue
-        in_features, out_features = _linear_features(modules, split, template % layers[0])
-        offset = offsets.get(linear, 0)
-        offsets[linear] = offset + out_features
-        if not _selected(template, spec.modules):
-            continue
-        slot = linears.setdefault(
-            linear,
-            SlotLinear(f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", in_features, 0, [],
-                       None if len(layers) == n_layer else layers),
-        )  # fmt: skip
-        part = {"module": template, "offset": offset, "width": out_features}
-        if template in columns:
-            runs = [[first, count] for first, count in columns[template]]
-            assert sum(count for _, count in runs) == out_features, f"{template}'s columns miss some of its outputs"
-            part |= {"offset": runs[0][0], "columns": runs}
-        slot.parts.append(part)
-    for linear, slot in linears.items():
-        slot.out_features = offsets[linear]
+    groups: dict[tuple, SlotLinear] = {}  # (linear, its parts and widths) -> the slot of the layers that match
+    for i in range(n_layer):
+        offsets: dict[str, int] = {}
+        layer: dict[str, list[dict]] = {}
+        features: dict[str, int] = {}
+        for template, linear in table:  # in the packed order: a part's offset counts the parts before it
+            if template % i not in modules and template % i not in split:
+                continue
+            features[linear], out_features = _linear_features(modules, split, template % i)
+            offset = offsets.get(linear, 0)
+            offsets[linear] = offset + out_features
+            if not _selected(template, spec.modules):
+                continue
+            part = {"module": template, "offset": offset, "width": out_features}
+            if template in columns:
+                runs = [[first, count] for first, count in columns[template]]
+                assert sum(count for _, count in runs) == out_features, f"{template}'s columns miss some of its outputs"
+                part |= {"offset": runs[0][0], "columns": runs}
+            layer.setdefault(linear, []).append(part)
+        for linear, parts in layer.items():
+            key = (linear, features[linear], offsets[linear], repr(parts))
+            slot = groups.setdefault(key, SlotLinear(
+                f"layers.%d.{linear}.lora_A", f"layers.%d.{linear}.lora_B", features[linear], offsets[linear], parts, []
+            ))  # fmt: skip
+            slot.layers.append(i)
+    order = [linear for _, linear in table]
+    linears = [groups[key] for key in sorted(groups, key=lambda key: (order.index(key[0]), groups[key].layers[0]))]
+    for slot in linears:
+        slot.layers = None if len(slot.layers) == n_layer else slot.layers
     if not linears:
         raise AdapterError(f"no layer of this {family.name} model holds {', '.join(spec.modules)}")
-    return LoraSlots(spec.max_rank, list(spec.modules), n_layer, "", list(linears.values()))
+    return LoraSlots(spec.max_rank, list(spec.modules), n_layer, "", linears)
 
 
 def add_slots(decoder: Decoder, slots: LoraSlots) -> None:
@@ -362,7 +379,6 @@ def apply_lora(source, adapters: list[PeftAdapter], *, keeps_blocks: bool, progr
     (keeps_blocks: whether the package would keep a GGUF file's blocks at all)."""
     if not adapters:
         return
-    materialize(source.model)  # merging adds to every adapted weight: the model in memory, fp32
     merged = merge_adapters(source.model, adapters, family=source.family.name, packed=source.family.lora_packed)
     for adapter in adapters:
         ranks = sorted({w.rank for w in adapter.modules.values()})

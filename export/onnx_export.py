@@ -39,12 +39,13 @@ from ..runtime.contract import (
     Tokens,
     genai_config,
 )
-from .block_quantize import QUANTIZE_MODES, quantize_decoder
+from .block_quantize import QUANTIZE_MODES, half_precision, quantize_decoder
 from .checkpoint import check_finite
 from .decoder import Decoder
 from .defaults import (
     ATTENTION_KINDS,
     DEFAULT_OPSET,
+    FP16_TOLERANCE,
     INT8_ACTIVATION_TOLERANCE,
     KEPT_FLOAT_TOLERANCE,
     PARITY_TOLERANCE,
@@ -277,6 +278,7 @@ class _Plan:
     keep: bool
     tolerance: float
     quantized: bool = False  # export --quantize: blocks of its own rounding, stored plain
+    half: bool = False  # export --quantize fp16: the graph converted to float16 as its weights are written
 
     @property
     def fused(self) -> bool:
@@ -304,6 +306,11 @@ def _plan(
     manifest = build_manifest(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
     )
+    if quantize is not None and quantize["mode"] == "fp16":
+        manifest.precision = "fp16"
+        progress("      converting to float16 as written (quantize --mode fp16's conversion)")
+        tolerance = FP16_TOLERANCE if tolerance is None else tolerance
+        return _Plan(manifest=manifest, decoder=decoder, keep=False, tolerance=tolerance, half=True)
     if quantize is not None:
         manifest.recipe = quantize_decoder(decoder, source.model, **quantize)
         manifest.precision = quantize["mode"]
@@ -345,6 +352,9 @@ def _write_graph(
             compact=compact and not plan.quantized,
         )
         plan.decoder = None  # save_model drops each array once written: its float copies go one by one
+        if plan.half:
+            manifest.recipe = half_precision(graph, weights)
+            manifest.io.kv_dtype = "float16"
         with _bar(stored_bytes(weights), "writing weights", show=bars, unit="B") as bar:
             manifest.export["external_data"] = save_model(graph, path, weights=weights, on_write=bar.update)
     else:
@@ -460,6 +470,8 @@ def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Pr
     parity["reference"] = "PyTorch float64" if plan.fused else "PyTorch float32"
     if plan.quantized:
         parity["reference_weights"] = "what the blocks hold (quantized and dequantized)"
+    if plan.half:
+        parity["activations"] = "float16 (weights, activations, KV cache and logits)"
     if plan.keep and plan.manifest.recipe["accuracy_level"] == 4:
         parity["activations"] = "int8 (MatMulNBits accuracy_level 4)"
     return parity

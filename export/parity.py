@@ -126,7 +126,7 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def _prompts(config, *, decode_steps: int, seed: int, short: int = 5) -> tuple[torch.Tensor, list[int]]:
     """A batch of 2 right-padded prompts, of 7 and `short` tokens: ids (2, width) and the rows' lengths. A hybrid
     model's prompts are of one length (short 7): right padding would enter its states, so the runtime prefills a
-    batch of unequal prompts row by row (runtime/kvcache.py SharedStateCache)."""
+    batch of unequal prompts row by row (runtime/statecache.py SharedStateCache)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = [min(7, config.n_positions - decode_steps), min(short, config.n_positions - decode_steps)]
     return torch.randint(0, config.vocab_size, (2, max(lengths)), generator=generator), lengths
@@ -225,14 +225,13 @@ def _run_session(
     )  # fmt: skip
     past, present = arch.past_names(io), arch.present_names(io)
     states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run
+    dtype = np.float16 if io.kv_dtype == "float16" else np.float32  # an fp16 graph's cache and states are half
     for past_name, present_name, (layer, kind) in zip(past, present, arch.cache_layers(), strict=True):
         if kind in ("conv", "recurrent"):
-            values = [
-                ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), np.float32)) for _ in "ab"
-            ]
+            values = [ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), dtype)) for _ in "ab"]
             states.append([past_name, present_name, *values])
             continue
-        zeros = np.zeros(arch.cache_shape(kind, 2, layer, capacity), dtype=np.float32)
+        zeros = np.zeros(arch.cache_shape(kind, 2, layer, capacity), dtype=dtype)
         buffer = ort.OrtValue.ortvalue_from_numpy(zeros)
         binding.bind_ortvalue_input(past_name, buffer)
         binding.bind_ortvalue_output(present_name, buffer)

@@ -11,14 +11,18 @@ are made one sample at a time, as they are read.
 outputs and folds each feed's activations into running statistics, as onnxruntime's calibrators compute
 them (a running min and max; for percentile and entropy, its HistogramCollector, which merges histograms
 feed by feed), then drops them: memory is one feed's activations plus the histograms, whatever the number
-of samples. (onnxruntime's own histogram calibrators keep every feed's activations until the end.)
+of samples. (onnxruntime's own histogram calibrators keep every feed's activations until the end.) That one
+session also gives the reader each run's present keys/values for the next feed, and maps the package's
+weights without prepacked copies, so calibration holds the fp32 weights once (mapped from the data file),
+not a second session's copy of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -28,6 +32,7 @@ from onnxruntime.quantization import CalibrationDataReader
 
 from ..runtime import Model
 from ..runtime.kvcache import plain_feed
+from ..runtime.package import PackageSpec
 
 # onnxruntime's settings for each method (create_calibrator, with quantize's CalibTensorRangeSymmetric=False)
 HISTOGRAMS = {
@@ -36,12 +41,31 @@ HISTOGRAMS = {
 }
 
 
+@dataclass(frozen=True)
+class PackageFacts:
+    """What the reader needs of a package to make its feeds (a runtime Model's spec, uses_position_ids and
+    kv_dtype), read without building an ONNX Runtime session: calibrated_ranges runs the feeds."""
+
+    spec: PackageSpec
+    uses_position_ids: bool
+    kv_dtype: type = np.float32
+
+    @classmethod
+    def of(cls, spec: PackageSpec) -> PackageFacts:
+        graph = onnx.load(str(spec.model_path), load_external_data=False).graph
+        return cls(spec, spec.io.position_ids is not None and spec.io.position_ids in {i.name for i in graph.input})
+
+
 class DecoderCalibrationReader(CalibrationDataReader):
-    def __init__(self, model: Model, ids: np.ndarray, *, samples: int = 32, decode_steps: int = 4, seed: int = 0):
+    """model: a runtime Model, or PackageFacts where only calibrated_ranges runs the feeds."""
+
+    def __init__(
+        self, model: Model | PackageFacts, ids: np.ndarray, *, samples: int = 32, decode_steps: int = 4, seed: int = 0
+    ):
         if samples < 1:
             raise ValueError(f"calibration samples must be >= 1, got {samples}")
         self.model, self.ids, self.samples, self.decode_steps = model, ids, samples, decode_steps
-        window = min(model.context_length, 128)
+        window = min(model.spec.arch.context_length, 128)
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, max(1, len(ids) - window), size=samples)
         self.windows = []  # (tokens, prompt length) of each sample
@@ -55,16 +79,17 @@ class DecoderCalibrationReader(CalibrationDataReader):
     def __len__(self) -> int:
         return self.samples * (1 + self.decode_steps)
 
-    def feeds(self) -> Iterator[dict]:
-        """Every sample's prompt feed and decode-step feeds, made as they are read."""
+    def feeds(self) -> Generator[dict, list | None, None]:
+        """Every sample's prompt feed and decode-step feeds, made as they are read. Each decode step is fed the
+        present keys/values of the run before: those sent back (`send`) by whoever ran the feed, else the
+        package's own session's (a runtime Model's forward)."""
         model = self.model
         for tokens, prompt_length in _progress(self.windows, "calibration"):
-            yield plain_feed(model, tokens[:prompt_length][None, :])
-            past = model.forward(tokens[:prompt_length][None, :])[1]
+            prompt = tokens[:prompt_length][None, :]
+            past = (yield plain_feed(model, prompt)) or model.forward(prompt)[1]
             for step in range(self.decode_steps):
                 step_ids = tokens[prompt_length + step : prompt_length + step + 1][None, :]
-                yield plain_feed(model, step_ids, past)
-                past = model.forward(step_ids, past)[1]
+                past = (yield plain_feed(model, step_ids, past)) or model.forward(step_ids, past)[1]
 
     def get_next(self) -> dict | None:
         if self._iter is None:
@@ -86,20 +111,39 @@ def calibrated_ranges(source, reader: DecoderCalibrationReader, *, nodes: list[s
     session = _session(source, tensors)
     if method == "minmax":
         lowest, highest = {}, {}
-        for feed in reader.feeds():
-            for name, value in zip(tensors, session.run(tensors, feed), strict=True):
+        for outputs in _runs(session, tensors, reader):
+            for name, value in zip(tensors, outputs, strict=True):
                 # onnxruntime's ReduceMin / ReduceMax, reshaped to (1,), then nanmin / nanmax over the runs
                 low, high = np.nanmin(value).reshape(1), np.nanmax(value).reshape(1)
                 lowest[name] = low if name not in lowest else np.nanmin([lowest[name], low], axis=0)
                 highest[name] = high if name not in highest else np.nanmax([highest[name], high], axis=0)
         return TensorsData(CalibrationMethod.MinMax, {name: (lowest[name], highest[name]) for name in tensors})
     collector = HistogramCollector(method=method, symmetric=False, scenario="same", **HISTOGRAMS[method])
-    for feed in reader.feeds():
-        outputs = session.run(tensors, feed)
+    for outputs in _runs(session, tensors, reader):
         with contextlib.redirect_stdout(io.StringIO()):  # it prints a line on every call
             collector.collect({name: np.ravel(value) for name, value in zip(tensors, outputs, strict=True)})
     calibration = {"percentile": CalibrationMethod.Percentile, "entropy": CalibrationMethod.Entropy}[method]
     return TensorsData(calibration, collector.compute_collection_result())
+
+
+def _runs(session: ort.InferenceSession, tensors: list[str], reader: DecoderCalibrationReader) -> Iterator[list]:
+    """`tensors`' values on each of the reader's feeds, run once each: the run's present keys/values go back to
+    the reader for its next feed."""
+    spec = reader.model.spec
+    present = spec.io.present_names(spec.arch.n_layer, spec.arch.layer_types)
+    feeds = reader.feeds()
+    feed = next(feeds, None)
+    while feed is not None:
+        outputs = session.run([*tensors, *present], feed)
+        yield outputs[: len(tensors)]
+        feed = _send(feeds, outputs[len(tensors) :])
+
+
+def _send(feeds: Generator, present: list) -> dict | None:
+    try:
+        return feeds.send(present)
+    except StopIteration:
+        return None
 
 
 def _session(source, tensors: list[str]) -> ort.InferenceSession:
@@ -109,6 +153,7 @@ def _session(source, tensors: list[str]) -> ort.InferenceSession:
     model.graph.output.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in tensors)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as onnxruntime's calibrators
+    options.add_session_config_entry("session.disable_prepacking", "1")  # the mapped weights, no packed copies
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(source.path.parent))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 

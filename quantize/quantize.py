@@ -20,7 +20,8 @@ from ..runtime.contract import MANIFEST_FILE
 from ..runtime.files import read_text
 from ..runtime.onnx_external import external_data_locations
 from ..runtime.package import read_package
-from .calibration import DecoderCalibrationReader
+from ..runtime.text import Tokenizer
+from .calibration import DecoderCalibrationReader, PackageFacts
 from .evaluate import evaluate_package, text_chunks
 from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options
 from .weights import SourceModel
@@ -152,11 +153,13 @@ def _evaluate(staging: Path, manifest, eval_text, *, package: Path, out_dir: Pat
     )
 
 
-def _calibration(recipe, source, text: str | Path | None, *, samples: int):
-    """The calibration data reader a calibrated recipe runs on (None for the others)."""
+def _calibration(recipe, spec, text: str | Path | None, *, samples: int):
+    """The calibration data reader a calibrated recipe runs on (None for the others): its feeds are run by the
+    recipe's own session (quantize/calibration.py), so no session of the source is built for them."""
     if not recipe.calibrated:
         return None
-    return DecoderCalibrationReader(source, _calibration_ids(text, source.tokenizer), samples=samples)
+    tokenizer = Tokenizer(spec.tokenizer_path) if spec.tokenizer_path else None
+    return DecoderCalibrationReader(PackageFacts.of(spec), _calibration_ids(text, tokenizer), samples=samples)
 
 
 def quantize_package(
@@ -190,14 +193,14 @@ def quantize_package(
             "Runtime 1.32 crashes optimizing that graph in fp16; use int4, int8-weight-only or dynamic"
         )
     evaluated = evaluate and eval_text is not None and recipe.evaluated
-    # the fp32 package runs only to calibrate or to be compared with: loading it costs its size in memory
-    source = load(package, provider="cpu") if recipe.calibrated or evaluated else None
+    # the fp32 package runs only to be compared with: loading it costs its size in memory
+    source = load(package, provider="cpu") if evaluated else None
     options = Options(
         per_channel=True if per_channel is None else per_channel,
         block_size=block_size,
         int4_lm_head=int4_lm_head,
         calibration_method=calibration_method,
-        calibration=_calibration(recipe, source, calibration_text, samples=calibration_samples),
+        calibration=_calibration(recipe, spec, calibration_text, samples=calibration_samples),
     )
     if evaluated:
         for _ in text_chunks(eval_text, what="eval text"):  # text that is not UTF-8 fails now, not after the work

@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from edgelm.float16 import FP16_FACTS, half_graph, to_half
 from edgelm.nbits_gather import gather_from_nbits
 
 from .calibration import calibrated_ranges
@@ -361,40 +363,21 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
     }
 
 
-def _to_fp16(source: SourceModel, name: str) -> np.ndarray:
-    """onnxruntime's float32 -> float16 conversion of one weight (it clamps to float16's finite range and keeps
-    tiny values from becoming 0), a slab at a time: the conversion is per value."""
-    from onnxruntime.transformers.float16 import convert_np_to_float16
-
-    out = np.empty(source.dims(name), dtype=np.float16)
-    for start, stop in source.slabs(name):
-        out[start:stop] = convert_np_to_float16(np.asarray(source.rows(name, start, stop)))
-    return out
-
-
 def convert_fp16(src: Path, dst: Path) -> dict:
     """onnxruntime's convert_float_to_float16 on the graph; the float weights it converts (in its graph, a
-    type change) are converted as they are written."""
-    from unittest import mock
-
-    from onnxruntime.transformers import float16
-
+    type change) are converted as they are written (edgelm/float16.py, shared with export --quantize fp16)."""
     source = SourceModel(src)
-    # the converter reads a converted weight's values only for its shape (make_value_info_from_tensor): the dims
-    # say it without reading the weight
-    value_info = lambda tensor: helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)  # noqa: E731
-    with mock.patch.object(float16, "make_value_info_from_tensor", value_info):
-        converted = float16.convert_float_to_float16(source.model, keep_io_types=False, disable_shape_infer=True)
+    converted, names = half_graph(source.model)
     weights = {}
     for tensor in converted.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type == onnx.TensorProto.FLOAT16:
-            assert source.initializers[tensor.name].data_type == onnx.TensorProto.FLOAT, tensor.name
+        if tensor.name in names:
             shape = source.dims(tensor.name)
             tensor.data_location = onnx.TensorProto.DEFAULT
             del tensor.external_data[:]
-            weights[tensor.name] = Deferred(shape, np.float16, lambda name=tensor.name: _to_fp16(source, name))
+            rows = partial(source.rows, tensor.name)
+            weights[tensor.name] = Deferred(shape, np.float16, lambda shape=shape, rows=rows: to_half(shape, rows))
     write(converted, source, dst, weights)
-    return {"mode": "fp16", "note": "for GPU execution providers; KV cache and logits in float16"}
+    return FP16_FACTS
 
 
 @dataclass

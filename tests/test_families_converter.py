@@ -1,7 +1,8 @@
 """The SmolLM3, Granite (3 and dense 4.0), Phi-3 and Gemma 4 cases (tests/family_cases.py) through llama.cpp's
 own converter, convert_hf_to_gguf.py, rather than tests/family_cases.py's writer of its keys: the f32 file exports
 to transformers' logits and greedy tokens, and the q8_0 file, its blocks kept (MatMulNBits at accuracy level 0),
-to the logits of its own dequantized weights. The converter is the copy scripts/fetch_llamacpp_vocab.py keeps
+to the logits of its own dequantized weights; a Gemma 4 wide enough for K-quants (256) through llama.cpp's quantizer
+(Q4_K_M, with $EDGELM_LLAMA_CPP_PYTHON) the same. The converter is the copy scripts/fetch_llamacpp_vocab.py keeps
 from llama-cpp-python's source distribution (or a llama.cpp checkout at $EDGELM_LLAMA_CPP); the tests need
 sentencepiece (the converter imports it) and skip without it or without the converter.
 
@@ -20,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from family_cases import CASES as FAMILY_CASES
 from family_cases import NEW_TOKENS, PROMPTS
-from helpers import hf_greedy, quiet
+from helpers import hf_greedy, quiet, save_random_model
 
 from edgelm.runtime import load
 
@@ -101,3 +103,31 @@ def test_the_converters_files_export_exactly(case, llama_cpp, families, tmp_path
     with torch.no_grad():
         dequantized = open_source(q8).model(torch.from_numpy(ids))[0].numpy()
     assert float(np.abs(load(tmp_path / "q8", provider="cpu").forward(ids)[0] - dequantized).max()) < 1e-4
+
+
+# every linear's inputs a multiple of 256 (K-quant blocks): hidden, MLP, heads (4 x 64 sliding, 4 x 128 full), and
+# the per-layer input; KV sharing and double-wide MLPs as in the tiny case
+GEMMA4_WIDE = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 64,
+               "global_head_dim": 128, "hidden_size_per_layer_input": 256, "initializer_range": 0.075}  # fmt: skip
+
+
+def test_gemma4_q4_k_m_keeps_its_blocks_and_their_dequantized_logits(llama_cpp, tmp_path):
+    from test_hybrid_gguf import llama_python, run_llama
+
+    from edgelm.export.onnx_export import export_package
+    from edgelm.export.source import open_source
+
+    if llama_python() is None:
+        pytest.skip("set EDGELM_LLAMA_CPP_PYTHON to a Python that imports llama_cpp to run llama.cpp's quantizer")
+    case = FAMILY_CASES["gemma4_text-shared"]
+    save_random_model(tmp_path / "folder", case.classes, case.config | GEMMA4_WIDE)
+    f32 = convert(llama_cpp, tmp_path / "folder", "f32", tmp_path)
+    run_llama({"quantize": str(f32), "out": str(tmp_path / "Q4_K_M.gguf"), "type": "Q4_K_M"})
+    manifest = export_package(tmp_path / "Q4_K_M.gguf", tmp_path / "q4", accuracy_level=0, progress=quiet)
+    recipe = manifest["recipe"]
+    assert recipe["float_linears"] == 0 and recipe["kept_linears"] > 0
+    assert {"Q4_K", "Q6_K"} <= set(recipe["types"])
+    ids = np.array([PROMPTS[2]], dtype=np.int64)
+    with torch.no_grad():  # float64: the reference's own rounding stays below the tolerance
+        dequantized = open_source(tmp_path / "Q4_K_M.gguf").model.double()(torch.from_numpy(ids))[0].numpy()
+    assert float(np.abs(load(tmp_path / "q4", provider="cpu").forward(ids)[0] - dequantized).max()) < 1e-4

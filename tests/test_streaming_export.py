@@ -1,7 +1,8 @@
 """Streaming export (export/lazy_weights.py, export/block_quantize.py): a folder's weights are read when used, not
 held whole; a sharded bf16 folder exports to the same package as with every weight read into memory first; the
 float64 proof computed module by module is the whole-model float64 forward; progress bars appear on the long
-steps; `export --quantize` writes the same weights and logits as `export` then `quantize`."""
+steps; `export --quantize` (int4, int8-weight-only, fp16) writes the same weights and logits as `export` then
+`quantize`."""
 
 from __future__ import annotations
 
@@ -120,6 +121,33 @@ def test_export_quantize_is_export_then_quantize(bf16_sharded, streamed, tmp_pat
     ids = np.random.default_rng(1).integers(0, QWEN3["vocab_size"], (2, 7))
     logits = [load(p, provider="cpu").forward(ids)[0] for p in (direct, two_step)]
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_export_quantize_fp16_is_export_then_quantize(bf16_sharded, streamed, tmp_path) -> None:
+    """The same graph and weight bytes as quantize --mode fp16 writes from the fp32 package; the proof ran on the
+    half-precision graph (its cache and logits float16) and the package generates what the two-step one does."""
+    direct = tmp_path / "direct"
+    manifest = export_package(bf16_sharded, direct, quantize="fp16", progress=quiet, bars=False)
+    two_step = tmp_path / "two-step"
+    quantize_package(streamed, two_step, mode="fp16", progress=quiet)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (direct / name).read_bytes() == (two_step / name).read_bytes(), name
+    expected = json.loads((two_step / "edgelm.json").read_text())
+    assert (manifest["precision"], manifest["io"]["kv_dtype"]) == ("fp16", "float16")
+    assert manifest["recipe"]["mode"] == expected["recipe"]["mode"] == "fp16"
+    assert 0 < manifest["parity"]["max_abs_logit_diff"] <= manifest["parity"]["tolerance"]
+    ids = [load(p, provider="cpu").generate([5, 9, 300, 41], 8, ignore_eos=True).token_ids for p in (direct, two_step)]
+    assert ids[0] == ids[1]
+
+
+def test_export_quantize_fp16_from_a_gguf_file(families, tmp_path) -> None:
+    """A GGUF file's weights (dequantized where the file holds blocks) converted as written: again quantize's bytes."""
+    gguf = families.gguf("qwen3")
+    export_package(gguf, tmp_path / "direct", quantize="fp16", progress=quiet, bars=False)
+    export_package(gguf, tmp_path / "fp32", progress=quiet, bars=False)
+    quantize_package(tmp_path / "fp32", tmp_path / "two-step", mode="fp16", progress=quiet)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "two-step" / name).read_bytes(), name
 
 
 def test_export_quantize_needs_the_fused_graph(bf16_sharded, tmp_path) -> None:

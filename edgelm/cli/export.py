@@ -70,10 +70,10 @@ def add_parser(sub) -> None:
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
     p.add_argument(
         "--quantize",
-        choices=("int4", "int8-weight-only"),
+        choices=("int4", "int8-weight-only", "fp16"),
         default=None,
-        help="write a weight-only quantized package directly, block by block, with no fp32 package in between: "
-        "the recipe of `edgelm quantize --mode int4 / int8-weight-only` (MatMulNBits, round to nearest, symmetric)",
+        help="write a weight-only quantized (or half-precision) package directly, tensor by tensor, with no fp32 "
+        "package in between: the recipe of `edgelm quantize --mode int4 / int8-weight-only / fp16`",
     )
     p.add_argument("--block-size", type=int, default=32, help="--quantize: weights per scale (default 32)")
     p.add_argument(

@@ -489,6 +489,16 @@ def gguf_tensors(config: dict) -> dict[str, Entry]:
     return with_head(entries, config, c.vocab_size, hidden)
 
 
+# LoRA: a KV-shared layer has no k_proj or v_proj (nor a full layer's v_proj with attention_k_eq_v), so its qkv slot
+# is Q's alone; export/lora.py gives layers whose parts or widths differ (head sizes, double-wide MLPs) their own
+# slots. The model's per_layer_model_projection, outside the layers, has no slot (merged at export, it works).
+LORA_LINEARS = (
+    *llama.LORA_LINEARS,
+    ("model.layers.%d.per_layer_input_gate", "per_layer.gate"),
+    ("model.layers.%d.per_layer_projection", "per_layer.projection"),
+)
+
+
 def _row(model_type: str, renames: tuple, note: dict, gguf: GGUFLayout | None = None) -> Family:
     return Family(
         model_type=model_type,
@@ -502,6 +512,7 @@ def _row(model_type: str, renames: tuple, note: dict, gguf: GGUFLayout | None = 
         tokens=llama.tokens,
         gguf=gguf,
         lazy_weights=True,
+        lora_linears=LORA_LINEARS,
     )
 
 

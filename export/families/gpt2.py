@@ -20,17 +20,15 @@ from ...package_writer import StagedFiles, check_file_output
 from ...runtime.contract import TOKENIZER_FILE
 from ..checkpoint import (
     CONFIG_FILE,
-    PICKLE_FILE,
     SAFETENSORS_FILE,
     CheckpointError,
     config_context_length,
     config_errors,
     config_number,
     load_weights,
-    present,
     read_config,
     read_json,
-    read_pickle,
+    read_safetensors_folder,
 )
 from ..decoder import Decoder, Layer
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
@@ -102,25 +100,11 @@ def config_to_hf(config: GPTConfig) -> dict:
     return hf
 
 
-def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    if present(folder / SAFETENSORS_FILE):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        path = folder / SAFETENSORS_FILE
-        try:
-            return load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
-    if present(folder / PICKLE_FILE):
-        return read_pickle(folder / PICKLE_FILE)
-    raise FileNotFoundError(f"{folder} has no {SAFETENSORS_FILE} or {PICKLE_FILE}")
-
-
 def load_checkpoint(folder: str | Path) -> GPT:
-    """Load a GPT-2-layout checkpoint folder into the reference model (eval mode, fp32)."""
+    """Load a GPT-2-layout checkpoint folder into the reference model (eval mode), its weights read when used
+    (export/lazy_weights.py)."""
     folder = Path(folder)
-    return build_gpt(config_from_hf(read_config(folder)), _read_state_dict(folder))
+    return build_gpt(config_from_hf(read_config(folder)), read_safetensors_folder(folder, lazy=True))
 
 
 def build_gpt(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:

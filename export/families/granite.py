@@ -80,7 +80,8 @@ def hybrid_config_from_hf(hf: dict) -> GraniteConfig:
 
 
 def hybrid_state(state: dict[str, torch.Tensor], config: GraniteConfig) -> dict[str, torch.Tensor]:
-    """shared_mlp.input_linear split into gate_proj and up_proj (gate first, views), output_linear as down_proj."""
+    """shared_mlp.input_linear split into gate_proj and up_proj (gate first, views or loaders of them),
+    output_linear as down_proj."""
     out = {}
     for name, tensor in state.items():
         if name.endswith("shared_mlp.input_linear.weight"):
@@ -142,6 +143,7 @@ def _row(model_type: str, load, build, gguf: GGUFLayout | None) -> Family:
         tokens=llama.tokens,
         gguf=gguf,
         lora_linears=llama.LORA_LINEARS,
+        lazy_weights=True,
     )
 
 

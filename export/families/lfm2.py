@@ -104,7 +104,7 @@ def build(config: Lfm2Config, state: dict[str, torch.Tensor]) -> Lfm2:
 
 def load(folder: str | Path) -> Lfm2:
     folder = Path(folder)
-    return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder))
+    return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder, lazy=True))
 
 
 def decoder(model: Lfm2, *, blocks: Blocks | None = None) -> Decoder:
@@ -265,5 +265,6 @@ ROWS = (
         tokens=tokens,
         gguf=GGUFLayout(architecture="lfm2", config=gguf_config, tensors=gguf_tensors),
         lora_linears=LORA_LINEARS,
+        lazy_weights=True,
     ),
 )

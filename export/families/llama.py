@@ -171,16 +171,16 @@ def load_llama(
     transform: Callable[[dict, LlamaConfig], dict] | None = None,
 ) -> Llama:
     """Load a Hugging Face llama / mistral / qwen2 / qwen3 folder (or, with the family's config mapping and
-    tensor renames, a Gemma 3 one) into the reference model (eval mode, fp32). transform: a family's own work
-    on the state dict (Phi-3's packed projections split, ...), which reads the weights whole, not lazily.
+    tensor renames, a Gemma 3 one) into the reference model (eval mode), its weights read when used
+    (export/lazy_weights.py). transform: a family's own work on the state dict (Phi-3's packed projections
+    split, ...), given TensorLoaders, whose shape operations (split, chunk, reshape, ...) read nothing.
     The config's BOS/EOS ids are those of read_extras (generation_config.json first)."""
     folder = Path(folder)
     config = config_from_hf(read_config(folder))
     extras = read_extras(folder)
     config = dataclasses.replace(config, bos_token_id=extras["bos_token_id"], eos_token_ids=extras["eos_token_ids"])
-    if transform is not None:
-        return build_llama(config, transform(read_safetensors_folder(folder), config))
-    return build_llama(config, renamed(read_safetensors_folder(folder, lazy=True), renames))
+    state = renamed(read_safetensors_folder(folder, lazy=True), renames)
+    return build_llama(config, state if transform is None else transform(state, config))
 
 
 def _gguf_head_dim(meta: dict, arch: str) -> int:

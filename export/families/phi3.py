@@ -117,7 +117,7 @@ def config_from_hf(hf: dict) -> Phi3Config:
 
 def split_packed(state: dict[str, torch.Tensor], config: Phi3Config) -> dict[str, torch.Tensor]:
     """`state` with each layer's qkv_proj split into q_proj, k_proj, v_proj and gate_up_proj into gate_proj and
-    up_proj (views, no copies), every packed shape checked."""
+    up_proj (views, no copies; of TensorLoaders, loaders of the parts, nothing read), every packed shape checked."""
     q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     out = {}
     for name, tensor in state.items():
@@ -224,5 +224,6 @@ ROWS = (
         gguf=GGUFLayout(architecture="phi3", config=gguf_config, tensors=gguf_tensors, also_read=FACTORS),
         lora_linears=LORA_LINEARS,
         lora_packed=LORA_PACKED,
+        lazy_weights=True,
     ),
 )

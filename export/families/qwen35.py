@@ -36,6 +36,7 @@ from ..checkpoint import (
 from ..decoder import Decoder, DeltaNet, Layer, Linear, NBits
 from ..gguf_blocks import LazyRuns, Runs, by_rows
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
+from ..lazy_weights import LazyArray, read
 from ..limits import MAX_NORM_EPSILON
 from ..qwen35 import ATTENTION, LINEAR, Qwen35, Qwen35Config, rope_inv_freq
 from .family import Blocks, Family, GGUFLayout, array, checked_tokens, head_blocks, kept_blocks, linear, norm, packed
@@ -102,7 +103,7 @@ def build(config: Qwen35Config, state: dict[str, torch.Tensor]) -> Qwen35:
 
 def load(folder: str | Path) -> Qwen35:
     folder = Path(folder)
-    return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder))
+    return build(config_from_hf(read_config(folder)), read_safetensors_folder(folder, lazy=True))
 
 
 def _rows_of(part: Runs | LazyRuns, rows: np.ndarray) -> Runs | LazyRuns:
@@ -123,16 +124,19 @@ def _gated_qkv(attn, blocks: Blocks | None, prefix: str) -> Linear:
         q, k, v = nbits.sources
         sources = [_rows_of(q, rows[:, 0].ravel()), k, v, _rows_of(q, rows[:, 1].ravel())]
         nbits = NBits(nbits.bits, nbits.block_size, sources)
-    bias = None
-    if attn.q_proj.bias is not None:
-        q_bias = attn.q_proj.bias.detach().view(heads, 2, hd)
-        bias = array(torch.cat([q_bias[:, 0].flatten(), attn.k_proj.bias, attn.v_proj.bias, q_bias[:, 1].flatten()]))
+
+    def gated(kind: str) -> torch.Tensor:  # read (export/lazy_weights.py) when the graph writes it
+        query, k, v = (read(getattr(getattr(attn, name), kind)) for name in ("q_proj", "k_proj", "v_proj"))
+        query = query.view(heads, 2, hd, *query.shape[1:])
+        rest = k.shape[1:]
+        return torch.cat([query[:, 0].reshape(heads * hd, *rest), k, v, query[:, 1].reshape(heads * hd, *rest)])
+
+    bias = None if attn.q_proj.bias is None else gated("bias").to(torch.float32).numpy()
     if nbits is not None:
         return Linear(None, bias, nbits)
-    q_rows = attn.q_proj.weight.detach().view(heads, 2, hd, -1)
-    weight = torch.cat([q_rows[:, 0].reshape(heads * hd, -1), attn.k_proj.weight, attn.v_proj.weight,
-                        q_rows[:, 1].reshape(heads * hd, -1)])  # fmt: skip
-    return Linear(array(weight).T, bias)
+    rows = sum(getattr(attn, name).weight.shape[0] for name in ("q_proj", "k_proj", "v_proj"))
+    weight = LazyArray((rows, attn.q_proj.weight.shape[1]), lambda: gated("weight").to(torch.float32).numpy())
+    return Linear(weight.T, bias)
 
 
 def tiled_heads(k_heads: int, v_heads: int) -> np.ndarray:
@@ -148,7 +152,8 @@ def _delta_net(la, c: Qwen35Config, kept) -> DeltaNet:
     return DeltaNet(
         in_proj=linear(la.in_proj_qkv, kept(["in_proj_qkv"])), z=linear(la.in_proj_z, kept(["in_proj_z"])),
         b=linear(la.in_proj_b, kept(["in_proj_b"])), a=linear(la.in_proj_a, kept(["in_proj_a"])),
-        conv_weight=array(la.conv1d.weight), a_log=array(la.A_log), dt_bias=array(la.dt_bias), norm=norm(la.norm),
+        conv_weight=array(la.conv1d.weight), a_log=read(la.A_log).to(torch.float32).numpy(),
+        dt_bias=array(la.dt_bias), norm=norm(la.norm),
         out_proj=linear(la.out_proj, out), k_heads=c.linear_k_heads, v_heads=c.linear_v_heads, k_dim=c.linear_k_dim,
         v_dim=c.linear_v_dim, out_heads=tiled_heads(c.linear_k_heads, c.linear_v_heads) if tiled else None,
     )  # fmt: skip
@@ -392,5 +397,6 @@ ROWS = (
         gguf=GGUFLayout(architecture="qwen35", config=gguf_config, tensors=gguf_tensors, left_out=gguf_left_out),
         lora_linears=LORA_LINEARS,
         lora_columns=lora_columns,
+        lazy_weights=True,
     ),
 )

@@ -76,5 +76,6 @@ ROWS = (
         tokens=llama.tokens,
         gguf=GGUFLayout(architecture="smollm3", config=gguf_config, tensors=gguf_tensors),
         lora_linears=llama.LORA_LINEARS,
+        lazy_weights=True,
     ),
 )
