@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from edgelm.runtime import model as runtime_model
-from edgelm.runtime.kvcache import STATE_KINDS, kv_cache_bytes, make_cache
+from edgelm.runtime.kvcache import kv_cache_bytes, make_cache
+from edgelm.runtime.kvdrivers import STATE_KINDS
 
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
