@@ -15,14 +15,18 @@ model, `smollm` for SmolLM2's folder in case its rebuilt tokenizer.json hashes d
 Hub's). A tokenizer the converter recognizes keeps its own name. The benchmark feeds token ids, never
 text, so the vocabulary in the GGUF does not enter the figures.
 
-    python benchmarks/llamacpp_peer.py convert FOLDER OUT.gguf --outtype f32|q8_0 [--pre-tokenizer gpt-2]
-    .venv-llamacpp/bin/python benchmarks/llamacpp_peer.py quantize IN.gguf OUT.gguf --type q4_0
+    python benchmarks/llamacpp_peer.py convert FOLDER OUT.gguf --outtype f32|f16|q8_0 [--pre-tokenizer gpt-2]
+    .venv-llamacpp/bin/python benchmarks/llamacpp_peer.py quantize IN.gguf OUT.gguf --type q4_0|q4_k_m
+
+The converter is looked for in $LLAMA_CPP (a llama.cpp source tree) when set, else where
+benchmarks/setup_llamacpp.sh unpacks it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -31,12 +35,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"  # made by benchmarks/setup_llamacpp.sh
-CONVERTER = REPO / "benchmarks" / ".llamacpp" / "llama.cpp" / "convert_hf_to_gguf.py"
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP", REPO / "benchmarks" / ".llamacpp" / "llama.cpp"))
+CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
 SETUP = "run benchmarks/setup_llamacpp.sh to make it, or pass --llamacpp-python"
 # benchmark precision -> (GGUF type, how it is made): peers.py's precision names, so that rows line up;
 # q8_0 sits with the dynamic int8 rows since ggml quantizes activations to 8 bits per block at run time
 GGUF_TYPES = {"fp32": ("f32", "converter"), "int8-dynamic": ("q8_0", "converter"), "int4": ("q4_0", "quantize")}
-QUANTIZE_FTYPES = {name: f"LLAMA_FTYPE_MOSTLY_{name.upper()}" for name in ("q4_0", "q4_1", "q8_0")}  # llama_cpp names
+QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k_m")
+QUANTIZE_FTYPES = {name: f"LLAMA_FTYPE_MOSTLY_{name.upper()}" for name in QUANTIZE_TYPES}  # llama_cpp names
 
 
 # ---- in this interpreter: the converter --------------------------------------------------------
@@ -108,6 +114,8 @@ def interpreter(python: Path) -> dict:
 
 # ---- in the llama-cpp-python interpreter -------------------------------------------------------
 
+MAX_BATCH = 512  # llama.cpp's own default n_ubatch: a 16k-token prompt in one batch holds a 16k x 16k score matrix
+
 
 def quantize(source: Path, target: Path, *, gguf_type: str, threads: int = 2) -> None:
     import llama_cpp
@@ -124,9 +132,10 @@ def quantize(source: Path, target: Path, *, gguf_type: str, threads: int = 2) ->
 
 def child_llamacpp(path: str, prompt: list[int], args) -> dict:
     """llama-cpp-python's Llama: the whole prompt in one batch (n_batch = n_ubatch = the prompt's
-    length or more), greedy sampling in llama.cpp's sampler chain (temp 0 -> greedy), EOS not checked
-    (generate() never stops on it). The model file is memory-mapped, llama.cpp's default, so its pages
-    count in peak RSS once read. `path` is a GGUF file, or a folder with exactly one."""
+    length or more, up to MAX_BATCH: a longer prompt goes in batches of that many), greedy sampling in
+    llama.cpp's sampler chain (temp 0 -> greedy), EOS not checked (generate() never stops on it). The
+    model file is memory-mapped, llama.cpp's default, so its pages count in peak RSS once read. `path` is a
+    GGUF file, or a folder with exactly one."""
     import llama_cpp
 
     model_file = Path(path)
@@ -135,7 +144,7 @@ def child_llamacpp(path: str, prompt: list[int], args) -> dict:
         assert len(found) == 1, f"expected one .gguf file in {path}, found {[f.name for f in found]}"
         model_file = found[0]
     n_ctx = len(prompt) + args.new_tokens
-    batch = max(512, len(prompt))
+    batch = min(max(512, len(prompt)), MAX_BATCH)
     started = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=str(model_file),
@@ -182,7 +191,7 @@ def main() -> int:
     to_gguf = commands.add_parser("convert", help="a Hugging Face folder to GGUF with llama.cpp's converter")
     to_gguf.add_argument("folder", type=Path)
     to_gguf.add_argument("outfile", type=Path)
-    to_gguf.add_argument("--outtype", choices=("f32", "q8_0"), default="f32")
+    to_gguf.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default="f32")
     to_gguf.add_argument("--pre-tokenizer", help="the name to write for a pre-tokenizer the converter does not know")
     requantize = commands.add_parser("quantize", help="a GGUF file to another type (llama-cpp-python interpreter)")
     requantize.add_argument("source", type=Path)

@@ -54,6 +54,40 @@ SHAPES = {
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643,
         eos_token_id=151645,
     ),
+    "qwen3.5-0.8b": dict(  # Gated DeltaNet x3 + gated attention, repeated
+        model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, intermediate_size=3584, vocab_size=248320, tie_word_embeddings=True,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, bos_token_id=248044, eos_token_id=248046,
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+    ),
+    "lfm2-1.2b": dict(  # short convolutions, attention at 6 of 16 layers; FFN 12288 auto-adjusted to 8192
+        model_type="lfm2", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=12288, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+        vocab_size=65536, tie_word_embeddings=True, max_position_embeddings=128000, norm_eps=1e-5,
+        layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), bos_token_id=1, eos_token_id=7,
+        pad_token_id=0,
+    ),
+    "phi-4-mini": dict(  # 3.8B, LongRoPE (the factors: stand-ins of the real length, 48 = 128 x 0.75 / 2)
+        model_type="phi3", hidden_size=3072, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=200064, tie_word_embeddings=True, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=199999, eos_token_id=199999,
+        pad_token_id=199999, sliding_window=None,
+        rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+            short_factor=[1.0] * 48, long_factor=[1.0 + 0.6 * i for i in range(48)],
+        ),
+    ),
+    "gemma-4-e2b": dict(  # per-layer embeddings, the last 20 layers reuse earlier layers' keys and values
+        model_type="gemma4_text", hidden_size=1536, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=256, global_head_dim=512, intermediate_size=6144, use_double_wide_mlp=True, num_kv_shared_layers=20,
+        hidden_size_per_layer_input=256, vocab_size=262144, vocab_size_per_layer_input=262144,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7, sliding_window=512,
+        final_logit_softcapping=30.0, max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
     "qwen3-tiny": dict(  # the same code path in seconds
         model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=128, vocab_size=151936, tie_word_embeddings=True,
@@ -61,7 +95,15 @@ SHAPES = {
         eos_token_id=151645,
     ),
 }  # fmt: skip
-VOCABS = {"qwen3": "ggml-vocab-qwen2.gguf", "llama": "ggml-vocab-llama-bpe.gguf"}
+# the tokenizer of each model type from llama.cpp's vocabulary files; LFM2's and Phi-4-mini's own (a 65k BPE, OpenAI's
+# o200k) are not among them, so GPT-2's and Qwen2's byte-level BPEs stand in: the vocabulary's size (the embedding,
+# the head) is the real one, ids past the tokenizer's are padding tokens in llama.cpp's converter
+VOCABS = {
+    "qwen3": "ggml-vocab-qwen2.gguf", "llama": "ggml-vocab-llama-bpe.gguf", "qwen3_5_text": "ggml-vocab-qwen35.gguf",
+    "lfm2": "ggml-vocab-gpt-2.gguf", "phi3": "ggml-vocab-qwen2.gguf", "gemma4_text": "ggml-vocab-gemma-4.gguf",
+}  # fmt: skip
+# llama.cpp's Phi-3 converter reads a byte-level BPE only when tokenizer_config.json names GPT2Tokenizer
+TOKENIZER_CLASSES = {"phi3": "GPT2Tokenizer"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -147,6 +189,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(LLAMA_CPP / "models", gguf_file=VOCABS[shape["model_type"]])
     tokenizer.save_pretrained(args.out)
     drop_tokens_past(args.out, shape["vocab_size"])
+    if shape["model_type"] in TOKENIZER_CLASSES:
+        path = args.out / "tokenizer_config.json"
+        path.write_text(
+            json.dumps(json.loads(path.read_text()) | {"tokenizer_class": TOKENIZER_CLASSES[shape["model_type"]]})
+        )
     shard_bytes = int(args.shard_gb * 1e9) if args.shard_gb else 1 << 62
     write_weights(state, args.out, dtype=DTYPES[args.dtype], shard_bytes=shard_bytes)
     print(f"{args.shape}: {sum(m.numel() for m in state.values()) / 1e6:.1f}M parameters in {args.out}")

@@ -26,7 +26,8 @@ Linear layers are MatMul (+ Add for a bias) with constant weights, so quantize/ 
 them; a tied embedding is one (C, V) matrix read by both the LM head and a Gather along axis 1. A Linear
 that carries MatMulNBits blocks (a GGUF file's own quantization, export/decoder.py NBits) becomes a
 com.microsoft MatMulNBits node on them instead (plus a MatMul of x's block sums by the blocks' offsets for
-Q4_1's w = d * q + m), and a tied embedding then gathers from the head's blocks.
+Q4_1's w = d * q + m), and a tied embedding then gathers from the head's blocks (export/graph_blocks.py).
+The token mixers (attention, LFM2's convolution, Qwen3.5's Gated DeltaNet) are export/graph_mixers.py's.
 
 The weights are not copied into the graph: its initializers are placeholders and the arrays travel beside
 it, for edgelm.onnxfile.save_model to write one at a time.
@@ -34,144 +35,29 @@ it, for edgelm.onnxfile.save_model to write one at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
-
-from edgelm.nbits_gather import gather_from_nbits
-from edgelm.onnxfile import SameBytes, placeholder
+from onnx import TensorProto, helper
 
 from ..runtime.contract import IONames
-from .compact_blocks import write_blocks
-from .decoder import Decoder, DeltaNet, Layer, Linear, NBits, Norm, ShortConv
-from .lazy_weights import LazyArray
-
-MS_DOMAIN = "com.microsoft"
-
-
-def _nbits_names(prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
-    """MatMulNBits' B and scales, and the block offsets (None: the blocks have none)."""
-    offsets = f"{prefix}.weight_block_offsets" if nbits.has_offsets else None
-    return f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales", offsets
+from .decoder import Decoder, Layer, Linear, Norm
+from .graph_blocks import _BlockNodes, _gather_blocks, _gather_embedding_blocks
+from .graph_mixers import _Mixers, _Rotary
+from .graph_nodes import MS_DOMAIN
 
 
-class _NBitsArrays:
-    """A linear's MatMulNBits arrays from one unpacking of its blocks, which is let go once all `uses` are read."""
-
-    def __init__(self, nbits: NBits, uses: int):
-        self.nbits, self.uses, self.parts = nbits, uses, None
-
-    def _take(self, array: str) -> np.ndarray:
-        if self.parts is None:
-            self.parts = self.nbits.parts
-        value = getattr(NBits(self.nbits.bits, self.nbits.block_size, self.parts), array)
-        self.uses -= 1
-        if self.uses == 0:
-            self.parts = None
-        return value
-
-    def packed(self) -> np.ndarray:
-        return self._take("packed")
-
-    def scales(self) -> np.ndarray:
-        return self._take("scales")
-
-    def block_offsets(self) -> np.ndarray:
-        return self._take("block_offsets")
-
-
-class _GraphBuilder:
-    """Collects nodes and initializers; names every node after its output."""
+class _GraphBuilder(_BlockNodes, _Mixers):
+    """The fused graph's builder: its primitives (export/graph_nodes.py), kept-block linears
+    (export/graph_blocks.py), token mixers (export/graph_mixers.py), and here the linears, norms and MLPs."""
 
     def __init__(self, *, accuracy_level: int, compact: bool):
-        self.weight_nodes: list[onnx.NodeProto] = []  # compact blocks' unpacking, first in the graph
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []  # placeholders: the data is in `weights`
-        self.weights: dict[str, np.ndarray] = {}
-        self.value_info: list[onnx.ValueInfoProto] = []
+        super().__init__()
         self.accuracy_level = accuracy_level  # MatMulNBits: 0 float activations, 4 int8 activations
         self.compact = compact  # kept blocks as bit planes and factors (export/compact_blocks.py)
         self.lora_inputs: list[onnx.ValueInfoProto] = []  # LoRA slots' A and B: overridable, zero-size by default
         # with KV sharing: a layer's prefix ("layers.3") -> the key and value inputs of its attention node, for the
         # layers that read its cache
         self.kv_inputs: dict[str, list[str]] | None = None
-
-    def float_output(self, name: str, shape: list) -> str:
-        """Declare a contrib op's output: ONNX shape inference cannot type com.microsoft nodes, and the
-        quantizers need the type of every tensor a MatMul reads."""
-        self.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
-        return name
-
-    def constant(self, name: str, array: np.ndarray) -> str:
-        """An initializer; floating arrays but float16 ones are written as float32 (by save_model, no copy here)."""
-        array = array if isinstance(array, LazyArray) else np.asarray(array)  # a LazyArray is read when written
-        self.initializers.append(placeholder(name, array))
-        self.weights[name] = array
-        return name
-
-    def small_constant(self, name: str, array: np.ndarray) -> str:
-        """A Constant node, not an initializer: saving the weights as external data then never moves
-        the values that shape inference needs (a ReduceSum's axes, a Slice's bounds)."""
-        self.nodes.append(helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(array)))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], output: str, *, domain: str = "", **attributes) -> str:
-        self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, domain=domain, **attributes))
-        return output
-
-    def weight_op(self, op_type: str, inputs: list[str], output: str, **attributes) -> str:
-        """A node of constants only, which ONNX Runtime folds at load (export/compact_blocks.py)."""
-        self.weight_nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attributes))
-        return output
-
-    def nbits_weights(self, prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
-        """MatMulNBits' B and scales and the block offsets (None: none), as initializers or, compact, as the
-        outputs of nodes that compute them from smaller ones."""
-        packed, scales, offsets = _nbits_names(prefix, nbits)
-        if self.compact:
-            write_blocks(self, nbits, packed=packed, scales=scales, offsets=offsets)
-        else:  # unpacked (or quantized) when written, once for the three arrays (save_model writes them in turn)
-            k, n = nbits.shape
-            runs = k // nbits.block_size
-            arrays = _NBitsArrays(nbits, 3 if offsets is not None else 2)
-            self.constant(packed, LazyArray((n, runs, nbits.block_size * nbits.bits // 8), arrays.packed, np.uint8))
-            self.constant(scales, LazyArray((n, runs), arrays.scales))
-            if offsets is not None:
-                self.constant(offsets, LazyArray((runs, n), arrays.block_offsets))
-        return packed, scales, offsets
-
-    def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:
-        """x @ W on the blocks; with block offsets (Q4_1's w = d * q + m) the integer-zero-point product
-        plus (block sums of x) @ offsets, which keeps ONNX Runtime on its fast kernels."""
-        k, n = nbits.shape
-        packed, scales, offsets = self.nbits_weights(prefix, nbits)
-        product = output if offsets is None else f"{output}/blocks"
-        self.nodes.append(
-            helper.make_node(
-                "MatMulNBits",
-                [x, packed, scales],
-                [product],
-                name=product,
-                domain=MS_DOMAIN,
-                K=k,
-                N=n,
-                bits=nbits.bits,
-                block_size=nbits.block_size,
-                accuracy_level=self.accuracy_level,
-            )
-        )
-        self.float_output(product, ["batch_size", "sequence_length", n])
-        if offsets is None:
-            return product
-        split = np.array([0, 0, k // nbits.block_size, nbits.block_size], dtype=np.int64)
-        shape = self.small_constant(f"{prefix}/block_shape", split)
-        blocks = self.op("Reshape", [x, shape], f"{prefix}/Reshape")  # (B, S, K / block_size, block_size)
-        axis = self.small_constant(f"{prefix}/block_axis", np.array([-1], dtype=np.int64))
-        sums = self.op("ReduceSum", [blocks, axis], f"{prefix}/ReduceSum", keepdims=0)  # (B, S, K / block_size)
-        correction = self.op("MatMul", [sums, offsets], f"{prefix}/offsets")  # (B, S, N)
-        return self.op("Add", [product, correction], output)
 
     def linear(self, x: str, prefix: str, layer: Linear) -> str:
         if layer.nbits is not None:
@@ -232,209 +118,6 @@ class _GraphBuilder:
         )
         shape = ["batch_size", "sequence_length", decoder.n_embd]
         return self.float_output(normalized, shape), residual and self.float_output(residual, shape)
-
-    def split_qkv(self, qkv: str, prefix: str, d: Decoder, layer: Layer | None = None) -> list[str]:
-        """Q, K and V split from the packed product (V is K's projection where the layer says so)."""
-        n_head, n_kv_head, head_dim = d.heads(layer) if layer is not None else (d.n_head, d.n_kv_head, d.head_dim)
-        widths = [n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim]
-        names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v"]
-        if layer is not None and layer.value_is_key:
-            widths, names = widths[:2], names[:2]
-        sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
-        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
-        return names if len(names) == 3 else [*names, names[1]]
-
-    def head_norm(
-        self, x: str, prefix: str, name: str, weight: np.ndarray, heads: int, head_dim: int, eps: float
-    ) -> str:
-        """x (B, T, heads * hs) RMS-normalized over each head's values, times `weight` (hs,)."""
-        shape = self.small_constant(f"{prefix}/{name}_head_shape", np.array([0, 0, -1, head_dim], dtype=np.int64))
-        flat = self.small_constant(f"{prefix}/{name}_flat_shape", np.array([0, 0, -1], dtype=np.int64))
-        split = self.op("Reshape", [x, shape], f"{prefix}/{name}_heads")  # (B, T, heads, hs)
-        inputs = [split, self.constant(f"{prefix}.{name}_norm.weight", weight)]
-        normed = self.op("SimplifiedLayerNormalization", inputs, f"{prefix}/{name}_norm", axis=-1, epsilon=eps)
-        self.float_output(normed, ["batch_size", "sequence_length", heads, head_dim])
-        return self.op("Reshape", [normed, flat], f"{prefix}/{name}_normed")  # (B, T, heads * hs)
-
-    def head_norms(self, qkv: str, prefix: str, layer: Layer, decoder: Decoder) -> list[str]:
-        """GroupQueryAttention's query, key and value inputs: the packed product alone, or, with per-head norms
-        (Qwen3, Gemma 3), Q and K split from it and RMS-normalized over each head's head_dim values (V as it is,
-        or weightless-normed: Gemma 4's v_norm)."""
-        if layer.q_norm is None:
-            return [qkv, "", ""]
-        d = decoder
-        n_head, n_kv_head, head_dim = d.heads(layer)
-        if layer.attention_gate:  # the gate after V (Qwen3.5)
-            widths = [n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim, n_head * head_dim]
-            sizes = self.small_constant(f"{prefix}/qkv_sizes", np.array(widths, dtype=np.int64))
-            names = [f"{prefix}/q", f"{prefix}/k", f"{prefix}/v", f"{prefix}/gate"]
-            self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{prefix}/qkv_Split", axis=-1))
-        else:
-            names = self.split_qkv(qkv, prefix, d, layer)
-        q = self.head_norm(names[0], prefix, "q", layer.q_norm.weight, n_head, head_dim, d.norm_eps)
-        k = self.head_norm(names[1], prefix, "k", layer.k_norm.weight, n_kv_head, head_dim, d.norm_eps)
-        v = names[2]
-        if layer.v_norm:
-            v = self.head_norm(v, prefix, "v", np.ones(head_dim, np.float32), n_kv_head, head_dim, d.norm_eps)
-        return [q, k, v]
-
-    def rotated(self, qkv: list[str], prefix: str, d: Decoder, rotary: _Rotary) -> list[str]:
-        """Q and K rotated before attention, each row at its own positions into the tables (com.microsoft
-        RotaryEmbedding; the first rotary_dim values of each head), V as it is."""
-        if qkv[1] == "":
-            qkv = self.split_qkv(qkv[0], prefix, d)
-        q, k, v = qkv
-        width = 2 * d.rotary_cos.shape[1]
-        inputs = [rotary.positions, *rotary.caches]
-        q = self.op("RotaryEmbedding", [q, *inputs], f"{prefix}/q_rotary", domain=MS_DOMAIN, num_heads=d.n_head,
-                    rotary_embedding_dim=width)  # fmt: skip
-        k = self.op("RotaryEmbedding", [k, *inputs], f"{prefix}/k_rotary", domain=MS_DOMAIN, num_heads=d.n_kv_head,
-                    rotary_embedding_dim=width)  # fmt: skip
-        self.float_output(q, ["batch_size", "sequence_length", d.n_head * d.head_dim])
-        self.float_output(k, ["batch_size", "sequence_length", d.n_kv_head * d.head_dim])
-        return [q, k, v]
-
-    def shared_inputs(self, qkv: str, prefix: str, layer: Layer, d: Decoder) -> list[str]:
-        """A KV-shared layer's GroupQueryAttention inputs: its query (normed), and the key and value inputs of the
-        layer it reads (kv_inputs), which that layer's node already wrote into the cache this node reads."""
-        n_head, _, head_dim = d.heads(layer)
-        q = qkv if layer.q_norm is None else self.head_norm(qkv, prefix, "q", layer.q_norm.weight, n_head, head_dim,
-                                                            d.norm_eps)  # fmt: skip
-        return [q, *self.kv_inputs[f"layers.{layer.kv_source}"]]
-
-    def attention(
-        self,
-        h: str,
-        prefix: str,
-        layer: Layer,
-        d: Decoder,
-        io: tuple[tuple[str, str], tuple[str, str]],
-        lengths: list[str],
-        rotary: _Rotary | None,
-    ) -> str:
-        """One GroupQueryAttention node on the packed Q/K/V product of h; `lengths`: seqlens_k and the total length;
-        `rotary`: the layer's rotary caches (None: no positions), applied inside the node or, where it cannot
-        (per-row tables, a rotary width it does not take), before it. Returns its (B, T, n_head * head_dim) output."""
-        past, present = io
-        n_head, n_kv_head, head_dim = d.heads(layer)
-        qkv = self.linear(h, f"{prefix}.qkv", layer.qkv)  # (B, T, (n_head + 2 n_kv_head) hs): Q, K, V packed
-        if layer.kv_source is not None:  # Q alone: keys and values are another layer's, read from its cache
-            inputs = self.shared_inputs(qkv, prefix, layer, d)
-        else:
-            inputs = self.head_norms(qkv, prefix, layer, d)
-            if inputs[1] == "" and self.kv_inputs is not None:
-                inputs = self.split_qkv(qkv, prefix, d, layer)
-            if self.kv_inputs is not None:
-                self.kv_inputs[prefix] = inputs[1:]
-        # a sliding layer: its own rotary caches and window (ONNX Runtime 1.32's CPU kernel counts the query's
-        # own position in local_window_size, as transformers' sliding_window does: checked against it)
-        window = {} if layer.sliding_window is None else {"local_window_size": layer.sliding_window}
-        inside = rotary is not None and rotary.positions is None
-        if rotary is not None and not inside:
-            inputs = self.rotated(inputs, prefix, d, rotary)
-        caches = rotary.caches if inside else []
-        self.nodes.append(
-            helper.make_node(
-                "GroupQueryAttention",
-                [*inputs, *past, *lengths, *caches],
-                [f"{prefix}/attention", *present],
-                name=f"{prefix}/GroupQueryAttention",
-                domain=MS_DOMAIN,
-                num_heads=n_head,
-                kv_num_heads=n_kv_head,
-                scale=d.attention_scale or 1.0 / float(np.sqrt(head_dim)),
-                **({"do_rotary": 1, "rotary_interleaved": 0} if inside else {}),
-                **window,
-            )
-        )
-        out = self.float_output(f"{prefix}/attention", ["batch_size", "sequence_length", n_head * head_dim])
-        if not layer.attention_gate:
-            return out
-        gate = self.op("Sigmoid", [f"{prefix}/gate"], f"{prefix}/gate/Sigmoid")
-        return self.op("Mul", [out, gate], f"{prefix}/gated_attention")
-
-    def short_conv(self, h: str, prefix: str, conv: ShortConv, d: Decoder, past: str, present: str) -> str:
-        """A convolution layer (LFM2): in_proj, B * x through com.microsoft CausalConvWithState (its state
-        `past` -> `present`, (B, n_embd, kernel - 1)), times C, out_proj. Returns its (B, T, n_embd) output."""
-        gates = self.linear(h, f"{prefix}.conv.in_proj", conv.in_proj)  # (B, T, 3C)
-        channels = self.op("Transpose", [gates], f"{prefix}/conv/Transpose", perm=[0, 2, 1])  # (B, 3C, T)
-        sizes = self.small_constant(f"{prefix}/conv/sizes", np.array([d.n_embd] * 3, dtype=np.int64))
-        b, c, x = (f"{prefix}/conv/{name}" for name in "bcx")
-        self.nodes.append(helper.make_node("Split", [channels, sizes], [b, c, x], name=f"{prefix}/conv/Split", axis=1))
-        gated = self.op("Mul", [b, x], f"{prefix}/conv/gated")
-        bias = "" if conv.bias is None else self.constant(f"{prefix}.conv.bias", conv.bias)
-        inputs = [gated, self.constant(f"{prefix}.conv.weight", conv.weight), bias, past]
-        y = f"{prefix}/conv/CausalConvWithState"
-        self.nodes.append(helper.make_node("CausalConvWithState", inputs, [y, present], name=y, domain=MS_DOMAIN))
-        self.float_output(y, ["batch_size", d.n_embd, "sequence_length"])
-        out = self.op(
-            "Transpose", [self.op("Mul", [c, y], f"{prefix}/conv/out")], f"{prefix}/conv/back", perm=[0, 2, 1]
-        )
-        return self.linear(out, f"{prefix}.conv.out_proj", conv.out_proj)
-
-    def delta_net(self, h: str, prefix: str, n: DeltaNet, d: Decoder, io: IONames, i: int) -> str:
-        """A Gated DeltaNet layer (Qwen3.5): its conv state through com.microsoft CausalConvWithState (SiLU), the
-        recurrence through com.microsoft GatedDeltaNet (io's past.%d.recurrent -> present.%d.recurrent), the
-        gates in standard ops. Returns its (B, T, n_embd) output."""
-        p = f"{prefix}/delta"
-        mixed = self.linear(h, f"{prefix}.delta.in_proj", n.in_proj)  # (B, T, channels)
-        channels = self.op("Transpose", [mixed], f"{p}/Transpose", perm=[0, 2, 1])
-        conv = f"{p}/CausalConvWithState"
-        inputs = [channels, self.constant(f"{prefix}.delta.conv.weight", n.conv_weight), "", io.past_conv % i]
-        self.nodes.append(
-            helper.make_node(
-                "CausalConvWithState", inputs, [conv, io.present_conv % i], name=conv, domain=MS_DOMAIN,
-                activation="silu",
-            )
-        )  # fmt: skip
-        self.float_output(conv, ["batch_size", n.channels, "sequence_length"])
-        qkv = self.op("Transpose", [conv], f"{p}/back", perm=[0, 2, 1])  # (B, T, channels)
-        widths = [n.k_heads * n.k_dim, n.k_heads * n.k_dim, n.v_heads * n.v_dim]
-        sizes = self.small_constant(f"{p}/sizes", np.array(widths, dtype=np.int64))
-        names = [f"{p}/q", f"{p}/k", f"{p}/v"]
-        self.nodes.append(helper.make_node("Split", [qkv, sizes], names, name=f"{p}/Split", axis=-1))
-        heads = lambda x, count, size: self.op(  # noqa: E731
-            "Reshape", [x, self.small_constant(f"{x}/shape", np.array([0, 0, count, size], np.int64))], f"{x}/heads"
-        )
-        axis = self.small_constant(f"{p}/last_axis", np.array([-1], dtype=np.int64))
-        eps = self.small_constant(f"{p}/eps", np.array(1e-6, dtype=np.float32))
-        normed = []
-        for x in names[:2]:  # x / sqrt(sum(x^2) + 1e-6) per head, as transformers' l2norm
-            x = heads(x, n.k_heads, n.k_dim)
-            total = self.op("ReduceSum", [self.op("Mul", [x, x], f"{x}/sq"), axis], f"{x}/sum", keepdims=1)
-            inverse = self.op(
-                "Reciprocal", [self.op("Sqrt", [self.op("Add", [total, eps], f"{x}/eps")], f"{x}/sqrt")], f"{x}/inv"
-            )
-            normed.append(self.op("Mul", [x, inverse], f"{x}/l2"))
-        v = heads(names[2], n.v_heads, n.v_dim)
-        beta = self.op("Sigmoid", [self.linear(h, f"{prefix}.delta.b", n.b)], f"{p}/beta")  # (B, T, v_heads)
-        raw = self.op(
-            "Add",
-            [self.linear(h, f"{prefix}.delta.a", n.a), self.constant(f"{prefix}.delta.dt_bias", n.dt_bias)],
-            f"{p}/a",
-        )
-        decay_scale = self.constant(f"{prefix}.delta.neg_exp_a_log", -np.exp(n.a_log.astype(np.float32)))
-        decay = self.op("Mul", [self.op("Softplus", [raw], f"{p}/softplus"), decay_scale], f"{p}/decay")
-        rule = f"{p}/GatedDeltaNet"
-        self.nodes.append(
-            helper.make_node(
-                "GatedDeltaNet", [*normed, v, "", decay, beta, io.past_recurrent % i], [rule, io.present_recurrent % i],
-                name=rule, domain=MS_DOMAIN, update_rule="gated_delta",
-            )
-        )  # fmt: skip
-        self.float_output(rule, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
-        inputs = [rule, self.constant(f"{prefix}.delta.norm.weight", n.norm.weight)]
-        out = self.op("SimplifiedLayerNormalization", inputs, f"{p}/norm", axis=-1, epsilon=d.norm_eps)
-        self.float_output(out, ["batch_size", "sequence_length", n.v_heads, n.v_dim])
-        z = heads(self.linear(h, f"{prefix}.delta.z", n.z), n.v_heads, n.v_dim)
-        gated = self.op(
-            "Mul", [out, self.op("Mul", [z, self.op("Sigmoid", [z], f"{p}/z_sigmoid")], f"{p}/z_silu")], f"{p}/gated"
-        )
-        if n.out_heads is not None:
-            order = self.small_constant(f"{p}/out_heads", n.out_heads)
-            gated = self.op("Gather", [gated, order], f"{p}/reordered", axis=2)
-        flat = self.small_constant(f"{p}/flat", np.array([0, 0, -1], dtype=np.int64))
-        return self.linear(self.op("Reshape", [gated, flat], f"{p}/flat_out"), f"{prefix}.delta.out_proj", n.out_proj)
 
     def mlp(self, x: str, prefix: str, up: Linear, decoder: Decoder, inner_dim: int | None = None) -> str:
         """act(x W_up), or act(x W_gate) * (x W_up) for a gated MLP (one MatMul for gate and up, split after
@@ -596,12 +279,6 @@ def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | N
     return x, head
 
 
-@dataclass
-class _Rotary:
-    caches: list[str]  # cos and sin tables
-    positions: str | None = None  # (B, T) rows of the tables, per row; None: GroupQueryAttention rotates itself
-
-
 def _rotary_caches(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) -> tuple[_Rotary | None, _Rotary | None]:
     """The full layers' and the sliding layers' rotary caches (None where none). GroupQueryAttention rotates by
     them itself where it can: one table for every row, of a width that is a multiple of 8 (ONNX Runtime 1.32's
@@ -720,30 +397,3 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
             outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, present_shape))
     inputs.append(helper.make_tensor_value_info(io.logits_to_keep, TensorProto.INT64, []))  # overridable default
     return inputs, outputs
-
-
-def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder, weights: dict, *, compact: bool) -> None:
-    """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any.
-    Tied plain blocks are gathered through initializers of their own that point at the head's bytes (SameBytes):
-    ONNX Runtime maps them apart from the ones MatMulNBits prepacks and lets go, so the head's pages need not stay
-    resident for the few rows a step gathers (runtime/session.py drops them; compact blocks are computed at load,
-    and the gather reads the computed tensors)."""
-    table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
-    if table is not None:
-        _gather_blocks(model, "embed/Gather", prefix, table, weights if d.tied and not compact else None)
-
-
-def _gather_blocks(model: onnx.ModelProto, node: str, prefix: str, table: NBits, weights: dict | None = None) -> None:
-    """Rewire the stand-in Gather `node` to gather rows of the blocks written under `prefix`; with `weights`,
-    through initializers of their own naming the same bytes (the tied head's, above)."""
-    gather = next(n for n in model.graph.node if n.name == node)
-    packed, scales, offsets = _nbits_names(prefix, table)  # offsets: (K / block, V)
-    if weights is not None:
-        for name in filter(None, (packed, scales, offsets)):
-            model.graph.initializer.append(placeholder(f"{name}/rows", weights[name]))
-            weights[f"{name}/rows"] = SameBytes(name)
-        packed, scales, offsets = (None if name is None else f"{name}/rows" for name in (packed, scales, offsets))
-    n_blocks = table.shape[0] // table.block_size
-    gather_from_nbits(
-        model, gather, packed, scales, bits=table.bits, block_size=table.block_size, n_blocks=n_blocks, offsets=offsets
-    )

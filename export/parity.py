@@ -126,7 +126,7 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def _prompts(config, *, decode_steps: int, seed: int, short: int = 5) -> tuple[torch.Tensor, list[int]]:
     """A batch of 2 right-padded prompts, of 7 and `short` tokens: ids (2, width) and the rows' lengths. A hybrid
     model's prompts are of one length (short 7): right padding would enter its states, so the runtime prefills a
-    batch of unequal prompts row by row (runtime/kvcache.py SharedStateCache)."""
+    batch of unequal prompts row by row (runtime/statecache.py SharedStateCache)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = [min(7, config.n_positions - decode_steps), min(short, config.n_positions - decode_steps)]
     return torch.randint(0, config.vocab_size, (2, max(lengths)), generator=generator), lengths

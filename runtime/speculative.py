@@ -2,7 +2,7 @@
 
 Each round feeds the newest token and k guessed ones as one multi-token step (logits for every position),
 keeps the longest run of guesses the model agrees with plus the model's own next token, and rewinds the KV
-cache past the rest. A hybrid model's states cannot be cut back (runtime/kvcache.py _Snapshots): its cache goes
+cache past the rest. A hybrid model's states cannot be cut back (runtime/statecache.py _Snapshots): its cache goes
 back to the snapshot taken before the round, and the accepted ids are fed again in front of the next round's
 (docs/hybrid.md: that costs no run of its own). Two ways to guess (speculative= in generate/stream/chat/conversation):
 

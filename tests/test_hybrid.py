@@ -1,6 +1,6 @@
 """Hybrid models: LFM2 (short gated convolutions beside attention layers) and Qwen3.5 (Gated DeltaNet
 beside gated attention) on both graphs against transformers, and their state as a cache kind
-(runtime/kvcache.py StateCache, SharedStateCache): prompts shorter than the convolution's kernel, a padded batch,
+(runtime/statecache.py StateCache, SharedStateCache): prompts shorter than the convolution's kernel, a padded batch,
 onnxruntime-genai, the manifest's layer record, snapshots and replayed rewinds, conversations with undo and a
 re-rendering template, and prompt lookup decoding, each equal to a fresh run. tests/test_families.py holds the
 families' transformers and onnxruntime-genai checks on the longer prompts."""
@@ -20,7 +20,8 @@ from test_chat import REWRITE
 from edgelm.runtime import load
 from edgelm.runtime.contract import Manifest
 from edgelm.runtime.errors import PackageError
-from edgelm.runtime.kvcache import SharedStateCache, StateCache, kv_cache_bytes, make_cache
+from edgelm.runtime.kvcache import kv_cache_bytes, make_cache
+from edgelm.runtime.statecache import SharedStateCache, StateCache
 
 TOLERANCE = 1e-4
 # one token, two (shorter than the kernel of 3, so the state still holds its zeros), and eleven

@@ -1,6 +1,6 @@
 """Speculative decoding on the hybrid families (LFM2, Qwen3.5), each graph: a rejected guess leaves a state that
 folded it in, so the cache rolls back to the snapshot before the round and feeds the accepted tokens again
-(runtime/kvcache.py _Snapshots). Prompt lookup and a draft (the target's weights with noise: a hybrid too, rolled
+(runtime/statecache.py _Snapshots). Prompt lookup and a draft (the target's weights with noise: a hybrid too, rolled
 back the same way, whose guesses are about half accepted) give the plain greedy ids token for token; sampled with
 that draft, the first three tokens (the third drawn after the second's guess was checked and, when rejected,
 rolled back) follow the distribution computed from the model's logits."""

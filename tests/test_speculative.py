@@ -337,15 +337,15 @@ def test_a_token_mask_applies_to_plain_speculative_and_batched_decoding(model, d
 def test_a_package_whose_steps_disagree_decodes_plainly(fused_package, monkeypatch):
     # int4/int8 MatMulNBits (accuracy_level 4) quantize activations differently for one row than for several:
     # the logits of a verification step would not be plain decoding's, so such a package decodes plainly
-    from edgelm.runtime import kvcache
+    from edgelm.runtime import kvdrivers
 
-    extend = kvcache.SharedCache.extend
+    extend = kvdrivers.SharedCache.extend
 
     def noisy(self, ids, *, all_logits=False):
         logits = extend(self, ids, all_logits=all_logits)
         return logits + 0.5 * (np.arange(logits.shape[-1]) % 3) if all_logits else logits
 
-    monkeypatch.setattr(kvcache.SharedCache, "extend", noisy)
+    monkeypatch.setattr(kvdrivers.SharedCache, "extend", noisy)
     model = load(fused_package, provider="cpu", threads=1)  # a fresh model: the check runs once per model
     with pytest.warns(UserWarning, match="speculative decoding is off"):
         result = same_greedy(model, PROMPTS[0], 20, "lookup", ignore_eos=True)
@@ -453,11 +453,11 @@ def test_cli_refuses_a_bad_value_in_one_line(fused_package, command):
 def test_cli_says_speculation_is_off_in_one_line(fused_package, monkeypatch, capsys):
     """The library's warning reaches the terminal as `edgelm generate: warning: ...`, one line, no source line."""
     from edgelm.cli import main
-    from edgelm.runtime import kvcache
+    from edgelm.runtime import kvdrivers
 
-    extend = kvcache.SharedCache.extend
+    extend = kvdrivers.SharedCache.extend
     monkeypatch.setattr(  # steps that disagree, as int4/int8 MatMulNBits' do on some CPUs
-        kvcache.SharedCache,
+        kvdrivers.SharedCache,
         "extend",
         lambda self, ids, *, all_logits=False: extend(self, ids, all_logits=all_logits) + (0.5 if all_logits else 0),
     )

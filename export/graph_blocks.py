@@ -1,0 +1,130 @@
+"""The fused graph's nodes on a GGUF file's kept quantized blocks (export/decoder.py NBits): a Linear that
+carries them becomes a com.microsoft MatMulNBits node on them (plus a MatMul of x's block sums by the blocks'
+offsets for Q4_1's w = d * q + m), its arrays written as MatMulNBits' own or, compact, as bit planes and factors
+unpacked at load (export/compact_blocks.py); and an embedding table kept as blocks (the head's, when tied; Gemma
+4's per-layer table) is a stand-in Gather rewired to gather rows of them (edgelm/nbits_gather.py), through
+initializers of its own naming the head's bytes (SameBytes) where the head's pages should not stay resident.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from edgelm.nbits_gather import gather_from_nbits
+from edgelm.onnxfile import SameBytes, placeholder
+
+from .compact_blocks import write_blocks
+from .decoder import Decoder, NBits
+from .graph_nodes import MS_DOMAIN, _Nodes
+from .lazy_weights import LazyArray
+
+
+def _nbits_names(prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
+    """MatMulNBits' B and scales, and the block offsets (None: the blocks have none)."""
+    offsets = f"{prefix}.weight_block_offsets" if nbits.has_offsets else None
+    return f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales", offsets
+
+
+class _NBitsArrays:
+    """A linear's MatMulNBits arrays from one unpacking of its blocks, which is let go once all `uses` are read."""
+
+    def __init__(self, nbits: NBits, uses: int):
+        self.nbits, self.uses, self.parts = nbits, uses, None
+
+    def _take(self, array: str) -> np.ndarray:
+        if self.parts is None:
+            self.parts = self.nbits.parts
+        value = getattr(NBits(self.nbits.bits, self.nbits.block_size, self.parts), array)
+        self.uses -= 1
+        if self.uses == 0:
+            self.parts = None
+        return value
+
+    def packed(self) -> np.ndarray:
+        return self._take("packed")
+
+    def scales(self) -> np.ndarray:
+        return self._take("scales")
+
+    def block_offsets(self) -> np.ndarray:
+        return self._take("block_offsets")
+
+
+class _BlockNodes(_Nodes):
+    """MatMulNBits on kept blocks; the builder's accuracy_level and compact choose how."""
+
+    def nbits_weights(self, prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
+        """MatMulNBits' B and scales and the block offsets (None: none), as initializers or, compact, as the
+        outputs of nodes that compute them from smaller ones."""
+        packed, scales, offsets = _nbits_names(prefix, nbits)
+        if self.compact:
+            write_blocks(self, nbits, packed=packed, scales=scales, offsets=offsets)
+        else:  # unpacked (or quantized) when written, once for the three arrays (save_model writes them in turn)
+            k, n = nbits.shape
+            runs = k // nbits.block_size
+            arrays = _NBitsArrays(nbits, 3 if offsets is not None else 2)
+            self.constant(packed, LazyArray((n, runs, nbits.block_size * nbits.bits // 8), arrays.packed, np.uint8))
+            self.constant(scales, LazyArray((n, runs), arrays.scales))
+            if offsets is not None:
+                self.constant(offsets, LazyArray((runs, n), arrays.block_offsets))
+        return packed, scales, offsets
+
+    def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:
+        """x @ W on the blocks; with block offsets (Q4_1's w = d * q + m) the integer-zero-point product
+        plus (block sums of x) @ offsets, which keeps ONNX Runtime on its fast kernels."""
+        k, n = nbits.shape
+        packed, scales, offsets = self.nbits_weights(prefix, nbits)
+        product = output if offsets is None else f"{output}/blocks"
+        self.nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                [x, packed, scales],
+                [product],
+                name=product,
+                domain=MS_DOMAIN,
+                K=k,
+                N=n,
+                bits=nbits.bits,
+                block_size=nbits.block_size,
+                accuracy_level=self.accuracy_level,
+            )
+        )
+        self.float_output(product, ["batch_size", "sequence_length", n])
+        if offsets is None:
+            return product
+        split = np.array([0, 0, k // nbits.block_size, nbits.block_size], dtype=np.int64)
+        shape = self.small_constant(f"{prefix}/block_shape", split)
+        blocks = self.op("Reshape", [x, shape], f"{prefix}/Reshape")  # (B, S, K / block_size, block_size)
+        axis = self.small_constant(f"{prefix}/block_axis", np.array([-1], dtype=np.int64))
+        sums = self.op("ReduceSum", [blocks, axis], f"{prefix}/ReduceSum", keepdims=0)  # (B, S, K / block_size)
+        correction = self.op("MatMul", [sums, offsets], f"{prefix}/offsets")  # (B, S, N)
+        return self.op("Add", [product, correction], output)
+
+
+def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder, weights: dict, *, compact: bool) -> None:
+    """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any.
+    Tied plain blocks are gathered through initializers of their own that point at the head's bytes (SameBytes):
+    ONNX Runtime maps them apart from the ones MatMulNBits prepacks and lets go, so the head's pages need not stay
+    resident for the few rows a step gathers (runtime/session.py drops them; compact blocks are computed at load,
+    and the gather reads the computed tensors)."""
+    table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
+    if table is not None:
+        _gather_blocks(model, "embed/Gather", prefix, table, weights if d.tied and not compact else None)
+
+
+def _gather_blocks(model: onnx.ModelProto, node: str, prefix: str, table: NBits, weights: dict | None = None) -> None:
+    """Rewire the stand-in Gather `node` to gather rows of the blocks written under `prefix`; with `weights`,
+    through initializers of their own naming the same bytes (the tied head's, above)."""
+    gather = next(n for n in model.graph.node if n.name == node)
+    packed, scales, offsets = _nbits_names(prefix, table)  # offsets: (K / block, V)
+    if weights is not None:
+        for name in filter(None, (packed, scales, offsets)):
+            model.graph.initializer.append(placeholder(f"{name}/rows", weights[name]))
+            weights[f"{name}/rows"] = SameBytes(name)
+        packed, scales, offsets = (None if name is None else f"{name}/rows" for name in (packed, scales, offsets))
+    n_blocks = table.shape[0] // table.block_size
+    gather_from_nbits(
+        model, gather, packed, scales, bits=table.bits, block_size=table.block_size, n_blocks=n_blocks, offsets=offsets
+    )
