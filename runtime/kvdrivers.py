@@ -6,8 +6,7 @@ device. runtime/statecache.py adds a hybrid model's convolution and recurrent st
 
 A prompt or a turn longer than PREFILL_CHUNK tokens is fed in runs of that many (chunked prefill, llama.cpp's
 n_ubatch): a run's logits are (batch, tokens, vocab) and its attention scores tokens x cache, so one run of a long
-prompt would need gigabytes that a chunk does not. A right-padded fused batch is still fed in one run (the fused
-attention places a run's tokens by each row's length).
+prompt would need gigabytes that a chunk does not. The fused graph feeds a batch's long prompts row by row.
 """
 
 from __future__ import annotations
@@ -182,6 +181,8 @@ class SharedCache:
 
     def prompt(self) -> np.ndarray:
         batch, width = self.input_ids.shape
+        if batch > 1 and (width > PREFILL_CHUNK or (self.state_pairs and np.any(self.lengths < width))):
+            return self._prompt_rows()
         if not np.all(self.lengths == width):  # right padding: one run, and each row's last real position
             logits = self._run_tokens(self.input_ids, np.ascontiguousarray(self.mask[:, :width]), 0, keep_last=False)
             return logits[np.arange(batch), self.lengths - 1]
@@ -189,6 +190,26 @@ class SharedCache:
             mask = np.ascontiguousarray(self.mask[:, :end])
             logits = self._run_tokens(self.input_ids[:, start:end], mask, start, keep_last=True)
         return logits[:, -1, :]
+
+    def _prompt_rows(self) -> np.ndarray:
+        """Each row's prompt fed alone (chunked), its keys, values and states then copied into the batch's buffers:
+        ONNX Runtime's GroupQueryAttention takes several tokens after cached ones for batch 1 only, and right
+        padding would fold a shorter row's padding into a hybrid's state."""
+        kv = [np.array(buffer.numpy()) for buffer in self.buffers]
+        states = [np.array(past.numpy()) for past, _ in self.state_pairs]
+        logits = []
+        for row, length in enumerate(self.lengths):
+            one = type(self)(self.model, [self.input_ids[row, :length].tolist()], capacity=self.capacity)
+            logits.append(one.prompt())
+            for array, buffer in zip(kv, one.buffers, strict=True):
+                array[row] = buffer.numpy()[0]
+            for array, (past, _) in zip(states, one.state_pairs, strict=True):
+                array[row] = past.numpy()[0]
+        for buffer, array in zip(self.buffers, kv, strict=True):
+            buffer.update_inplace(array)
+        for (past, _), array in zip(self.state_pairs, states, strict=True):
+            past.update_inplace(array)
+        return np.concatenate(logits)
 
     def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
         assert len(self.lengths) == 1, "extend is for a batch of one"
