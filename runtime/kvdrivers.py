@@ -57,7 +57,7 @@ class ConcatCache:
         self.lengths += self.attention_mask.sum(axis=1)
         mask = self.attention_mask  # left padding: every row ends at the last position, so each run may stop anywhere
         for start, end in pieces(self.input_ids.shape[1]):
-            self.attention_mask = mask[:, :end]
+            self.attention_mask = np.ascontiguousarray(mask[:, :end])
             logits = self._step(self.input_ids[:, start:end])
         return logits
 
