@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from . import kvdrivers
 from .kvdrivers import ConcatCache, SharedCache
 from .statecache import SharedStateCache, StateCache
 
@@ -120,13 +121,13 @@ def available_memory_bytes() -> int:
 
 
 def check_generation_memory(spec: PackageSpec, prompt_lengths: list[int], *, new_tokens: int, kv_dtype=None) -> None:
-    """Raise MemoryError (a clear one, before allocating) when a batch's KV cache plus its prompt
-    logits (batch, longest prompt, vocab) would not fit in the memory available."""
+    """Raise MemoryError (a clear one, before allocating) when a batch's KV cache plus the logits of one prompt
+    run (batch, at most PREFILL_CHUNK tokens, vocab) would not fit in the memory available."""
     batch, width = len(prompt_lengths), max(prompt_lengths)
     capacity = width + new_tokens
     itemsize = 4 if kv_dtype is None else kv_dtype().itemsize
     needed = kv_cache_bytes(spec, batch=batch, capacity=capacity, itemsize=itemsize)
-    needed += batch * width * spec.arch.vocab_size * 4
+    needed += batch * min(width, kvdrivers.PREFILL_CHUNK) * spec.arch.vocab_size * 4
     limit = min(available_memory_bytes(), MAX_GENERATION_BYTES)
     if needed > limit:
         raise MemoryError(

@@ -3,6 +3,10 @@ there picks one): ConcatCache for the standard graph (past keys and values in, p
 left padding) and SharedCache for the fused graph (one buffer per cache tensor bound as both past and present and
 written in place, right padding). The cache never goes through numpy between steps and, with CUDA, stays on the
 device. runtime/statecache.py adds a hybrid model's convolution and recurrent states to each.
+
+A prompt or a turn longer than PREFILL_CHUNK tokens is fed in runs of that many (chunked prefill, llama.cpp's
+n_ubatch): a run's logits are (batch, tokens, vocab) and its attention scores tokens x cache, so one run of a long
+prompt would need gigabytes that a chunk does not. The fused graph feeds a batch's long prompts row by row.
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ if TYPE_CHECKING:
     from .runner import Runner
 
 STATE_KINDS = ("conv", "recurrent")  # cache tensors that hold a state, not keys or values
+PREFILL_CHUNK = 512  # the most tokens one run of a prompt or a turn feeds
+
+
+def pieces(length: int) -> list[tuple[int, int]]:
+    """(start, end) of each run that feeds `length` tokens, PREFILL_CHUNK at most each; one run for 0."""
+    return [(start, min(start + PREFILL_CHUNK, length)) for start in range(0, max(length, 1), PREFILL_CHUNK)]
 
 
 class ConcatCache:
@@ -45,7 +55,11 @@ class ConcatCache:
 
     def prompt(self) -> np.ndarray:
         self.lengths += self.attention_mask.sum(axis=1)
-        return self._step(self.input_ids)
+        mask = self.attention_mask  # left padding: every row ends at the last position, so each run may stop anywhere
+        for start, end in pieces(self.input_ids.shape[1]):
+            self.attention_mask = np.ascontiguousarray(mask[:, :end])
+            logits = self._step(self.input_ids[:, start:end])
+        return logits
 
     def next(self, next_ids: np.ndarray) -> np.ndarray:
         self.attention_mask = np.concatenate([self.attention_mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
@@ -54,9 +68,16 @@ class ConcatCache:
 
     def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
         assert len(self.lengths) == 1, "extend is for a batch of one"
+        if all_logits:  # a speculative step: every position's logits, so one run
+            return self._feed(ids, last=False)
+        for start, end in pieces(len(ids)):
+            logits = self._feed(ids[start:end], last=True)
+        return logits
+
+    def _feed(self, ids: list[int], *, last: bool) -> np.ndarray:
         self.attention_mask = np.ones((1, int(self.lengths[0]) + len(ids)), dtype=np.int64)
         self.lengths += len(ids)
-        return self._step(np.array([ids], dtype=np.int64), last=not all_logits)[0]
+        return self._step(np.array([ids], dtype=np.int64), last=last)[0]
 
     def rewind_point(self, length: int) -> int:
         return max(0, min(length, int(self.lengths[0])))  # every position is kept
@@ -160,14 +181,45 @@ class SharedCache:
 
     def prompt(self) -> np.ndarray:
         batch, width = self.input_ids.shape
-        uniform = bool(np.all(self.lengths == width))  # then only the last position needs logits
-        logits = self._run_tokens(self.input_ids, np.ascontiguousarray(self.mask[:, :width]), 0, keep_last=uniform)
-        if uniform:
-            return logits[:, -1, :]
-        return logits[np.arange(batch), self.lengths - 1]  # each row's last real position
+        if batch > 1 and (width > PREFILL_CHUNK or (self.state_pairs and np.any(self.lengths < width))):
+            return self._prompt_rows()
+        if not np.all(self.lengths == width):  # right padding: one run, and each row's last real position
+            logits = self._run_tokens(self.input_ids, np.ascontiguousarray(self.mask[:, :width]), 0, keep_last=False)
+            return logits[np.arange(batch), self.lengths - 1]
+        for start, end in pieces(width):  # every row full: only the last position needs logits
+            mask = np.ascontiguousarray(self.mask[:, :end])
+            logits = self._run_tokens(self.input_ids[:, start:end], mask, start, keep_last=True)
+        return logits[:, -1, :]
+
+    def _prompt_rows(self) -> np.ndarray:
+        """Each row's prompt fed alone (chunked), its keys, values and states then copied into the batch's buffers:
+        ONNX Runtime's GroupQueryAttention takes several tokens after cached ones for batch 1 only, and right
+        padding would fold a shorter row's padding into a hybrid's state."""
+        kv = [np.array(buffer.numpy()) for buffer in self.buffers]
+        states = [np.array(past.numpy()) for past, _ in self.state_pairs]
+        logits = []
+        for row, length in enumerate(self.lengths):
+            one = type(self)(self.model, [self.input_ids[row, :length].tolist()], capacity=self.capacity)
+            logits.append(one.prompt())
+            for array, buffer in zip(kv, one.buffers, strict=True):
+                array[row] = buffer.numpy()[0]
+            for array, (past, _) in zip(states, one.state_pairs, strict=True):
+                array[row] = past.numpy()[0]
+        for buffer, array in zip(self.buffers, kv, strict=True):
+            buffer.update_inplace(array)
+        for (past, _), array in zip(self.state_pairs, states, strict=True):
+            past.update_inplace(array)
+        return np.concatenate(logits)
 
     def extend(self, ids: list[int], *, all_logits: bool = False) -> np.ndarray:
         assert len(self.lengths) == 1, "extend is for a batch of one"
+        if all_logits:  # a speculative step: every position's logits, so one run
+            return self._feed(ids, all_logits=True)
+        for start, end in pieces(len(ids)):
+            logits = self._feed(ids[start:end], all_logits=False)
+        return logits
+
+    def _feed(self, ids: list[int], *, all_logits: bool) -> np.ndarray:
         start = int(self.lengths[0])
         if start + len(ids) > self.capacity:
             self._allocate(1, max(start + len(ids), self._grown()), old=self.buffers)

@@ -122,11 +122,10 @@ class SharedStateCache(_Snapshots, SharedCache):
     """A hybrid model's cache in the fused graph: the attention layers' shared KV buffers, each state as two
     buffers bound as past and present in turn (a state is replaced, not appended), rewound through _Snapshots.
     Right padding would fold a shorter row's padding into its state, so a batch of unequal prompts is prefilled
-    row by row, each its own run, and then decoded together: a decode step feeds every row one real token."""
+    row by row (SharedCache._prompt_rows) and then decoded together: a decode step feeds every row one real token."""
 
     def __init__(self, model: Runner, prompts: list[list[int]], *, capacity: int):
         super().__init__(model, prompts, capacity=capacity)
-        self.prompts = prompts
         self._start_snapshots(prompts)
 
     def _read_states(self) -> list[np.ndarray]:
@@ -135,14 +134,3 @@ class SharedStateCache(_Snapshots, SharedCache):
     def _write_states(self, arrays: list[np.ndarray]) -> None:
         for (past, _), array in zip(self.state_pairs, arrays, strict=True):
             past.update_inplace(np.ascontiguousarray(array))
-
-    def prompt(self) -> np.ndarray:
-        if len(set(self.lengths.tolist())) == 1:
-            return super().prompt()
-        rows = [SharedStateCache(self.model, [ids], capacity=self.capacity) for ids in self.prompts]
-        logits = np.concatenate([row.prompt() for row in rows])
-        for i, buffer in enumerate(self.buffers):
-            buffer.update_inplace(np.concatenate([row.buffers[i].numpy() for row in rows]))
-        states = zip(*(row._read_states() for row in rows), strict=True)  # per state, every row's
-        self._write_states([np.concatenate(arrays) for arrays in states])
-        return logits
