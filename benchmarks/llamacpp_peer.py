@@ -68,6 +68,9 @@ def convert(folder: Path, outfile: Path, *, outtype: str, pre_tokenizer: str | N
 
         TextModel.get_vocab_base_pre = recognize_or_fall_back
     sys.argv = [str(CONVERTER), str(folder), "--outtype", outtype, "--outfile", str(outfile)]
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config.get("model_type", "").startswith("qwen3_5") and not config.get("mtp_num_hidden_layers"):
+        sys.argv.append("--no-mtp")  # a shaped Qwen3.5 has no multi-token-prediction block for the converter to find
     runpy.run_path(str(CONVERTER), run_name="__main__")
 
 
