@@ -41,7 +41,7 @@ from ..decoder import Decoder, Layer, PerLayerInput
 from ..gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_cos_sin, rope_inv_freq
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
-from . import llama
+from . import gemma, llama
 from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
 
 FULL_EVERY = 6  # without layer_types, every 6th layer is full (and the last always is: transformers' rule)
@@ -433,20 +433,7 @@ def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
 
 
 # GGUF block tensor -> HF name (`model.layers.N.` + this)
-GGUF_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+GGUF_BLOCK = gemma.GGUF_BLOCK | {  # Gemma 3's block, and the per-layer input and the layer scalar
     "inp_gate.weight": "per_layer_input_gate.weight",
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
