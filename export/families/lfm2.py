@@ -23,14 +23,14 @@ from ..checkpoint import (
     config_number,
     load_weights,
     read_config,
-    read_extras,
     read_safetensors_folder,
 )
 from ..decoder import Decoder, Layer, NBits, ShortConv
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
 from ..limits import MAX_NORM_EPSILON
-from .family import Blocks, Family, GGUFLayout, array, checked_tokens, head_blocks, kept_blocks, linear, norm, packed
+from . import llama
+from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
 
 
 def intermediate_size(hf: dict) -> int:
@@ -162,13 +162,6 @@ def details(model: Lfm2) -> dict:
     }
 
 
-def tokens(folder: Path, model: Lfm2) -> dict:
-    extras = read_extras(folder)
-    return checked_tokens(
-        model.config.vocab_size, extras["bos_token_id"], extras["eos_token_ids"], extras["pad_token_id"]
-    )
-
-
 def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
     """config.json of an LFM2 file. llama.cpp's converter writes head_count_kv per layer, 0 for a convolution
     layer (its layer types), and the MLP width after block_auto_adjust_ff_dim."""
@@ -262,7 +255,7 @@ ROWS = (
         build=_build_from_gguf,
         decoder=decoder,
         details=details,
-        tokens=tokens,
+        tokens=llama.tokens,
         gguf=GGUFLayout(architecture="lfm2", config=gguf_config, tensors=gguf_tensors),
         lora_linears=LORA_LINEARS,
         lazy_weights=True,

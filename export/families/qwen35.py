@@ -30,7 +30,6 @@ from ..checkpoint import (
     config_number,
     load_weights,
     read_config,
-    read_extras,
     read_safetensors_folder,
 )
 from ..decoder import Decoder, DeltaNet, Layer, Linear, NBits
@@ -39,7 +38,8 @@ from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..lazy_weights import LazyArray, read
 from ..limits import MAX_NORM_EPSILON
 from ..qwen35 import ATTENTION, LINEAR, Qwen35, Qwen35Config, rope_inv_freq
-from .family import Blocks, Family, GGUFLayout, array, checked_tokens, head_blocks, kept_blocks, linear, norm, packed
+from . import llama
+from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
 
 
 def config_from_hf(hf: dict) -> Qwen35Config:
@@ -211,13 +211,6 @@ def details(model: Qwen35) -> dict:
         "tie_word_embeddings": c.tie_word_embeddings,
         "parameters": model.num_parameters(),
     }
-
-
-def tokens(folder: Path, model: Qwen35) -> dict:
-    extras = read_extras(folder)
-    return checked_tokens(
-        model.config.vocab_size, extras["bos_token_id"], extras["eos_token_ids"], extras["pad_token_id"]
-    )
 
 
 def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
@@ -393,7 +386,7 @@ ROWS = (
         build=_build_from_gguf,
         decoder=decoder,
         details=details,
-        tokens=tokens,
+        tokens=llama.tokens,
         gguf=GGUFLayout(architecture="qwen35", config=gguf_config, tensors=gguf_tensors, left_out=gguf_left_out),
         lora_linears=LORA_LINEARS,
         lora_columns=lora_columns,
