@@ -47,7 +47,6 @@ from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("LLAMA_CPP", "/work/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp")  # before llamacpp_peer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_peer  # noqa: E402
 import peer_runner  # noqa: E402

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
 
-LLAMA_CPP = Path("/work/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
+# a llama.cpp tree holding models/ggml-vocab-*.gguf: $LLAMA_CPP, else what benchmarks/setup_llamacpp.sh extracts
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP", Path(__file__).resolve().parent / ".llamacpp" / "llama.cpp"))
 SHAPES = {
     "qwen3-0.6b": dict(
         model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
