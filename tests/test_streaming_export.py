@@ -2,7 +2,7 @@
 held whole; a sharded bf16 folder exports to the same package as with every weight read into memory first; the
 float64 proof computed module by module is the whole-model float64 forward; progress bars appear on the long
 steps; `export --quantize` (int4, int8-weight-only, fp16) writes the same weights and logits as `export` then
-`quantize`."""
+`quantize`; the fp16 proof's ONNX Runtime session holds one weight's float32 copy at a time, not all of them."""
 
 from __future__ import annotations
 
