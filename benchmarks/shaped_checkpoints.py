@@ -173,6 +173,34 @@ def drop_tokens_past(folder: Path, vocab_size: int) -> None:
         path.write_text(json.dumps(data, ensure_ascii=False, indent=2))
 
 
+def tokenizer_of(vocab: Path):
+    """transformers' tokenizer of a llama.cpp vocabulary file. Where transformers cannot read the file (5.24 reads
+    the whole config first, and Gemma 4's per-layer KV head counts fail its validation), edgelm's own reader of
+    the same metadata builds it (export/gguf_tokenizer.py, checked against llama.cpp's ids in the tests)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name)
+    except StrictDataclassError:
+        from tokenizers import Tokenizer
+
+        from edgelm.export.gguf_header import read_header
+        from edgelm.export.gguf_tokenizer import build_tokenizer_json
+
+        meta = read_header(vocab).metadata
+        tokens = meta["tokenizer.ggml.tokens"]
+        special = {
+            f"{name}_token": tokens[meta[f"tokenizer.ggml.{name}_token_id"]]
+            for name in ("bos", "eos", "unknown", "padding")
+            if f"tokenizer.ggml.{name}_token_id" in meta
+        }
+        special["unk_token"] = special.pop("unknown_token", None)
+        special["pad_token"] = special.pop("padding_token", None)
+        tokenizer = Tokenizer.from_str(build_tokenizer_json(meta))
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **{k: v for k, v in special.items() if v})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", choices=sorted(SHAPES))
@@ -180,7 +208,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--shard-gb", type=float, default=None, help="shard size (save_pretrained's max_shard_size)")
     args = parser.parse_args()
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     shape = SHAPES[args.shape]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -188,8 +216,7 @@ def main() -> None:
     config.torch_dtype = args.dtype
     config.save_pretrained(args.out)
     GenerationConfig(bos_token_id=shape["bos_token_id"], eos_token_id=shape["eos_token_id"]).save_pretrained(args.out)
-    tokenizer = AutoTokenizer.from_pretrained(LLAMA_CPP / "models", gguf_file=VOCABS[shape["model_type"]])
-    tokenizer.save_pretrained(args.out)
+    tokenizer_of(LLAMA_CPP / "models" / VOCABS[shape["model_type"]]).save_pretrained(args.out)
     drop_tokens_past(args.out, shape["vocab_size"])
     if shape["model_type"] in TOKENIZER_CLASSES:
         path = args.out / "tokenizer_config.json"

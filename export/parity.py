@@ -50,13 +50,24 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _session(onnx_path: str | Path, *, prepacking: bool = False) -> ort.InferenceSession:
+def _session(onnx_path: str | Path, *, prepacking: bool = False, half: bool = False) -> ort.InferenceSession:
     """prepacking: as the runtime runs it; needed where a kernel's fast path exists only for prepacked weights
-    (MatMulNBits' int8-activation path, accuracy_level 4). Off, no second copy of the float weights is made."""
+    (MatMulNBits' int8-activation path, accuracy_level 4). Off, no second copy of the float weights is made.
+
+    half: a float16 graph. The CPU provider has no float16 MatMul and runs one through a Cast of each input to
+    float32; its optimizer folds the weights' Casts into a float32 copy of every weight at session start, and
+    unoptimized, the default order runs every weight's Cast first (they wait on no input), so all the copies
+    are alive at once. Unoptimized, in priority order and without the arena, each weight's Cast runs next to its
+    MatMul and its float32 output is freed after it: at most one weight's float32 copy is alive (the same logits
+    to the bit; docs/results.md, "Every family streams")."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # not the notice that num_logits_to_keep, an input, is not folded
     if not prepacking:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if half:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        options.enable_cpu_mem_arena = options.enable_mem_pattern = False
     return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
 
 
@@ -214,7 +225,8 @@ def _run_session(
 ) -> dict:
     """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row);
     layout: a hybrid's states (traced.state_layout)."""
-    session = _session(onnx_path, prepacking=prepacking)
+    half = io.kv_dtype == "float16"  # an fp16 graph: its cache, states and logits are half too
+    session = _session(onnx_path, prepacking=prepacking, half=half)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
     capacity = ids.shape[1] + decode_steps
     binding = session.io_binding()
@@ -225,7 +237,7 @@ def _run_session(
     )  # fmt: skip
     past, present = arch.past_names(io), arch.present_names(io)
     states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run
-    dtype = np.float16 if io.kv_dtype == "float16" else np.float32  # an fp16 graph's cache and states are half
+    dtype = np.float16 if half else np.float32
     for past_name, present_name, (layer, kind) in zip(past, present, arch.cache_layers(), strict=True):
         if kind in ("conv", "recurrent"):
             values = [ort.OrtValue.ortvalue_from_numpy(np.zeros((2, *layout[f"{kind}_state"]), dtype)) for _ in "ab"]

@@ -2,7 +2,7 @@
 held whole; a sharded bf16 folder exports to the same package as with every weight read into memory first; the
 float64 proof computed module by module is the whole-model float64 forward; progress bars appear on the long
 steps; `export --quantize` (int4, int8-weight-only, fp16) writes the same weights and logits as `export` then
-`quantize`."""
+`quantize`; the fp16 proof's ONNX Runtime session holds one weight's float32 copy at a time, not all of them."""
 
 from __future__ import annotations
 
@@ -154,3 +154,54 @@ def test_export_quantize_needs_the_fused_graph(bf16_sharded, tmp_path) -> None:
     result = edgelm("export", bf16_sharded, tmp_path / "p", "--quantize", "int4", "--attention", "standard")
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0 and "fused" in result.stderr
+
+
+PEAK_GROWTH = """
+import sys
+import numpy as np
+from edgelm.export.parity import _session
+def status(field):  # KB
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) from here: not the imports'
+before = status("VmRSS:")
+session = _session(sys.argv[1], half=sys.argv[2] == "half")
+session.run(None, {"x": np.ones((1, 2048), np.float16)})
+print((status("VmHWM:") - before) // 1024)  # MB
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures the peak with Linux's VmHWM")
+@pytest.mark.parametrize("half", [True, False])
+def test_fp16_proof_holds_one_float32_weight_at_a_time(tmp_path, half) -> None:
+    """The fp16 proof's session (export/parity.py _session, half) runs a float16 graph with at most one weight's
+    float32 copy alive: 16 float16 MatMul weights of 8 MB (16 MB in float32) grow the peak by about their 128 MB
+    and one 16 MB copy (153 MB measured), where the session as the runtime makes it holds a float32 copy of each
+    (322 to 370 MB)."""
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array((rng.standard_normal((2048, 2048)) * 0.02).astype(np.float16), f"w{i}")
+        for i in range(16)
+    ]
+    nodes = [helper.make_node("MatMul", [f"h{i}" if i else "x", f"w{i}"], [f"h{i + 1}"]) for i in range(16)]
+    nodes[-1].output[0] = "y"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 2048])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 2048])],
+        weights,
+    )
+    path = tmp_path / "chain.onnx"
+    onnx.save(helper.make_model(graph), path, save_as_external_data=True, location="chain.onnx.data")
+    script = [sys.executable, "-c", PEAK_GROWTH, str(path), "half" if half else "runtime"]
+    growth = int(subprocess.run(script, capture_output=True, text=True, check=True).stdout)
+    if half:
+        assert growth < 128 + 96, growth  # the float16 weights, a float32 copy or two, working memory (not 16)
+    else:
+        assert growth > 256, growth  # every weight's float32 copy: what the half session avoids
