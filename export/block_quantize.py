@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from edgelm.float16 import FP16_FACTS, half_graph, to_half
+from edgelm.nbits_gather import head_block_size
 
 from .decoder import Decoder, Linear, NBits
 from .gguf_blocks import LazyRuns, Runs, dequantized
@@ -126,11 +127,14 @@ def quantize_decoder(
     if projection is not None and projection.nbits is None:
         decoder.per_layer_projection = Linear(None, None, _nbits(projection.weight, bits=bits, block_size=block_size))
     head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
-    decoder.head_nbits = _nbits(head, bits=head_bits, block_size=block_size)
+    head_block = head_block_size(head_bits, block_size, head.shape[0])
+    decoder.head_nbits = _nbits(head, bits=head_bits, block_size=head_block)
     own_table = not decoder.tied and decoder.embedding_nbits is None  # untied and float: blocks like the head's
     if own_table:
-        decoder.embedding_nbits = _nbits(decoder.embedding.T, bits=head_bits, block_size=block_size)
-    _quantize_reference(model, bits=bits, head_bits=head_bits, block_size=block_size, embedding=own_table)
+        decoder.embedding_nbits = _nbits(decoder.embedding.T, bits=head_bits, block_size=head_block)
+    _quantize_reference(
+        model, bits=bits, head_bits=head_bits, block_size=block_size, head_block=head_block, embedding=own_table
+    )
     untied = {} if decoder.tied else {"embedding": f"int{decoder.embedding_nbits.bits}"}
     return untied | {
         "mode": mode,
@@ -138,6 +142,7 @@ def quantize_decoder(
         "op": "MatMulNBits",
         "algorithm": "round to nearest",
         "block_size": block_size,
+        "lm_head_block_size": head_block,
         "symmetric": True,
         "accuracy_level": 4,
         "lm_head": "int8" if head_bits == 8 else "int4",
@@ -161,7 +166,7 @@ def _linear_fields(layer) -> list[tuple[object, str]]:
 
 
 def _quantize_reference(
-    model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int, embedding: bool = False
+    model: torch.nn.Module, *, bits: int, head_bits: int, block_size: int, head_block: int, embedding: bool = False
 ) -> None:
     """The reference model's linears (and its head, with the embedding tied to it) computing on their blocks; with
     `embedding`, the untied token table reading blocks of its own, at the head's bits."""
@@ -170,10 +175,10 @@ def _quantize_reference(
     tables = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in TOKEN_EMBEDDINGS] if embedding else []
     assert not embedding or len(tables) == 1, f"the reference model has {len(tables)} token tables, not one"
     for table in tables:  # the untied token table (V, C): blocks along C, as the head's
-        table.weight = _reference_on_blocks(table.weight, bits=head_bits, block_size=block_size)
+        table.weight = _reference_on_blocks(table.weight, bits=head_bits, block_size=head_block)
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
-        width = head_bits if module is head else bits
-        module.weight = _reference_on_blocks(module.weight, bits=width, block_size=block_size)
+        width, size = (head_bits, head_block) if module is head else (bits, block_size)
+        module.weight = _reference_on_blocks(module.weight, bits=width, block_size=size)
         if module is head:
             for embedding in tied:
                 embedding.weight = module.weight  # one parameter again

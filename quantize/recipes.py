@@ -31,7 +31,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from edgelm.float16 import FP16_FACTS, half_graph, to_half
-from edgelm.nbits_gather import gather_from_nbits
+from edgelm.nbits_gather import gather_from_nbits, head_block_size
 from edgelm.onnxfile import placeholder
 
 from .calibration import calibrated_ranges
@@ -359,14 +359,16 @@ def _embedding_blocks(
     return packed, scales
 
 
-def _gather_tied_from_nbits(quantized: onnx.ModelProto, block_size: int) -> None:
+def _gather_tied_from_nbits(quantized: onnx.ModelProto) -> None:
     """The tied embedding gathers from the LM head's quantized weights instead of keeping an fp32 copy."""
     packed = {n.input[1]: n for n in quantized.graph.node if n.op_type == "MatMulNBits"}
     for gather in tied_gathers(quantized):
         table = gather.input[0]
         reader = packed.get(f"{table}_Q8") or packed.get(f"{table}_Q4")
         assert reader is not None and len(reader.input) == 3, f"no symmetric MatMulNBits reads the tied {table}"
-        table_bits = next(a.i for a in reader.attribute if a.name == "bits")
+        table_bits, block_size = (
+            next(a.i for a in reader.attribute if a.name == key) for key in ("bits", "block_size")
+        )
         gather_from_nbits(quantized, gather, reader.input[1], reader.input[2], bits=table_bits, block_size=block_size)
     drop_unused_initializers(quantized)
 
@@ -385,16 +387,19 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
     head = _lm_head(model)
     assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
     head_bits = 8 if lm_head == "int8" else bits
+    head_node = next((n for n in model.graph.node if head is not None and n.name == head), None)
+    head_block = (
+        block_size if head_node is None else head_block_size(head_bits, block_size, source.dims(head_node.input[1])[0])
+    )
     linear, weights = set(_linear_matmuls(model)), {}
     embedding, table = _untied_embedding(model), None
     nodes = []
     for n in model.graph.node:  # new weights in node order, as export writes them
         if n is embedding:
-            table = _embedding_blocks(n, source, model, weights, bits=head_bits, block_size=block_size)
+            table = _embedding_blocks(n, source, model, weights, bits=head_bits, block_size=head_block)
         if n.name in linear and len(source.dims(n.input[1])) == 2:
-            n = _nbits_node(
-                n, source, model, weights, bits=head_bits if n.name == head else bits, block_size=block_size
-            )
+            width, size = (head_bits, head_block) if n.name == head else (bits, block_size)
+            n = _nbits_node(n, source, model, weights, bits=width, block_size=size)
         nodes.append(n)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -402,8 +407,8 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
         model.opset_import.add(domain="com.microsoft", version=1)
     if table is not None:  # an untied embedding's rows gathered from its own blocks, at the head's bits
         gather = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == UNTIED_TABLE)
-        gather_from_nbits(model, gather, *table, bits=head_bits, block_size=block_size)
-    _gather_tied_from_nbits(model, block_size)
+        gather_from_nbits(model, gather, *table, bits=head_bits, block_size=head_block)
+    _gather_tied_from_nbits(model)
     write(model, source, dst, weights)
     untied = {} if table is None else {"embedding": f"int{head_bits}"}
     return untied | {
@@ -412,6 +417,7 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
         "op": "MatMulNBits",
         "algorithm": "round to nearest",
         "block_size": block_size,
+        "lm_head_block_size": head_block,
         "symmetric": True,
         "accuracy_level": 4,
         "lm_head": lm_head,

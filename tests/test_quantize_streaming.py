@@ -87,16 +87,19 @@ def _reference(mode: str, src: Path, scratch: Path) -> onnx.ModelProto:
         share_int8_embedding(quantized, {t: (f"{t}_quantized", f"{t}_scale", f"{t}_zero_point") for t in tied})
         return quantized
     bits = {"int4": 4, "int8-weight-only": 8}[mode]
-    options = dict(block_size=32, is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
+    options = dict(is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
     head = recipes._lm_head(model)
-    first = MatMulNBitsQuantizer(model, bits=bits, nodes_to_exclude=[head] if bits == 4 else [], **options)
+    width = next(
+        i.dims[0] for n in model.graph.node if n.name == head for i in model.graph.initializer if i.name == n.input[1]
+    )
+    first = MatMulNBitsQuantizer(model, bits=bits, block_size=32, nodes_to_exclude=[head], **options)
     first.process()
     quantized = first.model.model
-    if bits == 4:
-        second = MatMulNBitsQuantizer(quantized, bits=8, nodes_to_exclude=[], **options)
-        second.process()
-        quantized = second.model.model
-    recipes._gather_tied_from_nbits(quantized, 32)
+    # the head at 8 bits either way, in blocks of 128 where they divide its inputs
+    second = MatMulNBitsQuantizer(quantized, bits=8, block_size=128 if width % 128 == 0 else 32, **options)
+    second.process()
+    quantized = second.model.model
+    recipes._gather_tied_from_nbits(quantized)
     return quantized
 
 
@@ -348,3 +351,12 @@ def test_eval_text_that_is_not_utf8_is_one_line(fp32_package, tmp_path, monkeypa
     monkeypatch.setattr(evaluate, "TEXT_CHUNK", 1000)
     with pytest.raises(ValueError, match=r"is not UTF-8 text: bytes at offset 5003"):
         evaluate.evaluate_package(fp32_package, bad)
+
+
+def test_an_8bit_head_takes_blocks_of_128_where_they_divide_its_inputs() -> None:
+    from edgelm.nbits_gather import head_block_size
+
+    assert head_block_size(8, 32, 2048) == 128  # Llama-3.2-1B's head: 8.5 bits a weight read, not 10
+    assert head_block_size(8, 32, 576) == 32  # SmolLM2's 576 inputs are not whole blocks of 128
+    assert head_block_size(4, 32, 2048) == 32  # a 4-bit head keeps the recipe's blocks
+    assert head_block_size(8, 256, 2048) == 256  # as do blocks already larger
