@@ -25,7 +25,7 @@ import torch
 from ..runtime.contract import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Sampling
 from ..runtime.files import check_file, kind_of, read_text
 from ..runtime.package import file_sha256
-from .lazy_weights import TensorLoader, lazy_parameter, read
+from .lazy_weights import TensorLoader, lazy_parameter, row_slices
 from .limits import checked_number, context_length_problem
 
 CONFIG_FILE = "config.json"
@@ -160,19 +160,20 @@ def read_sampling(folder: Path) -> Sampling | None:
 def check_finite(model: torch.nn.Module, source: str, *, on_tensor: Callable[[], None] | None = None) -> None:
     """Refuse NaN or inf in any weight, naming the tensor: such a model can never generate, and an export of
     it would fail only later, with a less useful message (or, before this check, not at all). Lazy weights
-    (export/lazy_weights.py) are read one at a time; on_tensor is called after each (progress)."""
+    (export/lazy_weights.py) are read one at a time, and a GGUF file's large ones a slice at a time (row_slices);
+    on_tensor is called after each (progress)."""
     for name, parameter in model.named_parameters():
         if on_tensor is not None:
             on_tensor()
-        tensor = read(parameter)
-        # a NaN or inf makes the sum non-finite; the sum alone can also overflow, so the mask confirms (the mask
-        # first would take about 10x longer: 1.5 s on SmolLM2-135M)
-        if math.isfinite(tensor.sum(dtype=torch.float32)):
-            continue
-        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+        bad = 0
+        for part in row_slices(parameter, 4 * math.prod(parameter.shape[1:])):  # float32 rows
+            # a NaN or inf makes the sum non-finite; the sum alone can also overflow, so the mask confirms (the
+            # mask first would take about 10x longer: 1.5 s on SmolLM2-135M)
+            if not math.isfinite(part.sum(dtype=torch.float32)):
+                bad += part.numel() - int(torch.isfinite(part).sum())
         if bad:
             raise CheckpointError(
-                f"tensor {name!r} in {source} holds {bad} NaN or inf value(s) of {tensor.numel()}; "
+                f"tensor {name!r} in {source} holds {bad} NaN or inf value(s) of {parameter.numel()}; "
                 "a model with them cannot generate"
             )
 

@@ -34,6 +34,7 @@ class TensorLoader:
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
     rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # some rows only (an Embedding's lookup), if cheaper
+    row_range: Callable[[int, int], torch.Tensor] | None = None  # rows [start, stop) only, if cheaper (row_slices)
 
     def numel(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
@@ -144,14 +145,32 @@ def materialize(model: torch.nn.Module) -> None:
             module._parameters[name] = done[id(parameter)]
 
 
+def row_slices(tensor: torch.Tensor, row_bytes: int) -> Iterator[torch.Tensor]:
+    """A tensor's values in slices along its first axis, each about SLICE_BYTES when a row takes `row_bytes` (as
+    the caller converts it). Read slice by slice where its loader can (a GGUF file's blocks: its whole tied head
+    would be 1 GB of float32 at 1B, and twice that again in gguf-py's dequantizers' temporaries), else read whole
+    and sliced."""
+    step = max(1, SLICE_BYTES // row_bytes)
+    loader = tensor.loader if is_lazy(tensor) else None
+    if loader is not None and loader.row_range is not None:
+        for i in range(0, tensor.shape[0], step):
+            yield loader.row_range(i, min(i + step, tensor.shape[0]))
+        return
+    weight = read(tensor)
+    if weight.ndim == 0:
+        yield weight
+        return
+    for i in range(0, weight.shape[0], step):
+        yield weight[i : i + step]
+
+
 def _linear(module: torch.nn.Linear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A Linear's forward in `dtype`, its weight converted a slice of output rows at a time."""
+    """A Linear's forward in `dtype`, its weight read (where it can be) and converted a slice of output rows at a
+    time."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = read(module.weight)  # (out, in), the file's dtype
-        rows = max(1, SLICE_BYTES // (8 * weight.shape[1]))
-        parts = [x @ weight[i : i + rows].to(dtype).T for i in range(0, weight.shape[0], rows)]
-        del weight
+        # weight (out, in): slices of rows, the file's dtype
+        parts = [x @ part.to(dtype).T for part in row_slices(module.weight, 8 * module.weight.shape[1])]
         y = torch.cat(parts, dim=-1)
         return y if module.bias is None else y + read(module.bias).to(dtype)
 

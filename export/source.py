@@ -94,16 +94,24 @@ def _rows(gguf, name: str, indices: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(rows) if rows is not None else torch.from_numpy(gguf.tensor(name))[indices]
 
 
+def _row_range(gguf, name: str, start: int, stop: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.row_range(name, start, stop))
+
+
+def _loader(gguf, name: str) -> TensorLoader:
+    """`name` unread: whole, some rows (an Embedding's lookup), or a range of rows where the file's rows are the
+    tensor's (a Linear's weight read slice by slice)."""
+    row_range = partial(_row_range, gguf, name) if gguf.reads_rows(name) else None
+    return TensorLoader(gguf.shape(name), partial(_dequantized, gguf, name), partial(_rows, gguf, name), row_range)
+
+
 def open_gguf(path: Path) -> Source:
     """A GGUF file (llama.cpp's format): weights dequantized to fp32, tokenizer.json built from its
     tokenizer metadata, its chat template kept (export/gguf.py)."""
     gguf = read_gguf(path)
     family = gguf.family
     state = {
-        name: TensorLoader(gguf.shape(name), partial(_dequantized, gguf, name), partial(_rows, gguf, name))
-        if family.lazy_weights
-        else _dequantized(gguf, name)
-        for name in gguf.tensor_names
+        name: _loader(gguf, name) if family.lazy_weights else _dequantized(gguf, name) for name in gguf.tensor_names
     }
     model = family.build(gguf.hf_config, state)  # lazy: each tensor dequantized when used
     if not family.lazy_weights:
