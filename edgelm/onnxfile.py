@@ -90,7 +90,7 @@ def save_model(
         with open(target, "wb") as f:
             for (tensor, size), offset in zip(moved, offsets, strict=True):
                 f.seek(offset)  # a gap left behind reads as zeros
-                f.write(_take_data(tensor, weights))
+                _write(f, tensor, weights, size)
                 if on_write is not None:
                     on_write(size)
                 tensor.data_location = onnx.TensorProto.EXTERNAL
@@ -125,6 +125,24 @@ def _size(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> int | Non
         return None
     size = len(tensor.raw_data)
     return size if size >= INLINE_LIMIT else None
+
+
+def _write(f, tensor: onnx.TensorProto, weights: dict[str, np.ndarray], size: int) -> None:
+    """Write `tensor`'s bytes at f's position: a placeholder whose array has `chunks` (export/lazy_weights.py
+    LazyArray) one slice along its first axis at a time, so no more than a slice of it is ever held."""
+    chunks = getattr(weights.get(tensor.name), "chunks", None)
+    if chunks is None:
+        f.write(_take_data(tensor, weights))
+        return
+    array = weights.pop(tensor.name)
+    assert not tensor.raw_data and tuple(tensor.dims) == array.shape, f"{tensor.name} is not its placeholder"
+    written = 0
+    for chunk in chunks():
+        assert chunk.shape[1:] == array.shape[1:], f"{tensor.name}: a slice of shape {chunk.shape}, not {array.shape}"
+        data = np.ascontiguousarray(chunk, dtype=_stored_dtype(array)).reshape(-1).view(np.uint8)
+        f.write(data)
+        written += data.size
+    assert written == size, f"{tensor.name}: its slices hold {written} bytes, not {size}"
 
 
 def _take_data(tensor: onnx.TensorProto, weights: dict[str, np.ndarray]) -> np.ndarray | bytes:

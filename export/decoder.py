@@ -57,6 +57,15 @@ class NBits:
         return [widen(load_runs(part), self.bits, self.block_size) for part in self.sources]
 
     @property
+    def by_rows(self) -> bool:
+        """Whether `rows` can unpack some output rows alone: one part, from a file whose rows are the weight's."""
+        return len(self.sources) == 1 and isinstance(self.sources[0], LazyRuns) and self.sources[0].rows is not None
+
+    def rows(self, start: int, stop: int) -> NBits:
+        """Output rows [start, stop) alone (by_rows must hold): what writes a large table a slice at a time."""
+        return NBits(self.bits, self.block_size, [self.sources[0].rows(start, stop)])
+
+    @property
     def shape(self) -> tuple[int, int]:
         """(in, out), as a Linear's weight."""
         shapes = [runs_shape(part) for part in self.sources]

@@ -158,7 +158,10 @@ class GGUFModel:
         if len(entry.shape) != 2:
             return None
         runs = lazy_runs(stored.tensor_type, stored.data, entry.shape[1], _row_change(entry))
-        return runs if runs is None else runs.with_load(lambda: _forgotten(runs.load, stored))
+        if runs is None:
+            return None
+        some = None if runs.rows is None else lambda start, stop: _forgotten(lambda: runs.rows(start, stop), stored)
+        return runs.with_load(lambda: _forgotten(runs.load, stored), some)
 
     def matmul_nbits(self, name: str) -> Runs | None:
         """Linear weight `name` (N = out features, K = in features) as MatMulNBits runs, from its own quantized

@@ -252,9 +252,10 @@ class LazyRuns:
     shape: tuple[int, int]  # (N, K)
     has_offsets: bool
     load: Callable[[], Runs]
+    rows: Callable[[int, int], Runs] | None = None  # output rows [start, stop) alone; None: only the whole
 
-    def with_load(self, load: Callable[[], Runs]) -> LazyRuns:
-        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load)
+    def with_load(self, load: Callable[[], Runs], rows: Callable[[int, int], Runs] | None = None) -> LazyRuns:
+        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load, rows)
 
 
 def lazy_runs(
@@ -271,7 +272,8 @@ def lazy_runs(
         return runs if change is None else by_rows(runs, change)
 
     first = to_runs(kind, rows[:1], n_in)
-    return LazyRuns(row.bits, row.block_size, (rows.shape[0], n_in), first.offsets is not None, load)
+    some = None if change is not None else lambda start, stop: to_runs(kind, rows[start:stop], n_in)
+    return LazyRuns(row.bits, row.block_size, (rows.shape[0], n_in), first.offsets is not None, load, some)
 
 
 def load_runs(runs: Runs | LazyRuns) -> Runs:

@@ -27,6 +27,9 @@ def _nbits_names(prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
     return f"{prefix}.weight_Q{nbits.bits}", f"{prefix}.weight_scales", offsets
 
 
+SLICED_WEIGHTS = 1 << 25  # a kept table of more weights is unpacked and written this many (about) at a time
+
+
 class _NBitsArrays:
     """A linear's MatMulNBits arrays from one unpacking of its blocks, which is let go once all `uses` are read."""
 
@@ -65,8 +68,21 @@ class _BlockNodes(_Nodes):
             k, n = nbits.shape
             runs = k // nbits.block_size
             arrays = _NBitsArrays(nbits, 3 if offsets is not None else 2)
-            self.constant(packed, LazyArray((n, runs, nbits.block_size * nbits.bits // 8), arrays.packed, np.uint8))
-            self.constant(scales, LazyArray((n, runs), arrays.scales))
+            # a large table whose file rows are its own (Gemma 4's per-layer table: 2.3B weights) is unpacked and
+            # written a slice of rows at a time; the offsets' (runs, N) layout is not in rows, so not with them
+            sliced = offsets is None and nbits.by_rows and n * k > SLICED_WEIGHTS
+            step = max(1, SLICED_WEIGHTS // k)
+
+            def chunks(array: str):
+                return (
+                    (lambda: (getattr(nbits.rows(i, min(i + step, n)), array) for i in range(0, n, step)))
+                    if sliced
+                    else None
+                )
+
+            shape = (n, runs, nbits.block_size * nbits.bits // 8)
+            self.constant(packed, LazyArray(shape, arrays.packed, np.uint8, chunks=chunks("packed")))
+            self.constant(scales, LazyArray((n, runs), arrays.scales, chunks=chunks("scales")))
             if offsets is not None:
                 self.constant(offsets, LazyArray((runs, n), arrays.block_offsets))
         return packed, scales, offsets

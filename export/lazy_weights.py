@@ -97,8 +97,16 @@ class LazyArray:
     """An array read when written (np.asarray calls `load`): what a Decoder holds for a large weight, float32 unless
     `dtype` says otherwise."""
 
-    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray], dtype: type = np.float32):
-        self.shape, self.load = tuple(shape), load
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        load: Callable[[], np.ndarray],
+        dtype: type = np.float32,
+        chunks: Callable[[], Iterator[np.ndarray]] | None = None,
+    ):
+        """chunks: the array's slices along its first axis, in order, made one at a time; save_model writes a large
+        array that way rather than all of it at once."""
+        self.shape, self.load, self.chunks = tuple(shape), load, chunks
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
         self.size = int(np.prod(self.shape, dtype=np.int64))

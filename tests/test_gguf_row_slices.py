@@ -95,3 +95,21 @@ def test_float64_reference_in_slices_is_the_whole_model(q6k_head) -> None:
     assert "model.embed_tokens.weight" not in whole and ranges.count("model.embed_tokens.weight") > 8
     assert logits.dtype == torch.float64
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)
+
+
+def test_a_large_kept_table_is_written_a_slice_of_rows_at_a_time(q6k_head, tmp_path, monkeypatch) -> None:
+    """The kept Q6_K head unpacked and written in slices of rows (export/graph_blocks.py SLICED_WEIGHTS; Gemma 4's
+    2.3B-weight per-layer table whole was 9 GB of temporaries) gives the bytes of the whole-table write."""
+    from edgelm.export import graph_blocks
+    from edgelm.export.decoder import NBits
+    from edgelm.export.onnx_export import export_package
+
+    path, _, _ = q6k_head
+    export_package(path, tmp_path / "whole", progress=lambda _: None)
+    sliced, rows = [], NBits.rows
+    monkeypatch.setattr(NBits, "rows", lambda self, a, b: sliced.append((a, b)) or rows(self, a, b))
+    monkeypatch.setattr(graph_blocks, "SLICED_WEIGHTS", 4096)
+    export_package(path, tmp_path / "sliced", progress=lambda _: None)
+    assert len(sliced) > 8  # the head's rows, in slices, for its values and for its scales
+    whole, parts = ((tmp_path / d / "model.onnx.data").read_bytes() for d in ("whole", "sliced"))
+    assert parts == whole
