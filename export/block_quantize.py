@@ -32,7 +32,7 @@ from edgelm.nbits_gather import head_block_size
 
 from .decoder import Decoder, Linear, NBits
 from .gguf_blocks import LazyRuns, Runs, dequantized
-from .lazy_weights import SLICE_BYTES, LazyArray, TensorLoader, lazy_parameter, read
+from .lazy_weights import SLICE_BYTES, LazyArray, TensorLoader, is_lazy, lazy_parameter, read
 
 WEIGHT_ONLY = ("int4", "int8-weight-only")
 QUANTIZE_MODES = (*WEIGHT_ONLY, "fp16")  # what export --quantize writes
@@ -63,20 +63,45 @@ def block_quantized(weight: np.ndarray, *, bits: int, block_size: int) -> Runs:
 
 
 def _nbits(weight, *, bits: int, block_size: int) -> NBits:
-    """A (K, N) weight (an array or a LazyArray) as blocks quantized when the graph writes them."""
+    """A (K, N) weight (an array or a LazyArray) as blocks quantized when the graph writes them; where its columns
+    can be read alone (a tied head: the embedding's rows of a GGUF file), also some of them at a time, so that a
+    large one is quantized and written a slice at a time (export/graph_blocks.py SLICED_WEIGHTS)."""
     k, n = weight.shape
     load = lambda: block_quantized(np.asarray(weight), bits=bits, block_size=block_size)  # noqa: E731
-    return NBits(bits, block_size, [LazyRuns(bits, block_size, (n, k), False, load)])
+    columns = getattr(weight, "columns", None)
+    some = None
+    if columns is not None:
+        some = lambda start, stop: block_quantized(  # noqa: E731
+            np.ascontiguousarray(columns(start, stop).T), bits=bits, block_size=block_size
+        )
+    return NBits(bits, block_size, [LazyRuns(bits, block_size, (n, k), False, load, some)])
+
+
+def _source_rows(tensor: torch.Tensor, rows: torch.Tensor | None, span: tuple[int, int] | None) -> torch.Tensor:
+    """An (out, in) weight's rows `rows` (ids), or [start, stop) = span, or all of them, in the file's dtype; read
+    alone where its loader can (a GGUF file's tensor: whole, a 1B head is 1 GB of float32 and more in temporaries)."""
+    loader = tensor.loader if is_lazy(tensor) else None
+    if rows is not None:
+        return loader.rows(rows) if loader is not None and loader.rows is not None else read(tensor)[rows]
+    if span is not None:
+        if loader is not None and loader.row_range is not None:
+            return loader.row_range(*span)
+        return read(tensor)[span[0] : span[1]]
+    return read(tensor)
 
 
 def _what_blocks_hold(
-    tensor: torch.Tensor, rows: torch.Tensor | None = None, *, bits: int, block_size: int
+    tensor: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    *,
+    bits: int,
+    block_size: int,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """An nn.Linear-layout (out, in) weight as its blocks hold it (quantized along `in`), float32; rows: those
-    only. Each output row's blocks are its own, so it is quantized a slice of rows at a time (a 152k-row head
-    would otherwise take several float32 copies at once)."""
-    weight = read(tensor)  # (out, in), the file's dtype
-    weight = weight if rows is None else weight[rows]
+    only (ids, or the range `span`). Each output row's blocks are its own, so it is quantized a slice of rows at a
+    time (a 152k-row head would otherwise take several float32 copies at once)."""
+    weight = _source_rows(tensor, rows, span)  # (out, in), the file's dtype
     held = torch.empty(weight.shape, dtype=torch.float32)
     step = max(1, SLICE_BYTES // (4 * weight.shape[1]))
     for i in range(0, weight.shape[0], step):
@@ -87,7 +112,11 @@ def _what_blocks_hold(
 
 def _reference_on_blocks(parameter: torch.nn.Parameter, *, bits: int, block_size: int) -> torch.nn.Parameter:
     load = partial(_what_blocks_hold, parameter, bits=bits, block_size=block_size)
-    return lazy_parameter(TensorLoader(tuple(parameter.shape), load, load))
+    loader = parameter.loader if is_lazy(parameter) else None
+    some = None  # rows [start, stop) alone where the source reads them so (the proof's Linear, row_slices)
+    if loader is not None and loader.row_range is not None:
+        some = lambda start, stop: load(span=(start, stop))  # noqa: E731
+    return lazy_parameter(TensorLoader(tuple(parameter.shape), load, load, some))
 
 
 def check_block_size(decoder: Decoder, block_size: int) -> None:

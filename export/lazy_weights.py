@@ -103,17 +103,22 @@ class LazyArray:
         load: Callable[[], np.ndarray],
         dtype: type = np.float32,
         chunks: Callable[[], Iterator[np.ndarray]] | None = None,
+        rows: Callable[[int, int], np.ndarray] | None = None,
     ):
         """chunks: the array's slices along its first axis, in order, made one at a time; save_model writes a large
-        array that way rather than all of it at once."""
-        self.shape, self.load, self.chunks = tuple(shape), load, chunks
+        array that way rather than all of it at once. rows: rows [start, stop) alone, where that is cheaper than
+        all (a GGUF file's tensor whose rows are its own); `T` keeps it as `columns`."""
+        self.shape, self.load, self.chunks, self.rows = tuple(shape), load, chunks, rows
+        self.columns: Callable[[int, int], np.ndarray] | None = None  # of a transposed one: its columns' rows
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
         self.size = int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def T(self) -> LazyArray:  # noqa: N802 (numpy's name)
-        return LazyArray(tuple(reversed(self.shape)), lambda: self.load().T, self.dtype)
+        transposed = LazyArray(tuple(reversed(self.shape)), lambda: self.load().T, self.dtype)
+        transposed.columns = self.rows  # columns [start, stop) of the transpose, as rows (start..stop, K)
+        return transposed
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         array = np.asarray(self.load(), dtype=self.dtype)
@@ -124,7 +129,9 @@ class LazyArray:
 def float32_array(tensor: torch.Tensor) -> np.ndarray | LazyArray:
     """A parameter as the Decoder holds it: a LazyArray when it is lazy and large, else a float32 array."""
     if is_lazy(tensor) and tensor.numel() * 4 >= SMALL_BYTES:
-        return LazyArray(tuple(tensor.shape), lambda: read(tensor).to(torch.float32).numpy())
+        some = tensor.loader.row_range
+        rows = None if some is None else lambda start, stop: some(start, stop).to(torch.float32).numpy()
+        return LazyArray(tuple(tensor.shape), lambda: read(tensor).to(torch.float32).numpy(), rows=rows)
     return read(tensor).to(torch.float32).cpu().numpy()
 
 

@@ -113,3 +113,21 @@ def test_a_large_kept_table_is_written_a_slice_of_rows_at_a_time(q6k_head, tmp_p
     assert len(sliced) > 8  # the head's rows, in slices, for its values and for its scales
     whole, parts = ((tmp_path / d / "model.onnx.data").read_bytes() for d in ("whole", "sliced"))
     assert parts == whole
+
+
+def test_export_quantize_makes_a_gguf_head_a_slice_of_columns_at_a_time(q6k_head, tmp_path, monkeypatch) -> None:
+    """`export FILE.gguf OUT --quantize int4`: the tied head's new 8-bit blocks are made from the embedding's rows
+    a slice at a time (export/block_quantize.py _nbits), never the whole float32 table, and give the same bytes."""
+    from edgelm.export import graph_blocks
+    from edgelm.export.decoder import NBits
+    from edgelm.export.onnx_export import export_package
+
+    path, _, _ = q6k_head
+    export_package(path, tmp_path / "whole", quantize="int4", progress=lambda _: None)
+    sliced, rows = [], NBits.rows
+    monkeypatch.setattr(NBits, "rows", lambda self, a, b: sliced.append((a, b)) or rows(self, a, b))
+    monkeypatch.setattr(graph_blocks, "SLICED_WEIGHTS", 4096)
+    export_package(path, tmp_path / "sliced", quantize="int4", progress=lambda _: None)
+    assert len(sliced) > 8
+    whole, parts = ((tmp_path / d / "model.onnx.data").read_bytes() for d in ("whole", "sliced"))
+    assert parts == whole
