@@ -9,11 +9,6 @@ vocab_size), which is all these checks use.
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import os
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -23,6 +18,7 @@ import onnxruntime as ort
 import torch
 
 from ..runtime.contract import Architecture, IONames
+from ..runtime.session import reclaiming_read_pages
 from .checkpoint import CheckpointError
 from .lazy_weights import float64_stream
 from .traced import cache_architecture, state_layout
@@ -73,67 +69,8 @@ def _session(onnx_path: str | Path, *, prepacking: bool = False, half: bool = Fa
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         options.enable_cpu_mem_arena = options.enable_mem_pattern = False
-    with _reclaiming_read_pages(Path(onnx_path).parent) if prepacking else nullcontext():
+    with reclaiming_read_pages(Path(onnx_path).parent) if prepacking else nullcontext():
         return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-
-
-_MADV_PAGEOUT = 21  # Linux 5.4+, the same value on every architecture
-
-
-@contextmanager
-def _reclaiming_read_pages(folder: Path, period: float = 0.05) -> Iterator[None]:
-    """While a prepacked session is built: every `period` seconds, ask Linux to reclaim the pages of the package's
-    files that the process has mapped (madvise MADV_PAGEOUT on each mapping of a file in `folder`).
-
-    ONNX Runtime maps the weights and prepacks each MatMulNBits' B and scales into copies of its own. It lets B's
-    mapping go after, but keeps the scales mapped (is_packed false at int8 compute: the kernel is handed them at
-    each run), so every scale page the prepacking read stays resident until the build ends: the package's scales
-    on top of all its prepacked copies (4B Q8_0: 0.99 GB of file pages at the build's height, 0.26 GB with this;
-    docs/results.md, "The proof's session: read pages reclaimed"). Reclaiming never loses data: a file page read
-    again is read from the file, and an anonymous page (the mapping's address taken by another allocation after
-    ONNX Runtime unmapped it) stays as it is without swap, or is swapped out and back, so this may race with ONNX
-    Runtime's own mapping and unmapping, which MADV_DONTNEED (runtime/session.py, after a build) may not. The
-    pages leave the page cache too, which costs only this package's next load, read from the file once more.
-    Elsewhere than Linux, or on a kernel without MADV_PAGEOUT, nothing is done."""
-    if not sys.platform.startswith("linux"):
-        yield
-        return
-    try:
-        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):  # another C library
-        yield
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    prefix = str(folder.resolve()) + os.sep
-    done = threading.Event()
-
-    def reclaim_once() -> bool:
-        """One pass over the process's mappings; False when the kernel has no MADV_PAGEOUT (or no /proc)."""
-        try:
-            with open("/proc/self/maps") as maps:
-                lines = maps.readlines()
-        except OSError:
-            return False
-        for line in lines:
-            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-            if len(fields) == 6 and fields[5].rstrip("\n").startswith(prefix):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if madvise(start, end - start, _MADV_PAGEOUT) != 0 and ctypes.get_errno() == errno.EINVAL:
-                    return False  # a kernel before 5.4 (ENOMEM, a mapping gone meanwhile, is expected)
-        return True
-
-    def reclaim() -> None:
-        while not done.wait(period) and reclaim_once():
-            pass
-
-    thread = threading.Thread(target=reclaim, name="reclaim-read-pages", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-    reclaim_once()  # what the last pages read left: the session then holds its prepacked copies alone
 
 
 def check_parity(

@@ -5,9 +5,13 @@ Runtime failure in the middle of generation."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,11 +82,11 @@ def open_session(model_path: Path, providers: list[str], threads: int | None) ->
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
     try:
-        session = ort.InferenceSession(str(model_path), options, providers=providers)
+        with reclaiming_read_pages(model_path.parent):
+            session = ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own pybind exception types
         raise PackageError(f"ONNX Runtime cannot load {model_path.name}: {ort_reason(e)}") from None
     _return_freed_heap()
-    _drop_read_weight_pages(model_path.parent)
     return session
 
 
@@ -134,6 +138,67 @@ def _drop_read_weight_pages(folder: Path) -> None:
         start, end, path = header.groups()
         mapping = (int(start, 16), int(end, 16)) if path.startswith(prefix) else None
         clean = mapping is not None
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+, the same value on every architecture
+
+
+@contextmanager
+def reclaiming_read_pages(folder: Path, period: float = 0.02) -> Iterator[None]:
+    """Around a session's build: every `period` seconds, ask Linux to reclaim the pages of the package's files that
+    the process has mapped (madvise MADV_PAGEOUT on each mapping of a file in `folder`); when the build is done, drop
+    what it left resident (`_drop_read_weight_pages`).
+
+    ONNX Runtime maps the weights and prepacks each MatMulNBits' B and scales into copies of its own. It lets B's
+    mapping go after, but keeps the scales mapped (is_packed false at int8 compute: the kernel is handed them at
+    each run), so every scale page the prepacking read stays resident until the build ends: the package's scales
+    on top of all its prepacked copies, and the largest weight's pages while it is packed (4B Q8_0: 0.99 GB of
+    file pages at the build's height, 0.26 GB with this; docs/results.md, "Read pages reclaimed while a session
+    builds"). Reclaiming never loses data: a file page is read again from the file, and an anonymous page (the
+    mapping's address taken by another allocation after ONNX Runtime unmapped it) stays as it is without swap, or
+    is swapped out and back. So it may race with ONNX Runtime's mapping and unmapping, which MADV_DONTNEED may not
+    (it would zero such a page): that waits for the build's end. The pages reclaimed leave the page cache too, so
+    the package's next load reads them from the file again.
+    Elsewhere than Linux, or on a kernel without MADV_PAGEOUT, it only drops pages after the build."""
+    try:
+        if not sys.platform.startswith("linux"):
+            raise OSError("no MADV_PAGEOUT")
+        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):  # elsewhere than Linux, or another C library
+        yield
+        _drop_read_weight_pages(folder)
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    prefix = str(folder.resolve()) + os.sep
+    done = threading.Event()
+
+    def reclaim_once() -> bool:
+        """One pass over the process's mappings; False when the kernel has no MADV_PAGEOUT (or no /proc)."""
+        try:
+            with open("/proc/self/maps") as maps:
+                lines = maps.readlines()
+        except OSError:
+            return False
+        for line in lines:
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            if len(fields) == 6 and fields[5].rstrip("\n").startswith(prefix):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if madvise(start, end - start, _MADV_PAGEOUT) != 0 and ctypes.get_errno() == errno.EINVAL:
+                    return False  # a kernel before 5.4 (ENOMEM, a mapping gone meanwhile, is expected)
+        return True
+
+    def reclaim() -> None:
+        while not done.wait(period) and reclaim_once():
+            pass
+
+    thread = threading.Thread(target=reclaim, name="reclaim-read-pages", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    _drop_read_weight_pages(folder)
 
 
 @dataclass
