@@ -104,8 +104,20 @@ def _return_freed_heap() -> None:
         libc.malloc_trim(0)
 
 
-_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+ *(.*)$")  # smaps: a mapping's header line
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+ *(.*)$")  # maps: a mapping; smaps: its header
 _MADV_DONTNEED = 4  # Linux's value, the same on every architecture
+
+
+def _madvise():
+    """libc's madvise(address, length, advice), errno kept; None elsewhere than Linux or with another C library."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 def _drop_read_weight_pages(folder: Path) -> None:
@@ -116,15 +128,14 @@ def _drop_read_weight_pages(folder: Path) -> None:
     written (no Anonymous pages: a write to a private mapping copies the page) holds exactly the file's bytes,
     so dropping its pages changes nothing but the resident size: a later read maps them again from the page
     cache (what this saves: docs/benchmarks.md, "Real sizes: where a K-quant step goes")."""
-    if not sys.platform.startswith("linux"):
+    madvise = _madvise()
+    if madvise is None:
         return
     try:
         smaps = Path("/proc/self/smaps").read_text()
-        madvise = ctypes.CDLL("libc.so.6").madvise
-    except (OSError, AttributeError):  # no procfs, or another C library: nothing to do
+    except OSError:  # no procfs: nothing to do
         return
     prefix = str(folder.resolve()) + os.sep
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     mapping, clean = None, False
     for line in [*smaps.splitlines(), "0-0 - - - - end"]:
         header = _MAPPING.match(line)
@@ -159,16 +170,12 @@ def reclaiming_read_pages(folder: Path, period: float = 0.02) -> Iterator[None]:
     is swapped out and back. So it may race with ONNX Runtime's mapping and unmapping, which MADV_DONTNEED may not
     (it would zero such a page): that waits for the build's end. The pages reclaimed leave the page cache too, so
     the package's next load reads them from the file again.
-    Elsewhere than Linux, or on a kernel without MADV_PAGEOUT, it only drops pages after the build."""
-    try:
-        if not sys.platform.startswith("linux"):
-            raise OSError("no MADV_PAGEOUT")
-        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):  # elsewhere than Linux, or another C library
+    Elsewhere than Linux it does nothing (as `_drop_read_weight_pages`); on a kernel without MADV_PAGEOUT it only
+    drops pages after the build."""
+    madvise = _madvise()
+    if madvise is None:
         yield
-        _drop_read_weight_pages(folder)
         return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     prefix = str(folder.resolve()) + os.sep
     done = threading.Event()
 
@@ -176,13 +183,13 @@ def reclaiming_read_pages(folder: Path, period: float = 0.02) -> Iterator[None]:
         """One pass over the process's mappings; False when the kernel has no MADV_PAGEOUT (or no /proc)."""
         try:
             with open("/proc/self/maps") as maps:
-                lines = maps.readlines()
+                lines = maps.read().splitlines()
         except OSError:
             return False
         for line in lines:
-            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-            if len(fields) == 6 and fields[5].rstrip("\n").startswith(prefix):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
+            start, end, path = _MAPPING.match(line).groups()
+            if path.startswith(prefix):
+                start, end = int(start, 16), int(end, 16)
                 if madvise(start, end - start, _MADV_PAGEOUT) != 0 and ctypes.get_errno() == errno.EINVAL:
                     return False  # a kernel before 5.4 (ENOMEM, a mapping gone meanwhile, is expected)
         return True
