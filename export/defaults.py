@@ -5,10 +5,13 @@ PARITY_TOLERANCE = 1e-4  # max |logit difference| of a float package against PyT
 # Kept GGUF blocks with float activations: ONNX Runtime's 4-bit kernel sums in its own order, a few times
 # further from float64 than a float MatMul (1.1e-4 on SmolLM2-135M).
 KEPT_FLOAT_TOLERANCE = 1e-3
-# MatMulNBits at accuracy_level 4 quantizes each block of activations to int8 at run time, which PyTorch does
-# not: on SmolLM2-135M (logits up to ~35) that moved logits by up to about 2. The check then
-# guards against a wrong graph (a wrong weight scrambles the logits), not against rounding.
-INT8_ACTIVATION_TOLERANCE = 4.0
+# MatMulNBits at accuracy_level 4 quantizes each block of activations to int8 at run time, which PyTorch does not.
+# No bound on logits separates that rounding from a wrong graph (it moves Gemma 3 270M's logits by 11, SmolLM2's by
+# 2), so such a graph is proved in two parts (export/parity.py Int8Proof): its float twin (accuracy level 0)
+# within KEPT_FLOAT_TOLERANCE, and the graph as shipped within these bounds on KL(reference || graph), in nats,
+# over the compared positions. Measured: docs/export.md, "The proof".
+INT8_MEAN_KL = 0.25
+INT8_MAX_KL = 2.0
 # export --quantize fp16: float16 weights and activations throughout (about 3 significant digits), against the
 # float64 reference on the checkpoint's own weights: like the int8 one, a guard against a wrong graph.
 FP16_TOLERANCE = 1.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -204,13 +205,93 @@ def check_parity_shared(
         for row, (length, chosen) in enumerate(zip(lengths, outputs["tokens"], strict=True))
     ]
     reference = _reference_logits(model, rows, on_layer=on_step)
-    prompt = outputs["logits"][0]  # (2, width, V): compare real (unpadded) positions only
-    real = np.arange(ids.shape[1])[None, :] < np.array(lengths)[:, None]
-    worst = _worst(0.0, prompt[real], reference[:, : ids.shape[1]][real])
-    for step, logits in enumerate(outputs["logits"][1:]):  # (2, 1, V): the token fed at step `step`
-        expected = np.stack([reference[row, length + step] for row, length in enumerate(lengths)])[:, None]
-        worst = _worst(worst, logits, expected)
-    return worst
+    compared, expected = _compared(outputs["logits"], reference, ids.shape[1], lengths)
+    return _worst(0.0, compared, expected)
+
+
+def _compared(
+    logits: list[np.ndarray], reference: np.ndarray, width: int, lengths: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, V) ONNX Runtime's logits at every real position (the prompt's unpadded ones, then each decode
+    step's) and the reference's at the same positions."""
+    real = np.arange(width)[None, :] < np.array(lengths)[:, None]
+    got, expected = [logits[0][real]], [reference[:, :width][real]]
+    for step, step_logits in enumerate(logits[1:]):  # (2, 1, V): the token fed at step `step`
+        got.append(step_logits[:, 0])
+        expected.append(np.stack([reference[row, length + step] for row, length in enumerate(lengths)]))
+    return np.concatenate(got), np.concatenate(expected)
+
+
+@dataclass(frozen=True)
+class Int8Proof:
+    """A graph whose matmuls round activations to int8 (MatMulNBits accuracy_level 4), proved in two parts on one
+    token sequence. Its float twin (the same graph, every MatMulNBits at accuracy level 0) against the float64
+    reference proves the graph: a wrong rotary, norm, head order, mask or scale moves logits far past float32's
+    rounding (`float_max_abs`). The graph as shipped against the same reference bounds what int8 rounding does to
+    the model's next-token distributions (KL(reference || graph) in nats, top-1 agreement): a model with massive
+    activations or a large logit scale moves its logits by more than any fixed bound (Gemma 3 270M's by 11) and
+    its distributions barely, while a broken int8 path scrambles them."""
+
+    float_max_abs: float  # max |logit difference|, float twin vs float64
+    int8_max_abs: float  # the same for the graph as shipped (reported, not bounded)
+    mean_kl: float  # nats, over every compared position
+    max_kl: float
+    top1_agreement: float  # fraction of positions whose argmax is the reference's
+    positions: int
+
+
+def _kl(reference: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """KL(softmax(reference) || softmax(logits)) per row, in float64 nats."""
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    p_log = log_softmax(reference)
+    return (np.exp(p_log) * (p_log - log_softmax(logits))).sum(axis=-1)
+
+
+def check_parity_int8(
+    model: torch.nn.Module,
+    onnx_path: str | Path,
+    float_twin: str | Path,
+    *,
+    io: IONames,
+    decode_steps: int = 5,
+    seed: int = 0,
+    on_step: Callable[[], None] | None = None,
+) -> Int8Proof:
+    """The two-part proof of an int8-activation graph (Int8Proof), run as check_parity_shared runs one graph: the
+    float twin chooses the greedy tokens, the shipped graph is fed the same ones, and one float64 reference pass
+    serves both."""
+    config = model.config
+    layout = state_layout(model)
+    ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed, short=7 if layout.get("layer_types") else 5)
+    run = dict(layout=layout, prepacking=True, on_step=on_step)
+    twin = _run_session(float_twin, io, config, ids, lengths, decode_steps, **run)
+    shipped = _run_session(onnx_path, io, config, ids, lengths, decode_steps, forced=twin["tokens"], **run)
+    rows = [
+        ids[row, :length].tolist() + chosen
+        for row, (length, chosen) in enumerate(zip(lengths, twin["tokens"], strict=True))
+    ]
+    reference = _reference_logits(model, rows, on_layer=on_step)
+    float_logits, expected = _compared(twin["logits"], reference, ids.shape[1], lengths)
+    int8_logits, _ = _compared(shipped["logits"], reference, ids.shape[1], lengths)
+    float_max_abs = _worst(0.0, float_logits, expected)
+    int8_max_abs = _worst(0.0, int8_logits, expected)
+    if not np.isfinite(int8_max_abs):
+        kl = np.full(len(expected), np.inf)
+    else:
+        kl = _kl(expected, int8_logits)
+    return Int8Proof(
+        float_max_abs=float_max_abs,
+        int8_max_abs=int8_max_abs,
+        mean_kl=float(kl.mean()),
+        max_kl=float(kl.max()),
+        top1_agreement=float((int8_logits.argmax(-1) == expected.argmax(-1)).mean()),
+        positions=len(expected),
+    )
 
 
 def _run_session(
@@ -224,9 +305,11 @@ def _run_session(
     layout: dict,
     prepacking: bool,
     on_step: Callable[[], None] | None,
+    forced: list[list[int]] | None = None,
 ) -> dict:
     """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row);
-    layout: a hybrid's states (traced.state_layout)."""
+    layout: a hybrid's states (traced.state_layout). forced: the tokens each row is fed instead (another run's
+    choices), so two graphs are compared on the same sequence."""
     half = io.kv_dtype == "float16"  # an fp16 graph: its cache, states and logits are half too
     session = _session(onnx_path, prepacking=prepacking, half=half)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
@@ -272,7 +355,7 @@ def _run_session(
         if step == decode_steps:
             break
         last = [logits[row, totals[row] - 1] if keep == 0 else logits[row, -1] for row in range(2)]
-        chosen = [int(np.argmax(row_logits)) for row_logits in last]
+        chosen = [int(np.argmax(row_logits)) for row_logits in last] if forced is None else [r[step] for r in forced]
         for row, token in enumerate(chosen):
             tokens[row].append(token)
         feed, keep = torch.tensor(chosen).unsqueeze(1), 1

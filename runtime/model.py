@@ -47,6 +47,17 @@ def load(path: str | Path, provider: str = "auto", threads: int | None = None, *
     return Model(path, provider=provider, threads=threads, verify=verify)
 
 
+def package_tokenizer(spec: PackageSpec) -> Tokenizer | None:
+    """The package's tokenizer (None: it has none); PackageError when it names ids the model does not have.
+    Export calls it on what it wrote before it reports success."""
+    if spec.tokenizer_path is None:
+        return None
+    tokenizer = Tokenizer(spec.tokenizer_path)
+    if tokenizer.vocab_size > spec.arch.vocab_size:
+        raise PackageError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {spec.arch.vocab_size}")
+    return tokenizer
+
+
 def model_bytes(model_path: Path) -> int:
     """The model file's size plus each external-data file it names (the weights, model.onnx.data), counted once."""
     folder = model_path.parent
@@ -63,7 +74,7 @@ class Model(AdapterMixin):
         # nothing runs on the session before the hash matched, and a mismatch wins over a build error
         self.spec: PackageSpec = read_package(path, verify=verify, background_hashes=True)
         try:
-            self.tokenizer = Tokenizer(self.spec.tokenizer_path) if self.spec.tokenizer_path else None
+            self.tokenizer = package_tokenizer(self.spec)
             self.session = open_session(self.spec.model_path, providers, threads)
         finally:
             self.spec.finish_verification()
@@ -76,10 +87,6 @@ class Model(AdapterMixin):
             facts.kv_dtype,
             facts.logits_dtype,
         )
-        if self.tokenizer is not None and self.tokenizer.vocab_size > self.spec.arch.vocab_size:
-            raise PackageError(
-                f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only {self.spec.arch.vocab_size}"
-            )
         self._init_adapters()  # LoRA slots and the adapters loaded for them (runtime/adapters.py)
         self.threads, self._drafts = threads, {}
         self.load_s = time.perf_counter() - started  # from the call to a model ready to generate

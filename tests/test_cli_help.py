@@ -69,8 +69,8 @@ def test_export_tolerance_help_states_the_defaults_export_uses(capsys, monkeypat
     monkeypatch.setattr(onnx_export, "KEPT_FLOAT_TOLERANCE", 0.25)
     text = flat(option_help(help_text(capsys, "export"), "--tolerance"))
     assert f"default {onnx_export.PARITY_TOLERANCE:g};" in text
-    assert "0.25 for kept GGUF blocks at accuracy level 0" in text
-    assert f"{onnx_export.INT8_ACTIVATION_TOLERANCE:g} at accuracy level 4" in text
+    assert "0.25 for GGUF blocks or int4/int8 weights" in text
+    assert f"mean {onnx_export.INT8_MEAN_KL:g} and max {onnx_export.INT8_MAX_KL:g} nats" in text
     assert not hasattr(export_command, "PARITY_TOLERANCE"), "the CLI keeps no copy of the tolerances"
 
 

@@ -34,8 +34,9 @@ def test_kept_blocks_show_their_bit_widths_and_the_check_is_explained(tmp_path, 
     )
     assert lines["source"] == f"exported from tiny-llama.gguf (sha256 {manifest['source']['sha256'][:12]}...)"
     check = lines["export_check"]
-    assert check.startswith("passed: ONNX Runtime against PyTorch float64") and "Not an error" in check
-    assert f"max |logit difference| {manifest['parity']['max_abs_logit_diff']:.2f} (allowed 4)" in check
+    assert check.startswith("passed: ONNX Runtime against PyTorch float64") and "float twin" in check
+    assert f"max |logit difference| {manifest['parity']['max_abs_logit_diff']:.1e} (allowed 1e-03)" in check
+    assert f"mean KL {manifest['parity']['int8']['mean_kl']:.1e} nats (allowed 0.25)" in check
     assert "parity" not in lines
 
 

@@ -88,9 +88,10 @@ def add_parser(sub) -> None:
         "--tolerance",
         type=finite_at_least(0.0),
         default=None,
-        help=f"max |logit difference| allowed (default {defaults.PARITY_TOLERANCE:g}; "
-        f"{defaults.KEPT_FLOAT_TOLERANCE:g} for kept GGUF blocks at accuracy level 0, "
-        f"{defaults.INT8_ACTIVATION_TOLERANCE:g} at accuracy level 4, whose activations are int8)",
+        help=f"max |logit difference| allowed against PyTorch (default {defaults.PARITY_TOLERANCE:g}; "
+        f"{defaults.KEPT_FLOAT_TOLERANCE:g} for GGUF blocks or int4/int8 weights, whose int8-activation graph is "
+        "checked through its float twin, then by KL: "
+        f"mean {defaults.INT8_MEAN_KL:g} and max {defaults.INT8_MAX_KL:g} nats)",
     )
     add_overwrite(p)
     p.set_defaults(run=run)

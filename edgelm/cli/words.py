@@ -31,6 +31,7 @@ FLAG_WORDS = (
     (r"\bload it with edgelm\.load, which exports it once into a cache of packages\b",  # runtime/package.py
      "`edgelm chat`, `generate`, `info` and `bench` run it directly (exported once into a cache)"),
     (r"\bexport_package\(accuracy_level=0\)", "`edgelm export --accuracy-level 0`"),  # export/onnx_export.py
+    (r"\bquantize\(mode='int8-weight-only'\)", "`edgelm quantize --mode int8-weight-only`"),
     (r"\bexport_package\(tolerance=([^)]+)\)", r"`edgelm export --tolerance \1`"),
     (r"\b(temperature|seed|stop) must be\b", r"--\1 must be"),
     (r"\buse at most (\d+) new tokens\b", r"give --new-tokens \1 or less"),  # bench
