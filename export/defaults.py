@@ -11,6 +11,8 @@ KEPT_FLOAT_TOLERANCE = 1e-3
 # within KEPT_FLOAT_TOLERANCE, and the graph as shipped within these bounds on KL(reference || graph), in nats,
 # over the compared positions. Measured: docs/export.md, "The proof".
 INT8_MEAN_KL = 0.25
+# The float twin's tolerance is KEPT_FLOAT_TOLERANCE for logits of up to this size, and in proportion past it.
+LOGIT_PEAK = 32.0
 INT8_MAX_KL = 2.0
 # export --quantize fp16: float16 weights and activations throughout (about 3 significant digits), against the
 # float64 reference on the checkpoint's own weights: like the int8 one, a guard against a wrong graph.

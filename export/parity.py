@@ -238,6 +238,7 @@ class Int8Proof:
     max_kl: float
     top1_agreement: float  # fraction of positions whose argmax is the reference's
     positions: int
+    reference_peak: float  # max |reference logit|: float32's rounding grows with it
 
 
 def _kl(reference: np.ndarray, logits: np.ndarray) -> np.ndarray:
@@ -291,6 +292,7 @@ def check_parity_int8(
         max_kl=float(kl.max()),
         top1_agreement=float((int8_logits.argmax(-1) == expected.argmax(-1)).mean()),
         positions=len(expected),
+        reference_peak=float(np.abs(expected).max()),
     )
 
 

@@ -56,8 +56,12 @@ def _add(writer, name: str, weight: np.ndarray, kind: Q) -> None:
         writer.add_tensor(name, gguf.quants.quantize(weight.astype(np.float32), kind), raw_dtype=kind)
 
 
-def write_gguf(folder: Path, arch: str, *, kinds=(Q.F32,), tied: bool = True, seed: int = 0, add_bos=False) -> Path:
-    """A tiny random model of `arch`; 2-D weights cycle through `kinds`. Returns the file's path."""
+def write_gguf(
+    folder: Path, arch: str, *, kinds=(Q.F32,), tied: bool = True, seed: int = 0, add_bos=False, real_stats=False
+) -> Path:
+    """A tiny random model of `arch`; 2-D weights cycle through `kinds`. Returns the file's path. real_stats: with
+    the activation statistics of trained models (with_real_stats), which int8 activations round as they round a
+    real file's."""
     rng = np.random.default_rng(seed)
     # transformers' GGUF config mapping for gpt2 ignores these two keys and assumes GPT-2's own values
     inner, context = (4 * HIDDEN, 1024) if arch == "gpt2" else (INNER, CONTEXT)
@@ -112,6 +116,8 @@ def write_gguf(folder: Path, arch: str, *, kinds=(Q.F32,), tied: bool = True, se
         tensors["output_norm.weight"] = 1 + weight(HIDDEN)
     if not tied:
         tensors["output.weight"] = weight(VOCAB, HIDDEN)
+    if real_stats:
+        tensors = with_real_stats(tensors, rng)
     for name, value in tensors.items():
         _add(writer, name, value, next(cycle) if value.ndim == 2 else Q.F32)
     _add_tokenizer(writer, add_bos=add_bos)
@@ -120,6 +126,36 @@ def write_gguf(folder: Path, arch: str, *, kinds=(Q.F32,), tied: bool = True, se
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+MASSIVE_CHANNEL, OUTLIER_CHANNELS = 7, [3, 21, 40, 55]
+# measured on tiny Llama files (Q8_0, and Q8_0 / Q4_0 / Q4_1 / F16 mixed): int8 activations move their logits by
+# 6.5-8.1 (a real Gemma 3 270M's by 11, past the old bound of 4) and their distributions barely (mean KL < 1e-3)
+MASSIVE, LAYER_GAIN, LOGIT_GAIN, NORM_OUTLIER = 30.0, 3.0, 60.0, 10.0
+
+
+def with_real_stats(tensors: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """What trained models' activations look like and random ones' do not (Sun et al. 2024, "Massive Activations in
+    Large Language Models"; Dettmers et al. 2022, "LLM.int8()"): one channel of the residual stream about 300x the
+    median on every token, a few outlier channels 20x (in the final norm's weight too), the layers writing as much
+    into the residual stream, and logits of a hundred (the final norm's weight large).
+    Per-block int8 activations then round away most of the block that holds the massive channel, as they do on a
+    real file: a random model's activations are all alike and lose almost nothing."""
+    out = dict(tensors)
+    embedding = out["token_embd.weight"].copy()  # (V, C)
+    embedding[:, OUTLIER_CHANNELS] *= 20
+    embedding[:, MASSIVE_CHANNEL] = MASSIVE * (1 + 0.05 * rng.standard_normal(len(embedding)).astype(np.float32))
+    out["token_embd.weight"] = embedding
+    if "output.weight" not in out:  # tied: the head reads the embedding, which the massive channel would swamp
+        out["output.weight"] = tensors["token_embd.weight"]
+    for name in out:  # the layers write into the residual stream as much as the embedding holds
+        if name.endswith(("attn_output.weight", "ffn_down.weight")):
+            out[name] = out[name] * LAYER_GAIN
+    final = out["output_norm.weight"] * LOGIT_GAIN
+    final[OUTLIER_CHANNELS] *= NORM_OUTLIER  # trained final norms have outlier weights too
+    final[MASSIVE_CHANNEL] = 0.01  # trained heads ignore the massive channel (it is a bias, not a feature)
+    out["output_norm.weight"] = final
+    return out
 
 
 CASES = {  # arch, tensor types cycled over the 2-D weights, tied head
