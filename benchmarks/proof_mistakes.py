@@ -92,7 +92,8 @@ def main() -> None:
             table[label] = rows
             for mistake, row in rows.items():
                 verdict = "refused" if row["refused"] else "passed"
-                print(f"{label:45s} {mistake:22s} {verdict:8s} {row['figure']!s:>12.10} (allowed {row['allowed']})")
+                figure, allowed = ("?" if row[k] is None else f"{row[k]:.2e}" for k in ("figure", "allowed"))
+                print(f"{label:45s} {mistake:22s} {verdict:8s} {figure:>9} (allowed {allowed})")
             sys.stdout.flush()
     if args.out:
         args.out.write_text(json.dumps(table, indent=1) + "\n")
