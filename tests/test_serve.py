@@ -91,7 +91,7 @@ def test_chat_equals_the_python_api(model, client):
     assert choice.message.role == "assistant" and choice.message.content == expected.text
     assert choice.finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[expected.finish_reason]
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.completion_tokens == len(expected.token_ids) + (expected.finish_reason == "eos")
     assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.model == NAME
     again = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=12, temperature=0)
     assert again.choices[0].message.content == expected.text  # max_completion_tokens, as OpenAI's newer name
@@ -113,7 +113,9 @@ def test_stream_is_the_same_reply_in_chunks(model, client):
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert text == expected.text and len(chunks) > 3
     assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids) + (
+        expected.finish_reason == "eos"
+    )
 
 
 def test_stop_and_seed(model, client):
@@ -135,7 +137,9 @@ def test_stop_and_seed(model, client):
 def test_completions_text_tokens_and_stream(model, client):
     expected = model.generate("ROMEO:", 10, temperature=0)
     reply = client.completions.create(model=NAME, prompt="ROMEO:", max_tokens=10, temperature=0)
-    assert reply.choices[0].text == expected.text and reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.choices[0].text == expected.text and reply.usage.completion_tokens == len(expected.token_ids) + (
+        expected.finish_reason == "eos"
+    )
     by_ids = client.completions.create(model=NAME, prompt=expected.prompt_token_ids, max_tokens=10, temperature=0)
     assert by_ids.choices[0].text == expected.text
     streamed = client.completions.create(model=NAME, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True)
@@ -563,3 +567,13 @@ def test_a_taken_port_is_a_one_line_error(model, capsys):
         assert main(["serve", str(model.spec.folder), "--port", str(port), "--threads", "1"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], lines
+
+
+def test_usage_counts_the_eos_token_that_ended_the_reply(model, client):
+    yes = {"type": "json_schema", "json_schema": {"name": "yes", "schema": {"enum": ["yes"]}}}
+    expected = reference(model, tokens=20, response_format=yes)
+    assert expected.finish_reason == "eos"  # the grammar leaves only EOS once "yes" is written
+    reply = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, response_format=yes)
+    assert reply.choices[0].message.content == expected.text == '"yes"'
+    assert reply.usage.completion_tokens == len(expected.token_ids) + 1
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens

@@ -209,8 +209,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(result, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage object from a GenerationResult; cached_tokens: prompt tokens the prompt cache held."""
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    """OpenAI's usage object from a GenerationResult; cached_tokens: prompt tokens the prompt cache held. The EOS
+    token that ended a reply was generated, so it counts as a completion token (as OpenAI and vLLM count it),
+    though the result's token_ids leave it out."""
+    prompt = len(result.prompt_token_ids)
+    completion = len(result.token_ids) + (result.finish_reason == "eos")
     counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cached_tokens is not None:
         counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
