@@ -84,8 +84,8 @@ def _remembered_sha256(path: Path, memo_dir: Path) -> str:
     st = real.stat()
     stamp = {"path": str(real), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
     memo = memo_dir / (hashlib.sha256(str(real).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".json")
-    with contextlib.suppress(OSError, ValueError):
-        record = json.loads(memo.read_text(encoding="utf-8"))
+    with contextlib.suppress(OSError, untrusted.Unbounded):  # a damaged record is hashed again
+        record = untrusted.loads(memo.read_bytes())
         if isinstance(record, dict) and all(record.get(k) == v for k, v in stamp.items()):
             digest = record.get("sha256")
             if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest):

@@ -279,3 +279,15 @@ def test_an_unusable_cache_folder_is_named_with_its_variable(tiny_gguf, tmp_path
     finally:
         if how == "read-only":
             (cache / "packages").chmod(0o700)
+
+
+def test_a_damaged_hash_record_is_hashed_again(tiny_gguf, tmp_path):
+    from edgelm.cache import source_sha256
+    from edgelm.runtime.package import file_sha256
+
+    memo = tmp_path / "cache"
+    digest = source_sha256(tiny_gguf, cache=memo)
+    (record,) = (memo / ".hashes").iterdir()
+    for damage in ("[" * 100_000 + "]" * 100_000, '{"sha256": NaN}', "\xff"):
+        record.write_text(damage, encoding="utf-8", errors="surrogateescape")
+        assert source_sha256(tiny_gguf, cache=memo) == digest == file_sha256(tiny_gguf)
