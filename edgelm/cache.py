@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .runtime import untrusted
 from .runtime.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE
 from .runtime.errors import PackageError, PackageNotFoundError
 from .runtime.files import kind_of
@@ -83,8 +84,8 @@ def _remembered_sha256(path: Path, memo_dir: Path) -> str:
     st = real.stat()
     stamp = {"path": str(real), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
     memo = memo_dir / (hashlib.sha256(str(real).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".json")
-    with contextlib.suppress(OSError, ValueError):
-        record = json.loads(memo.read_text(encoding="utf-8"))
+    with contextlib.suppress(OSError, untrusted.Unbounded):  # a damaged record is hashed again
+        record = untrusted.loads(memo.read_bytes())
         if isinstance(record, dict) and all(record.get(k) == v for k, v in stamp.items()):
             digest = record.get("sha256")
             if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest):
@@ -121,14 +122,45 @@ def entry_name(source: Path, key: str) -> str:
     return f"{stem}-{key}"
 
 
-def _find(cache: Path, key: str) -> Path | None:
-    """The cached package of a key, whatever its source was called when it was exported."""
+def _find(cache: Path, key: str, source: Path) -> Path | None:
+    """The cached package of a key, whatever its source was called when it was exported: an entry is trusted by
+    what it is, not its name (see _holds)."""
     if not cache.is_dir():
         return None
     for entry in cache.glob(f"*-{key}"):
-        if not entry.name.startswith(".") and (entry / MANIFEST_FILE).is_file():
+        if not entry.name.startswith(".") and _holds(entry, source, cache):
             return entry
     return None
+
+
+def _holds(entry: Path, source: Path, cache: Path) -> bool:
+    """Whether entry is a package exported from source's content: a real folder (not a link to one elsewhere)
+    whose manifest is a real file recording the sha256 of every file export read, each equal to the source's
+    file now. A folder copied or linked in under another model's key, or one missing its manifest, is not."""
+    manifest = entry / MANIFEST_FILE
+    if entry.is_symlink() or not entry.is_dir() or manifest.is_symlink() or not manifest.is_file():
+        return False
+    try:
+        data = untrusted.loads(manifest.read_bytes())
+    except (OSError, untrusted.Unbounded):
+        return False
+    recorded = data.get("source") if isinstance(data, dict) else None
+    files = recorded.get("files") if isinstance(recorded, dict) else None
+    if not isinstance(files, dict) or not files:
+        return False
+    memo_dir = cache / ".hashes"
+    try:
+        if source.is_file():
+            return recorded.get("sha256") == _remembered_sha256(source, memo_dir)
+        for name, digest in files.items():
+            path = source / name
+            if not isinstance(name, str) or Path(name).name != name or path.is_symlink() or not path.is_file():
+                return False
+            if digest != _remembered_sha256(path, memo_dir):
+                return False
+    except OSError:
+        return False
+    return True
 
 
 # ---- resolving a source ------------------------------------------------------------------------------------
@@ -177,24 +209,43 @@ def resolve(
         return Resolved(out, "temporary", path, temporary)
     root = cache_dir()
     key = cache_key(source_sha256(path, cache=root), options)
-    found = _find(root, key)
+    found = _find(root, key, path)
     if found is not None:
         return Resolved(found, "cached", path)
-    root.mkdir(parents=True, exist_ok=True)
+    _make_cache(root)
     with _locked(root, key, say):
-        found = _find(root, key)  # another process may have exported it while this one waited
+        found = _find(root, key, path)  # another process may have exported it while this one waited
         if found is not None:
             return Resolved(found, "cached", path)
         out = root / entry_name(path, key)
+        if os.path.lexists(out):  # the key's entry, but not this source's package: half-removed, linked, replaced
+            say(f"{out} is not a package exported from {path} (no manifest, a link, or another model's): replacing it")
+            remove_folder(out)
         said = f"{path} is a {_KIND_WORDS[kind]}: exporting it once into the cache ({out}); later runs load it at once"
         try:
             _export(path, out, options, say, said)
         except FileExistsError:  # no fcntl: another process committed the same key first
-            found = _find(root, key)
+            found = _find(root, key, path)
             if found is None:
                 raise
             return Resolved(found, "cached", path)
+        except OSError as e:  # the disk filled, or the cache is not writable after all
+            raise PackageError(f"cannot export into the cache {root} (${CACHE_ENV}): {e.strerror or e}") from None
     return Resolved(out, "exported", path)
+
+
+def _make_cache(root: Path) -> None:
+    """The cache folder, made if needed; a one-line PackageError naming $EDGELM_CACHE when it cannot be (a file, a
+    dangling link, a read-only parent)."""
+    where = f"the cache {root} (${CACHE_ENV}{'' if os.environ.get(CACHE_ENV) else ' unset: the default'})"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise PackageError(f"{where} is not a folder: point ${CACHE_ENV} at a folder") from None
+    except OSError as e:
+        raise PackageError(f"{where} cannot be made: {e.strerror or e}; point ${CACHE_ENV} elsewhere") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise PackageError(f"{where} is not writable; point ${CACHE_ENV} at a folder you can write")
 
 
 _KIND_WORDS = {"gguf": "GGUF file", "checkpoint": "Hugging Face model folder"}
@@ -281,45 +332,55 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """The cached packages, newest first (hidden folders, such as an export being staged, left out)."""
+    """The cache's entries, newest first (hidden folders, such as an export being staged, left out), those that are
+    not whole packages included (precision "incomplete", a link: "link"), so that `edgelm rm` can remove them."""
     root, found = cache_dir(), []
     if not root.is_dir():
         return found
     for path in root.iterdir():
-        manifest = path / MANIFEST_FILE
-        if path.name.startswith(".") or not path.is_dir() or not manifest.is_file():
+        if path.name.startswith("."):
             continue
-        try:
-            data = json.loads(manifest.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            data = {}
+        manifest = path / MANIFEST_FILE
+        whole = not path.is_symlink() and path.is_dir() and not manifest.is_symlink() and manifest.is_file()
+        data = {}
+        if whole:
+            with contextlib.suppress(OSError, untrusted.Unbounded):
+                data = untrusted.loads(manifest.read_bytes())
         data = data if isinstance(data, dict) else {}
-        size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
         source = data.get("source") if isinstance(data.get("source"), dict) else {}
+        kind = "link" if path.is_symlink() else None if whole else "incomplete"
         found.append(
             Entry(
                 name=path.name,
                 path=path,
-                bytes=size,
-                precision=str(data.get("precision", "?")),
+                bytes=_bytes(path),
+                precision=kind or str(data.get("precision", "?")),
                 source=str(source.get("checkpoint", "?")),
-                created=manifest.stat().st_mtime,
+                created=(manifest if whole else path).lstat().st_mtime,
             )
         )
     return sorted(found, key=lambda e: e.created, reverse=True)
 
 
+def _bytes(path: Path) -> int:
+    """The bytes of an entry's own files (a link's target is not the cache's)."""
+    if path.is_symlink() or not path.is_dir():
+        return 0
+    return sum(p.lstat().st_size for p in path.iterdir() if not p.is_symlink() and p.is_file())
+
+
 def remove(name: str | Path) -> list[Path]:
-    """Remove a cached package: `name` is an entry's name (`edgelm list`) or a GGUF file or model folder (its entry
-    for the default export options). Returns the folders removed; PackageNotFoundError when none matched."""
+    """Remove a cached package: `name` is an entry's name (`edgelm list`), whatever state the entry is in (no
+    manifest, a link), or a GGUF file or model folder (its entry for the default export options). Returns the
+    folders removed; PackageNotFoundError when none matched."""
     root, name = cache_dir(), str(name)
     if source_kind(name) in ("gguf", "checkpoint"):
-        found = _find(root, cache_key(source_sha256(name, cache=root), CACHE_EXPORT_OPTIONS))
-        targets = [found] if found is not None else []
+        key = cache_key(source_sha256(name, cache=root), CACHE_EXPORT_OPTIONS)
+        targets = [entry for entry in root.glob(f"*-{key}") if not entry.name.startswith(".")] if root.is_dir() else []
     else:
         path = root / name
-        valid = name and "/" not in name and os.sep not in name and not name.startswith(".")
-        targets = [path] if valid and (path / MANIFEST_FILE).is_file() else []
+        valid = name and "/" not in name and os.sep not in name and not name.startswith(".") and name != ".."
+        targets = [path] if valid and os.path.lexists(path) else []
     if not targets:
         raise PackageNotFoundError(f"no cached package {name!r} in {root} (see `edgelm list`)")
     for path in targets:
@@ -331,11 +392,17 @@ def remove_folder(path: Path) -> None:
     """Out of sight first (a rename is atomic: a process looking the key up meanwhile exports again instead of
     loading half a folder), then deleted."""
     hidden = path.with_name(f".removing-{path.name}")
+    if os.path.lexists(hidden):  # an earlier removal cut short
+        _delete(hidden)
     path.rename(hidden)
-    if hidden.is_symlink():  # an entry linked to a folder elsewhere: the link goes, never what it points at
-        hidden.unlink()
+    _delete(hidden)
+
+
+def _delete(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():  # a link goes, never what it points at
+        path.unlink()
         return
-    shutil.rmtree(hidden)
+    shutil.rmtree(path)
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import untrusted
 from .errors import InvalidParameterError
 from .tools import tool_name, tool_parameters
 
@@ -81,6 +82,8 @@ def constraint_from(*, response_format: Any = None, grammar: Any = None, regex: 
         return None
     llg = _llguidance()
     kind, source = made
+    if kind == "json":
+        _bounded(source, what)
     try:
         if kind == "json":
             compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_STYLE)
@@ -96,6 +99,15 @@ def constraint_from(*, response_format: Any = None, grammar: Any = None, regex: 
         reason = next((line.removeprefix("error:").strip() for line in lines if line.startswith("error:")), "")
         raise InvalidParameterError(f"{what} does not compile: {' '.join(filter(None, (lines[0], reason)))}")
     return Constraint(compiled, what)
+
+
+def _bounded(schema: Any, what: str) -> None:
+    """InvalidParameterError for a schema past runtime/untrusted.py's bounds, before llguidance sees it: it converts
+    a Python dict recursively, and a dict nested some thousands deep overflows the C stack (a segfault)."""
+    try:
+        untrusted.check(schema)
+    except untrusted.Unbounded as e:
+        raise InvalidParameterError(f"{what} is not valid: {e}") from None
 
 
 def _response_schema(response_format: Any) -> dict | None:
@@ -160,14 +172,36 @@ class Matcher:
     def __init__(self, constraint: Constraint, ll_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
         llg = _llguidance()
         self.constraint, self.vocab_size, self.eos = constraint, vocab_size, np.array(eos_ids, dtype=np.int64)
-        self.matcher = llg.LLMatcher(ll_tokenizer, constraint.grammar)
+        # short errors (verbose ones print the whole grammar and parser state), and nothing on stderr
+        limits = llg.LLParserLimits(verbose_errors=False)
+        self.matcher = llg.LLMatcher(ll_tokenizer, constraint.grammar, log_level=0, limits=limits)
         self._check()
         self.words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # the mask, one bit per token
         self.taken: list[int] = []  # the tokens the matcher has consumed, in order
+        self._try_a_first_token()
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise InvalidParameterError(f"{self.constraint.what}: {self.matcher.get_error().strip().splitlines()[0]}")
+            raise InvalidParameterError(f"{self.constraint.what}: {self._reason()}")
+
+    def _reason(self) -> str:
+        lines = [line.strip() for line in self.matcher.get_error().strip().splitlines() if line.strip()]
+        return lines[0] if lines else "the grammar failed"
+
+    def _try_a_first_token(self) -> None:
+        """Consume one allowed first token and roll it back: llguidance builds a grammar's parser rows and lexer
+        states as tokens come, so a grammar past its limits (20,000 alternatives in one rule, a regex such as
+        (a{1000}){1000}) fails here, before generation starts, rather than at the first token."""
+        allowed = self.allowed()
+        allowed[self.eos] = False
+        first = np.flatnonzero(allowed)
+        if first.size == 0:
+            return
+        if not self.matcher.consume_token(int(first[0])) or self.matcher.is_error():
+            raise InvalidParameterError(
+                f"{self.constraint.what} is past what constrained decoding can follow: {self._reason()}"
+            )
+        self.matcher.rollback(1)
 
     def allowed(self) -> np.ndarray:
         """(V,) bool: the tokens that keep the output in the language (the EOS ids once it is complete)."""
@@ -198,8 +232,10 @@ class Matcher:
         for token in ids[kept:]:
             if self.matcher.validate_tokens([token]) != 1:
                 return False
-            accepted = self.matcher.consume_token(token)
-            assert accepted, f"{self.constraint.what} refused a token it had validated: {self.matcher.get_error()}"
+            if not self.matcher.consume_token(token):  # validated, so only a limit reached mid-way refuses it
+                raise InvalidParameterError(
+                    f"{self.constraint.what} went past what constrained decoding can follow: {self._reason()}"
+                )
             taken.append(token)
         return True
 
@@ -218,6 +254,13 @@ class GrammarMask:
         self.constraint = constraint
         self.matchers: dict[int, Matcher] = {}
         self._lock = threading.Lock()  # rows of one batch are masked by one thread, but be safe if not
+        # each row's matcher made now, so a grammar past llguidance's limits fails before generation starts
+        rows = range(len(constraint)) if isinstance(constraint, list) else range(1)
+        made: dict[int, Matcher] = {}  # one first matcher per distinct constraint: rows sharing one pass together
+        for row in rows:
+            one = constraint[row] if isinstance(constraint, list) else constraint
+            if one is not None and id(one) not in made:
+                made[id(one)] = self.matchers[row] = Matcher(one, self.ll_tokenizer, self.vocab, self.eos)
 
     def __call__(self, row: int, ids, logits: np.ndarray) -> np.ndarray:
         constraint = self.constraint[row] if isinstance(self.constraint, list) else self.constraint
@@ -255,6 +298,8 @@ def tool_choice_grammar(convention: Convention, tools: list[dict] | None, choice
             f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
             f"got {choice!r:.80}"
         )
+    for spec in chosen:
+        _bounded(tool_parameters(spec), f"the tool {tool_name(spec)}'s parameters")
     arguments_key = "parameters" if convention.name == "llama3" else "arguments"
 
     def call_schema(spec: dict) -> dict:

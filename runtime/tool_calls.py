@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import untrusted
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -50,8 +52,9 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
     def to_openai(self) -> dict:
-        """The call as OpenAI's API returns it (arguments as JSON text)."""
-        arguments = json.dumps(self.arguments, ensure_ascii=False)
+        """The call as OpenAI's API returns it (arguments as strict JSON text: the parsers never let NaN or
+        Infinity in, and allow_nan=False holds that)."""
+        arguments = json.dumps(self.arguments, ensure_ascii=False, allow_nan=False)
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
 
@@ -69,10 +72,11 @@ class Parsed:
 
 
 def _json_calls(body: str, arguments_key: str = "arguments") -> list[tuple[str, dict]] | None:
-    """{"name", "arguments"} objects, one or a JSON list of them; None when body is not that."""
+    """{"name", "arguments"} objects, one or a JSON list of them; None when body is not that (or not strict,
+    bounded JSON: runtime/untrusted.py)."""
     try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
+        value = untrusted.loads(body)
+    except untrusted.Unbounded:
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -82,8 +86,8 @@ def _json_calls(body: str, arguments_key: str = "arguments") -> list[tuple[str, 
         arguments = item.get(arguments_key, item.get("arguments", item.get("parameters", {})))
         if isinstance(arguments, str):  # some models write the arguments as JSON text
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = untrusted.loads(arguments)
+            except untrusted.Unbounded:
                 return None
         if not isinstance(arguments, dict):
             return None
@@ -92,27 +96,80 @@ def _json_calls(body: str, arguments_key: str = "arguments") -> list[tuple[str, 
 
 
 def _python_calls(body: str) -> list[tuple[str, dict]] | None:
-    """`name(a=1, b="x")` calls, one per line or statement, keyword arguments of literal values only."""
+    """`name(a=1, b="x")` calls, one per line or statement, keyword arguments of JSON's literal values only
+    (str, int, float, bool, None, lists, tuples as lists, dicts with str keys); None for anything else."""
+    body = body.strip()
+    if len(body) > untrusted.MAX_CALL_CHARS or untrusted.depth_of(body) > untrusted.MAX_DEPTH:
+        return None
     try:
-        tree = ast.parse(body.strip())
-    except SyntaxError:
+        tree = ast.parse(body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # MemoryError: the parser's "too complex"
         return None
     calls = []
     for statement in tree.body:
         call = statement.value if isinstance(statement, ast.Expr) else None
         if not isinstance(call, ast.Call) or call.args:
             return None
-        name = ast.unparse(call.func)
+        name = _dotted_name(call.func)
+        if name is None:
+            return None
         if name.endswith(".call"):  # Llama 3.1's built-in tools: brave_search.call(query="...")
             name = name[: -len(".call")]
-        try:
-            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
-        except ValueError:
-            return None
-        if None in arguments:  # **kwargs
-            return None
+        arguments = {}
+        for keyword in call.keywords:
+            if keyword.arg is None:  # **kwargs
+                return None
+            try:
+                arguments[keyword.arg] = _literal(keyword.value)
+            except untrusted.Unbounded:
+                return None
         calls.append((name, arguments))
     return calls or None
+
+
+MAX_NAME_PARTS = 8  # a dotted function name: brave_search.call, a.b.c
+
+
+def _dotted_name(node: ast.expr) -> str | None:
+    """`a.b.c` as text, walked without recursion; None for anything but a short chain of names."""
+    parts = []
+    while isinstance(node, ast.Attribute) and len(parts) < MAX_NAME_PARTS:
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _literal(node: ast.expr, depth: int = 0) -> Any:
+    """A Python literal as the JSON value it writes (tuples as lists); Unbounded for anything JSON has no word
+    for (sets, bytes, complex numbers, Ellipsis, non-str keys, expressions) or past runtime/untrusted.py's bounds."""
+    if depth > untrusted.MAX_DEPTH:
+        raise untrusted.Unbounded(f"nested more than {untrusted.MAX_DEPTH} deep")
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, (int, float)):
+            untrusted.check(value)
+            return value
+        raise untrusted.Unbounded(f"{type(value).__name__} is not a JSON value")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        operand = node.operand  # one sign on a number: -1, +2.5
+        if isinstance(operand, ast.Constant) and type(operand.value) in (int, float):
+            untrusted.check(operand.value)
+            return -operand.value if isinstance(node.op, ast.USub) else operand.value
+        raise untrusted.Unbounded("a sign on something other than a number")
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(item, depth + 1) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        result = {}
+        for key, value in zip(node.keys, node.values, strict=True):
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                raise untrusted.Unbounded("a dict key that is not a string")
+            result[key.value] = _literal(value, depth + 1)
+        return result
+    raise untrusted.Unbounded(f"{type(node).__name__} is not a literal")
 
 
 def _llama3_calls(body: str) -> list[tuple[str, dict]] | None:
@@ -284,9 +341,9 @@ def _parse_harmony(text: str, final: bool) -> Parsed:
         if recipient:
             if not (closed or final):
                 break
-            found = _json_calls(json.dumps({"name": recipient.group(1), "arguments": _loads(body)}))
-            if found is not None:
-                calls += found
+            arguments = _loads(body)
+            if isinstance(arguments, dict):
+                calls.append((recipient.group(1), arguments))
         elif channel and channel.group(1) == "analysis":
             reasoning.append(body if (closed or final) else _hold(body, ["<|end|>"]))
         else:
@@ -302,9 +359,10 @@ def _parse_harmony(text: str, final: bool) -> Parsed:
 
 
 def _loads(body: str) -> Any:
+    """body as strict, bounded JSON (runtime/untrusted.py); None when it is not."""
     try:
-        return json.loads(body)
-    except json.JSONDecodeError:
+        return untrusted.loads(body)
+    except untrusted.Unbounded:
         return None
 
 
@@ -404,7 +462,7 @@ def _object_arguments(call: object) -> object:
     if not isinstance(arguments, str):
         return call
     try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
+        value = untrusted.loads(arguments)
+    except untrusted.Unbounded:
         return call
     return {**call, "function": {**function, "arguments": value}} if isinstance(value, dict) else call

@@ -125,3 +125,9 @@ def test_overwrite_reads_the_same_in_export_and_quantize(capsys):
 def test_max_new_tokens_help_states_each_commands_default(command, default, capsys):
     text = flat(option_help(help_text(capsys, command), "--max-new-tokens"))
     assert f"(default {default})" in text
+
+
+def test_serve_help_says_what_the_server_does_with_tools_today(capsys):
+    text = flat(help_text(capsys, "serve"))
+    assert "refused (400) by this build" not in text  # round 4's servers answer tools and response_format
+    assert "Tools, tool_choice and response_format" in text

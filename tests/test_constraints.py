@@ -283,3 +283,80 @@ def test_a_forced_gpt_oss_call_round_trip(tmp_path_factory) -> None:
         return_dict=False,
     )  # fmt: skip
     assert reply.prompt_token_ids == list(expected)
+
+
+# ---- bounds: a hostile schema or grammar is a clean error before the first token --------------------------------
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_schema_nested_thousands_deep_is_an_error_not_a_segfault() -> None:
+    import subprocess
+    import sys
+
+    # in a child process: before the bound, llguidance's recursive conversion overflowed the C stack (exit -11)
+    code = (
+        "import json, sys\n"
+        "from edgelm.runtime import InvalidParameterError\n"
+        "from edgelm.runtime.constraints import constraint_from\n"
+        "schema = {'type': 'string'}\n"
+        "for _ in range(5000): schema = {'type': 'object', 'properties': {'a': schema}}\n"
+        "try:\n"
+        "    constraint_from(response_format={'type': 'json_schema', 'json_schema': {'schema': schema}})\n"
+        "except InvalidParameterError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "nested more than 128 deep" in done.stdout
+
+
+def test_schema_depth_is_bounded_where_llguidance_bounds_it(model) -> None:
+    assert constraint_from(response_format={"type": "json_schema", "json_schema": {"schema": _nested_schema(60)}})
+    for depth in (65, 200, 900):  # 130+ dicts deep: llguidance's own limit is 128 levels of JSON text
+        with pytest.raises(InvalidParameterError, match="nested more than 128 deep|recursion limit"):
+            constraint_from(response_format={"type": "json_schema", "json_schema": {"schema": _nested_schema(depth)}})
+    deep_tool = {"type": "function", "function": {"name": "f", "parameters": _nested_schema(900)}}
+    with pytest.raises(InvalidParameterError, match="the tool f's parameters"):
+        model.chat([{"role": "user", "content": "hi"}], 8, template=QWEN, tools=[deep_tool], tool_choice="required")
+
+
+def _properties(count: int, **extra) -> dict:
+    properties = {f"p{i}": {"type": "boolean"} for i in range(count)}
+    return {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": properties, **extra}}}
+
+
+LIMITS = {
+    "optional-properties": {"response_format": _properties(5_000, additionalProperties=False)},
+    "mixed-enum": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "schema": {"enum": [[i] if i % 3 == 0 else {"k": i} if i % 3 == 1 else f"s{i}" for i in range(10_000)]}
+            },
+        }
+    },
+    "regex": {"regex": "^(a{1000}){1000}$"},
+    "lark": {"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(20_000))},
+}
+
+
+@pytest.mark.parametrize("options", LIMITS.values(), ids=LIMITS.keys())
+def test_a_grammar_past_llguidances_limits_fails_before_the_first_token(model, options) -> None:
+    pieces = []
+    with pytest.raises(InvalidParameterError, match="past what constrained decoding can follow"):
+        for piece in model.stream("Answer: ", 40, **options):
+            pieces.append(piece)
+    assert pieces == []
+
+
+def test_a_large_schema_within_the_limits_still_runs(model) -> None:
+    result = model.generate(
+        "Answer: ", 60, response_format=_properties(5_000, required=[f"p{i}" for i in range(5_000)])
+    )
+    assert result.text.startswith('{"p0": ') and result.finish_reason == "length"

@@ -117,3 +117,26 @@ def test_quantize_int4_finds_the_soft_capped_head_and_fp16_is_refused(families, 
     assert len(load(tmp_path / "int4", provider="cpu").generate(PROMPTS[0], 8, ignore_eos=True).token_ids) == 8
     with pytest.raises(ValueError, match="share a cache"):  # ONNX Runtime 1.32 segfaults optimizing that graph
         quantize_package(package, tmp_path / "fp16", mode="fp16", progress=quiet)
+
+
+@pytest.mark.parametrize("kind", ["full_attention", "sliding_attention"])
+def test_a_gguf_whose_layers_are_all_one_kind_exports_and_equals_transformers(kind, tmp_path):
+    """A sliding_window_pattern all full or all sliding: the one kind's KV heads stand for both (the export raised
+    KeyError: 'pop from an empty set')."""
+    import torch
+    import transformers
+    from family_cases import GEMMA4, write_gguf
+
+    from edgelm.export.onnx_export import export_package
+
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(**(GEMMA4 | {"layer_types": [kind] * 6}))
+    hf = transformers.Gemma4ForCausalLM(config).eval()
+    source = write_gguf(hf, tmp_path / "gemma4.gguf")
+    export_package(source, tmp_path / "package", progress=quiet)
+    model = load(tmp_path / "package", provider="cpu", threads=1)
+    ids = np.array([PROMPTS[2]], dtype=np.int64)
+    logits, _ = model.forward(ids)
+    with torch.no_grad():
+        reference = hf(torch.from_numpy(ids)).logits.numpy()
+    assert float(np.abs(logits - reference).max()) < 1e-3

@@ -188,3 +188,106 @@ def test_rm_of_a_linked_entry_removes_the_link_not_its_target(tmp_path, monkeypa
     cache.remove("linked")
     assert list((tmp_path / "cache" / "packages").iterdir()) == []
     assert sorted(p.name for p in elsewhere.iterdir()) == ["edgelm.json"]
+
+
+# ---- round 5: an entry is trusted by what it holds, not its name, and is removable whatever its state ----------
+
+
+def _source_sha256(entry: Path) -> str:
+    return json.loads((entry / "edgelm.json").read_text())["source"]["sha256"]
+
+
+@pytest.mark.parametrize("how", ["linked", "copied", "manifest-linked"])
+def test_an_entry_holding_another_models_package_is_replaced_not_run(
+    first_runs, tiny_gguf, expected_ids, package, tmp_path, how
+):
+    """An entry folder replaced by a symlink to, or a copy of, another model's package (here the GPT-2 test
+    package), or whose manifest is a link to another's: resolving the GGUF file exports it again, and loads that."""
+    from edgelm.cache import resolve
+
+    cache = tmp_path / "cache"
+    shutil.copytree(first_runs[0], cache)
+    (entry,) = entries_of(cache)
+    own = _source_sha256(entry)
+    other = tmp_path / "other"
+    shutil.copytree(package, other)
+    shutil.rmtree(entry)
+    if how == "linked":
+        entry.symlink_to(other, target_is_directory=True)
+    elif how == "copied":
+        shutil.copytree(other, entry)
+    else:
+        shutil.copytree(first_runs[0] / "packages" / entry.name, entry)
+        (entry / "edgelm.json").unlink()
+        (entry / "edgelm.json").symlink_to(other / "edgelm.json")
+    lines = []
+    os.environ["EDGELM_CACHE"], saved = str(cache), os.environ.get("EDGELM_CACHE")
+    try:
+        resolved = resolve(tiny_gguf, progress=lines.append)
+    finally:
+        os.environ.pop("EDGELM_CACHE") if saved is None else os.environ.__setitem__("EDGELM_CACHE", saved)
+    assert resolved.how == "exported" and resolved.path == entry and not entry.is_symlink()
+    assert _source_sha256(entry) == own and not (entry / "edgelm.json").is_symlink()
+    assert any("is not a package exported from" in line for line in lines), lines
+    assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in package.iterdir())  # target kept
+    assert runtime_load(entry, provider="cpu", threads=1).generate("ROMEO:", 8).token_ids == expected_ids
+
+
+def test_an_entry_missing_its_manifest_is_removable_and_later_runs_recover(
+    first_runs, tiny_gguf, expected_ids, tmp_path
+):
+    cache = tmp_path / "cache"
+    shutil.copytree(first_runs[0], cache)
+    (entry,) = entries_of(cache)
+    (entry / "edgelm.json").unlink()  # an export or a removal cut short, or a hand edit
+    listed = json.loads(run("list", "--json", cache=cache).stdout)["packages"]
+    assert [(p["name"], p["precision"]) for p in listed] == [(entry.name, "incomplete")]
+    done = run("rm", entry.name, cache=cache)
+    assert done.returncode == 0 and f"removed {entry}" in done.stderr and entries_of(cache) == [], done.stderr
+
+    shutil.copytree(first_runs[0] / "packages" / entry.name, entry)
+    (entry / "edgelm.json").unlink()
+    assert run("rm", "--all", cache=cache).returncode == 0 and entries_of(cache) == []
+
+    shutil.copytree(first_runs[0] / "packages" / entry.name, entry)
+    (entry / "edgelm.json").unlink()
+    done = run("generate", tiny_gguf, *GENERATE, cache=cache)  # not stuck: exported again
+    assert done.returncode == 0 and EXPORTING in done.stderr, done.stderr
+    assert json.loads(done.stdout)["token_ids"] == expected_ids
+    assert (entry / "edgelm.json").is_file()
+    assert run("rm", tiny_gguf, cache=cache).returncode == 0 and entries_of(cache) == []
+
+
+@pytest.mark.parametrize("how", ["file", "dangling", "read-only"])
+def test_an_unusable_cache_folder_is_named_with_its_variable(tiny_gguf, tmp_path, how):
+    cache = tmp_path / "cache"
+    if how == "file":
+        cache.write_text("not a folder")
+    elif how == "dangling":
+        cache.symlink_to(tmp_path / "gone")
+        (tmp_path / "gone").mkdir()
+        (tmp_path / "gone" / "packages").symlink_to(tmp_path / "nowhere")
+    else:
+        cache.mkdir()
+        (cache / "packages").mkdir()
+        (cache / "packages").chmod(0o500)
+    try:
+        if how == "read-only" and os.access(cache / "packages", os.W_OK):
+            pytest.skip("running as a user that can write anywhere (root)")
+        line = one_error(run("generate", tiny_gguf, *GENERATE, cache=cache), "generate", "$EDGELM_CACHE")
+        assert str(cache / "packages") in line
+    finally:
+        if how == "read-only":
+            (cache / "packages").chmod(0o700)
+
+
+def test_a_damaged_hash_record_is_hashed_again(tiny_gguf, tmp_path):
+    from edgelm.cache import source_sha256
+    from edgelm.runtime.package import file_sha256
+
+    memo = tmp_path / "cache"
+    digest = source_sha256(tiny_gguf, cache=memo)
+    (record,) = (memo / ".hashes").iterdir()
+    for damage in ("[" * 100_000 + "]" * 100_000, '{"sha256": NaN}', "\xff"):
+        record.write_text(damage, encoding="utf-8", errors="surrogateescape")
+        assert source_sha256(tiny_gguf, cache=memo) == digest == file_sha256(tiny_gguf)

@@ -52,3 +52,20 @@ def test_transformers_generate_recomputes_at_the_switch(families, expected):
     switch = 64 - len(PROMPTS[0])  # the first token whose step rotates by the long factors
     assert generated[:switch] == expected[0][:switch]
     assert generated != expected[0]
+
+
+def test_a_gguf_window_too_short_to_export_is_named_by_its_gguf_key():
+    from edgelm.export.families.phi3 import gguf_config
+    from edgelm.export.gguf_metadata import GGUFError
+
+    meta = {
+        "phi3.attention.head_count": 4, "phi3.embedding_length": 128, "phi3.attention.head_count_kv": 2,
+        "phi3.context_length": 128, "phi3.feed_forward_length": 256, "phi3.block_count": 2,
+        "phi3.attention.layer_norm_rms_epsilon": 1e-5,
+    }  # fmt: skip
+    for window in (0, 16, 128, 4096):  # none, a window that caps the context, one past it
+        config = gguf_config(meta | {"phi3.attention.sliding_window": window}, {}, 2048)
+        assert config["sliding_window"] == (window or None)
+    with pytest.raises(GGUFError, match=r"phi3\.attention\.sliding_window = 1 is below 8") as caught:
+        gguf_config(meta | {"phi3.attention.sliding_window": 1}, {}, 2048)
+    assert "config.json" not in str(caught.value)

@@ -91,7 +91,7 @@ def test_chat_equals_the_python_api(model, client):
     assert choice.message.role == "assistant" and choice.message.content == expected.text
     assert choice.finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[expected.finish_reason]
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.completion_tokens == len(expected.token_ids) + (expected.finish_reason == "eos")
     assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.model == NAME
     again = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=12, temperature=0)
     assert again.choices[0].message.content == expected.text  # max_completion_tokens, as OpenAI's newer name
@@ -113,7 +113,9 @@ def test_stream_is_the_same_reply_in_chunks(model, client):
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert text == expected.text and len(chunks) > 3
     assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids) + (
+        expected.finish_reason == "eos"
+    )
 
 
 def test_stop_and_seed(model, client):
@@ -135,7 +137,9 @@ def test_stop_and_seed(model, client):
 def test_completions_text_tokens_and_stream(model, client):
     expected = model.generate("ROMEO:", 10, temperature=0)
     reply = client.completions.create(model=NAME, prompt="ROMEO:", max_tokens=10, temperature=0)
-    assert reply.choices[0].text == expected.text and reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.choices[0].text == expected.text and reply.usage.completion_tokens == len(expected.token_ids) + (
+        expected.finish_reason == "eos"
+    )
     by_ids = client.completions.create(model=NAME, prompt=expected.prompt_token_ids, max_tokens=10, temperature=0)
     assert by_ids.choices[0].text == expected.text
     streamed = client.completions.create(model=NAME, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True)
@@ -277,7 +281,10 @@ MALFORMED = [  # (body, status, param or code expected in the error)
     ({"model": NAME, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
     ({"model": NAME, "messages": [{"role": "user", "content": "moon " * 1500}]}, 400, "context_length_exceeded"),
     (
-        {"model": NAME, "messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]},
+        {
+            "model": NAME,
+            "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+        },
         400,
         "messages[0].tool_calls[0].function.arguments",
     ),
@@ -286,6 +293,107 @@ MALFORMED = [  # (body, status, param or code expected in the error)
     ({"model": NAME, "messages": MESSAGES, "chat_template_kwargs": {"messages": 1}}, 400, "invalid_messages"),
     ({"model": NAME, "messages": MESSAGES, "response_format": {}}, 400, "invalid_value"),  # no type: not text
 ]
+
+
+DEEP_ARGUMENTS = '{"a": ' + "[" * 5_000 + "]" * 5_000 + "}"
+HOSTILE = [  # round 5: bodies that crashed (500, a reset connection) or were coerced instead of refused
+    (b'{"model": "tiny-chat", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json"),
+    (b'{"model": "tiny-chat", "x": ' + b"[" * 900 + b"]" * 900 + b', "messages": []}', 400, "invalid_json"),
+    (
+        b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "invalid_json",
+    ),
+    (
+        b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        400,
+        "invalid_json",
+    ),
+    (
+        {
+            "model": NAME,
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": DEEP_ARGUMENTS}}]}
+            ],
+        },
+        400,
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    ({"model": NAME, "messages": [{"role": "assistant", "tool_calls": 5}]}, 400, "messages.0.tool_calls"),
+    (
+        {"model": NAME, "messages": [{"role": "assistant", "tool_calls": [{"function": 5}]}]},
+        400,
+        "messages.0.tool_calls.0.function",
+    ),
+    ({"model": NAME, "messages": MESSAGES, "max_tokens": True}, 400, "max_tokens"),
+    ({"model": NAME, "messages": MESSAGES, "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": NAME, "messages": MESSAGES, "max_completion_tokens": 2.5}, 400, "max_completion_tokens"),
+    ({"model": NAME, "messages": MESSAGES, "temperature": True}, 400, "temperature"),
+    ({"model": NAME, "messages": MESSAGES, "temperature": "0.5"}, 400, "temperature"),
+    ({"model": NAME, "messages": MESSAGES, "top_p": True}, 400, "top_p"),
+    ({"model": NAME, "messages": MESSAGES, "top_k": True}, 400, "top_k"),
+    ({"model": NAME, "messages": MESSAGES, "seed": True}, 400, "seed"),
+    ({"model": NAME, "messages": MESSAGES, "stream": "yes"}, 400, "stream"),
+    ({"model": NAME, "messages": MESSAGES, "stream": 1}, 400, "stream"),
+    (
+        {"model": NAME, "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}},
+        400,
+        "stream_options.include_usage",
+    ),
+    ({"model": 5, "messages": MESSAGES}, 400, "model"),
+    ({"model": NAME, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ({"model": NAME, "messages": MESSAGES, "tools": [{}]}, 400, "tools.0.type"),
+    ({"model": NAME, "messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    (
+        {"model": NAME, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": 5}}]},
+        400,
+        "tools.0.function.name",
+    ),
+    (
+        {"model": NAME, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": ""}}]},
+        400,
+        "tools.0.function.name",
+    ),
+    ({"model": NAME, "messages": MESSAGES, "tools": {"type": "function"}}, 400, "tools"),
+    ({"model": NAME, "messages": MESSAGES, "tools": [TOOL], "tool_choice": "always"}, 400, "tool_choice"),
+]
+
+
+def test_hostile_bodies_and_lax_types_get_one_error_object(server, caplog):
+    url = f"{server[0]}/v1/chat/completions"
+    with caplog.at_level(logging.ERROR):
+        for body, status, names in HOSTILE:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = httpx.post(url, content=content, timeout=WAIT_S)
+            assert response.status_code == status, (body if isinstance(body, dict) else body[:80], response.text[:300])
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
+            assert names == error["code"] or str(error["param"]).startswith(names), (names, error)
+    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+    completions = f"{server[0]}/v1/completions"
+    for prompt in ([True], [[1, True]], True, [1.5]):
+        response = httpx.post(completions, json={"model": NAME, "prompt": prompt, "max_tokens": 2}, timeout=WAIT_S)
+        assert response.status_code == 400 and str(response.json()["error"]["param"]).startswith("prompt"), prompt
+    response = httpx.post(completions, json={"model": NAME, "prompt": "a", "echo": "no"}, timeout=WAIT_S)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+
+
+def test_openai_nullables_are_accepted(server):
+    url = f"{server[0]}/v1/chat/completions"
+    nulls = {"stream": None, "stream_options": None, "temperature": None, "top_p": None, "seed": None, "stop": None}
+    nulls |= {"tools": None, "tool_choice": None, "response_format": None, "n": None, "logprobs": None, "user": None}
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 2, **nulls}
+    response = httpx.post(url, json=body, timeout=WAIT_S)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 2
+    integral = httpx.post(url, json={**body, "temperature": 0, "top_p": 1}, timeout=WAIT_S)  # ints for floats
+    assert integral.status_code == 200, integral.text
+    completion = httpx.post(
+        f"{server[0]}/v1/completions",
+        json={"model": NAME, "prompt": "a", "max_tokens": 2, "stream": None, "echo": None},
+        timeout=WAIT_S,
+    )
+    assert completion.status_code == 200, completion.text
 
 
 @pytest.mark.parametrize(("body", "status", "names"), MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
@@ -459,3 +567,13 @@ def test_a_taken_port_is_a_one_line_error(model, capsys):
         assert main(["serve", str(model.spec.folder), "--port", str(port), "--threads", "1"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], lines
+
+
+def test_usage_counts_the_eos_token_that_ended_the_reply(model, client):
+    yes = {"type": "json_schema", "json_schema": {"name": "yes", "schema": {"enum": ["yes"]}}}
+    expected = reference(model, tokens=20, response_format=yes)
+    assert expected.finish_reason == "eos"  # the grammar leaves only EOS once "yes" is written
+    reply = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, response_format=yes)
+    assert reply.choices[0].message.content == expected.text == '"yes"'
+    assert reply.usage.completion_tokens == len(expected.token_ids) + 1
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens

@@ -230,3 +230,102 @@ def test_a_prompt_that_opens_think_starts_the_reply_in_reasoning(think_model) ->
     assert free.reasoning == free.text.strip() and free.content == ""
     fixed = think_model.conversation(template=opens).send("Why?", 6, regex="(yes|no)")
     assert fixed.content == fixed.text in ("yes", "no") and fixed.reasoning is None
+
+
+# ---- hostile model output: a call that does not parse stays text, and parsing never raises -------------------
+
+HERMES = convention("Qwen-Qwen2.5-7B-Instruct")
+MISTRAL = convention("mistralai-Mistral-Nemo-Instruct-2407")
+LLAMA3 = convention("meta-llama-Llama-3.1-8B-Instruct")
+HARMONY = convention("openai-gpt-oss-120b")
+
+
+def _hermes(arguments: str) -> str:
+    return '<tool_call>\n{"name": "f", "arguments": ' + arguments + "}\n</tool_call>"
+
+
+def _gemma(call: str) -> str:
+    return f"```tool_code\n{call}\n```"
+
+
+HOSTILE = [
+    *[
+        (HERMES, _hermes(arguments))
+        for arguments in (
+            "[" * 1_000 + "]" * 1_000,  # past Python's json recursion
+            '{"a": ' + "[" * 200 + "]" * 200 + "}",  # parses, but past the bound
+            '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            '{"a": ' + "7" * 4_400 + "}",  # past Python's int/str limit
+            '{"a": NaN}',
+            '{"a": Infinity}',
+            '{"a": -Infinity}',
+            '{"a": 1e999}',
+            '"{\\"a\\": NaN}"',  # arguments as JSON text holding NaN
+        )
+    ],
+    (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": ' + "[" * 5_000 + "]" * 5_000 + "}]"),
+    (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1e400}}]'),
+    (PHI4, '<|tool_call|>[{"name": "f", "arguments": {"a": ' + "9" * 5_000 + "}}]<|/tool_call|>"),
+    (LLAMA3, '{"name": "f", "parameters": ' + "{" * 3_000 + "}" * 3_000 + "}"),
+    (LLAMA3, '{"name": "f", "parameters": {"x": NaN}}'),
+    (LLAMA3, "<|python_tag|>" + "a." * 50_000 + "call(x=1)"),
+    (HARMONY, '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": ' + "[" * 2_000 + "]" * 2_000),
+    (HARMONY, '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": Infinity}'),
+    *[
+        (GEMMA, _gemma(call))
+        for call in (
+            "f(a={[]: 1})",  # unhashable key: TypeError in literal_eval
+            "f(a=" + "-" * 100_000 + "1)",  # MemoryError in the parser
+            "a." * 50_000 + "a(x=1)",  # RecursionError in unparse
+            "f(a=" + "[" * 1_000 + "]" * 1_000 + ")",
+            "f(a=" + "(" * 150 + "1" + ")" * 150 + ")",
+            "f(a=" + "1" * 5_000 + ")",
+            "f(a={1, 2})",  # a set, bytes, a complex number, Ellipsis: no JSON word for them
+            'f(a=b"x")',
+            "f(a=1j)",
+            "f(a=...)",
+            "f(a={1: 2})",  # JSON keys are strings
+            "f(a=1e999)",
+            "f(a=--1)",
+            "f(a=x)",
+            "f(**k)",
+            "f(1)",
+            "f(a=1)(b=2)",
+        )
+    ],
+]
+
+
+@pytest.mark.parametrize(("row", "text"), HOSTILE, ids=[f"{row.name}-{i}" for i, (row, _) in enumerate(HOSTILE)])
+def test_hostile_output_stays_text_and_never_raises(row, text) -> None:
+    parsed = row.parse(text, final=True)
+    assert parsed.calls == []
+    assert parsed.content == text or row.name == "harmony"  # harmony's message bodies are its content
+    parser = ReplyParser(row)  # and streamed the same way
+    for cut in (len(text) // 3, len(text) // 2, len(text) - 1):
+        parser.update(text[:cut])
+    _, streamed = parser.finish(text)
+    assert streamed.calls == []
+
+
+def test_python_literals_a_model_writes_become_json_values() -> None:
+    text = _gemma('f(a=-1, b=[1, (2, 3.5)], c={"k": None, "t": True}, d=+2, e="x")\ng.h(i=[])')
+    parsed = GEMMA.parse(text, final=True)
+    assert parsed.calls == [
+        ("f", {"a": -1, "b": [1, [2, 3.5]], "c": {"k": None, "t": True}, "d": 2, "e": "x"}),
+        ("g.h", {"i": []}),
+    ]
+
+
+def test_deep_but_bounded_arguments_still_parse_and_go_out_as_strict_json() -> None:
+    import json
+
+    from edgelm.runtime.tool_calls import ToolCall
+
+    nested = "[" * 100 + "]" * 100
+    parsed = HERMES.parse(_hermes('{"a": ' + nested + ', "n": ' + "7" * 4_000 + "}"), final=True)
+    assert len(parsed.calls) == 1 and parsed.calls[0][1]["n"] == int("7" * 4_000)
+    sent = ToolCall("call_1", *parsed.calls[0]).to_openai()["function"]["arguments"]
+    assert json.loads(sent) == parsed.calls[0][1]
+    with pytest.raises(ValueError):
+        ToolCall("call_2", "f", {"a": float("nan")}).to_openai()

@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
         "http://HOST:PORT/v1. --parallel requests generate at once, up to --queue more wait, and any beyond are "
         "answered 503; a request whose client disconnects stops generating. Chat requests reuse the KV cache of "
         "an earlier conversation sharing their prompt's beginning (--prompt-cache). One line per request is "
-        "logged on stderr. Tools and response_format are refused (400) by this build. Ctrl-C stops the server.",
+        "logged on stderr. Tools, tool_choice and response_format (JSON schema output) are answered as OpenAI "
+        "answers them, a build without them refusing them with a 400. Ctrl-C stops the server.",
         example="edgelm serve out/smol-int4 --port 8000 --adapter pirate=pirate.onnx_adapter",
     )
     add_model_argument(p)

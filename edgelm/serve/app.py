@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from edgelm.runtime import untrusted
+
 from . import protocol
 from .engine import Engine
 from .errors import APIError, from_runtime
@@ -48,7 +50,7 @@ def api_extras(request: protocol.ChatCompletionRequest, features: set[str]) -> d
     extras: dict[str, Any] = {}
     if request.tools:
         need("tools", "tools")
-        extras["tools"] = request.tools
+        extras["tools"] = request.tool_specs
     choice = request.tool_choice
     if choice is not None and (request.tools or choice not in ("auto", "none")):  # auto/none without tools: a no-op
         need("tools", "tool_choice")
@@ -281,7 +283,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 else None,
             )
 
-        outcome = await generate(request, engine, job, stream=body.stream, prompt_param="messages", chunks=chunks)
+        outcome = await generate(request, engine, job, stream=body.streamed, prompt_param="messages", chunks=chunks)
         if isinstance(outcome, Response):
             return outcome
         result, cached = outcome
@@ -316,7 +318,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 else None,
             )
 
-        outcome = await generate(request, engine, job, stream=body.stream, prompt_param="prompt", chunks=chunks)
+        outcome = await generate(request, engine, job, stream=body.streamed, prompt_param="prompt", chunks=chunks)
         if isinstance(outcome, Response):
             return outcome
         result, cached = outcome
@@ -335,9 +337,9 @@ async def parse(request: Request, shape: type[protocol.Request]) -> protocol.Req
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        data = untrusted.loads(body)  # strict JSON, its nesting and numbers bounded (runtime/untrusted.py)
+    except untrusted.Unbounded as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:

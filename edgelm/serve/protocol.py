@@ -17,26 +17,35 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edgelm.runtime import untrusted
+
 from .errors import APIError
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
-class Request(BaseModel):
-    """What chat completions and completions share."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = None
+
+
+class Request(BaseModel):
+    """What chat completions and completions share. Strict: a value of the wrong JSON type is refused (`true` or
+    `"5"` for max_tokens, `"yes"` for stream), never coerced; null is accepted wherever OpenAI's API accepts it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     n: int | None = None
-    logprobs: Any = None
+    logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -70,15 +79,56 @@ class Request(BaseModel):
         return options
 
     @property
+    def streamed(self) -> bool:
+        return bool(self.stream)  # null: not streamed, as OpenAI reads it
+
+    @property
     def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class FunctionSpec(BaseModel):
+    """A tool's function, as OpenAI's `tools` entries hold it; other keys go on to the template as given."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text; an object is what templates read
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's tool call, as OpenAI's API sends it back."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: passed on to the template
+    model_config = ConfigDict(extra="allow", strict=True)  # other keys are passed on to the template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def plain(self, index: int) -> dict:
         """The message as the runtime takes it: a text part list joined, `developer` as `system`."""
@@ -94,13 +144,13 @@ class ChatMessage(BaseModel):
                 texts.append(part["text"])
             message["content"] = "".join(texts)
         for number, call in enumerate(message.get("tool_calls") or []):
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            function = call["function"]
+            if isinstance(function["arguments"], str):
                 try:  # OpenAI sends arguments as JSON text; templates read them as an object (transformers' way)
-                    function["arguments"] = json.loads(function["arguments"])
-                except ValueError:
+                    function["arguments"] = untrusted.loads(function["arguments"])
+                except untrusted.Unbounded as e:
                     where = f"messages[{index}].tool_calls[{number}].function.arguments"
-                    raise APIError(400, f"{where} is not valid JSON", param=where) from None
+                    raise APIError(400, f"{where} is not valid JSON ({e})", param=where) from None
         return message
 
 
@@ -108,12 +158,17 @@ class ChatCompletionRequest(Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     # tools, template variables and structured output: passed to the runtime by api_extras (edgelm/serve/app.py)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama.cpp's extra: template variables
+
+    @property
+    def tool_specs(self) -> list[dict] | None:
+        """The tools as the client sent them (the keys it set, extras included), for the template."""
+        return None if self.tools is None else [tool.model_dump(exclude_unset=True) for tool in self.tools]
 
     @property
     def reply_tokens(self) -> int | None:
@@ -123,7 +178,7 @@ class ChatCompletionRequest(Request):
 
 class CompletionRequest(Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -154,8 +209,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(result, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage object from a GenerationResult; cached_tokens: prompt tokens the prompt cache held."""
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    """OpenAI's usage object from a GenerationResult; cached_tokens: prompt tokens the prompt cache held. The EOS
+    token that ended a reply was generated, so it counts as a completion token (as OpenAI and vLLM count it),
+    though the result's token_ids leave it out."""
+    prompt = len(result.prompt_token_ids)
+    completion = len(result.token_ids) + (result.finish_reason == "eos")
     counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cached_tokens is not None:
         counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}

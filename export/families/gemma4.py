@@ -342,11 +342,12 @@ def _per_layer(meta: dict, key: str, n_layer: int) -> list[int]:
     return [number(meta, key)] * n_layer
 
 
-def _of_kind(values: list[int], types: list[str], kind: str, key: str) -> int:
+def _of_kind(values: list[int], types: list[str], kind: str, key: str) -> int | None:
+    """The one value of `kind`'s layers; None when no layer is of that kind (a pattern all full or all sliding)."""
     found = {v for v, t in zip(values, types, strict=True) if t == kind}
     if len(found) > 1:
         raise GGUFError(f"metadata {key} differs between {kind} layers, which Gemma 4's config cannot say")
-    return found.pop()
+    return found.pop() if found else None
 
 
 def _rotated_share(stored: dict, head_dim: int) -> float:
@@ -390,6 +391,11 @@ def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
     )
     sliding_kv = _of_kind(kv_heads, types, "sliding_attention", "head_count_kv")
     full_kv = _of_kind(kv_heads, types, "full_attention", "head_count_kv")
+    # every layer full, or every layer sliding: the one kind's heads stand for both (the other names no layer)
+    sliding_kv, full_kv = (
+        sliding_kv if sliding_kv is not None else full_kv,
+        full_kv if full_kv is not None else sliding_kv,
+    )
     if full_kv != sliding_kv and not k_eq_v:
         raise GGUFError("full layers with their own KV heads but values of their own: transformers' Gemma 4 has none")
     cap = meta.get(f"{arch}.final_logit_softcapping")

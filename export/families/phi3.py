@@ -34,7 +34,7 @@ from ..checkpoint import (
     config_number,
 )
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
-from ..limits import MAX_NORM_EPSILON
+from ..limits import MAX_NORM_EPSILON, context_length_problem
 from ..llama import Llama, LlamaConfig
 from . import llama
 from .family import Family, GGUFLayout
@@ -158,6 +158,11 @@ def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
         raise GGUFError(f"rope.dimension_count {rotary_dim} does not fit heads of {head_dim}")
     positions = context_length(meta, "phi3.context_length")
     window = number(meta, "phi3.attention.sliding_window", 0, positive=False)  # 0: none (Phi-4)
+    problem = context_length_problem(window) if 0 < window < positions else None  # a window caps the context
+    if problem:
+        raise GGUFError(
+            f"metadata phi3.attention.sliding_window = {problem} (a window shorter than the context caps it)"
+        )
     config = {
         "architectures": [VARIANT.gguf_class],
         "model_type": "phi3",
