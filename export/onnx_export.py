@@ -11,6 +11,7 @@ GGUF file) is opened by export/source.py.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -61,7 +62,7 @@ from .gguf_blocks import FLOAT_TYPES, KEPT_TYPE_NAMES
 from .graph import build_fused_graph
 from .lazy_weights import is_lazy, lazy_parameter, materialize
 from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
-from .parity import check_parity, check_parity_int8, check_parity_shared
+from .parity import check_parity, check_parity_int8, check_parity_shared, check_window, window_rows
 from .source import Source, open_source
 from .tokenizer_config import tokenizer_config
 from .traced import state_layout, trace_graph
@@ -462,6 +463,7 @@ def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Pr
         steps = 6 + model.config.n_layer  # 6 ONNX Runtime runs, then the reference's one pass layer by layer
         with _bar(steps, "ONNX Runtime, then PyTorch float64", show=bars, unit="step") as bar:
             max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep, on_step=bar.update)
+        max_diff = max(max_diff, _window_check(model, onnx_path, io, progress=progress))
     else:
         last_token_logits = plan.manifest.export["last_token_logits"]
         max_diff = check_parity(model, onnx_path, io=io, last_token_logits=last_token_logits)
@@ -487,6 +489,8 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
     with _bar(steps, "ONNX Runtime (float twin, int8), then PyTorch float64", show=bars, unit="step") as bar:
         with float_twin(onnx_path) as twin:
             proof = check_parity_int8(model, onnx_path, twin, io=plan.manifest.io, on_step=bar.update)
+            window = _window_check(model, twin, plan.manifest.io, progress=progress)
+    proof = dataclasses.replace(proof, float_max_abs=max(proof.float_max_abs, window))
     _refuse_non_finite(proof.float_max_abs)
     # float32's rounding is relative: the tolerance holds for logits of up to LOGIT_PEAK, and grows past it
     scale = max(1.0, proof.reference_peak / LOGIT_PEAK)
@@ -537,6 +541,16 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
         "positions": proof.positions,
     }
     return parity
+
+
+def _window_check(model: torch.nn.Module, onnx_path: Path, io: IONames, *, progress: Progress) -> float:
+    """check_window's figure where the model has sliding windows short enough to prove (export/parity.py
+    window_rows), else 0."""
+    length = window_rows(model)
+    if length is None:
+        return 0.0
+    progress(f"      and past the sliding window: a prompt of {length} tokens")
+    return check_window(model, onnx_path, io=io, length=length)
 
 
 def _refuse_non_finite(max_diff: float) -> None:

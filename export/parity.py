@@ -296,6 +296,42 @@ def check_parity_int8(
     )
 
 
+def window_rows(model: torch.nn.Module) -> int | None:
+    """The prompt length that puts a sliding window's edge inside the proof (the smallest window + 8), where the
+    model has windows and a float64 pass over that many tokens costs at most WINDOW_BUDGET multiply-adds; None:
+    no windows, or too large a model (its family's tiny models prove the window's graph step instead)."""
+    sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())
+    windows = [w for w in (getattr(model.config, "sliding_window", None),) if sliding and isinstance(w, int) and w > 0]
+    if not windows or state_layout(model).get("layer_types") is not None:  # a hybrid's states: no windows
+        return None
+    length = min(windows) + 8
+    if length > model.config.n_positions - 1:
+        return None
+    parameters = sum(p.numel() for p in model.parameters())
+    return length if parameters * length <= WINDOW_BUDGET else None
+
+
+WINDOW_BUDGET = 1e12  # multiply-adds of the window check's float64 pass (Gemma 3 270M at 520 tokens: 1.4e11)
+
+
+def check_window(model: torch.nn.Module, onnx_path: str | Path, *, io: IONames, length: int, seed: int = 1) -> float:
+    """Max |logit difference| at the last position of two random prompts of `length` tokens, longer than the
+    model's smallest sliding window: a window one position off changes what that position attends to. A float
+    graph (or an int8 graph's float twin) against the float64 reference, the last position's logits only."""
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (2, length), generator=generator)
+    layout = state_layout(model)
+    outputs = _run_session(
+        onnx_path, io, config, ids, [length, length], 0, layout=layout, prepacking=True, on_step=None, keep_first=1
+    )
+    mask = torch.ones_like(ids)
+    positions = torch.arange(length).unsqueeze(0).expand(2, length)
+    with _one_thread(), float64_stream(model):
+        reference = model(ids, mask, positions, None, last_token_logits=True)[0].numpy()
+    return _worst(0.0, outputs["logits"][0][:, -1], reference[:, -1])
+
+
 def _run_session(
     onnx_path: str | Path,
     io: IONames,
@@ -308,10 +344,12 @@ def _run_session(
     prepacking: bool,
     on_step: Callable[[], None] | None,
     forced: list[list[int]] | None = None,
+    keep_first: int = 0,
 ) -> dict:
     """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row);
     layout: a hybrid's states (traced.state_layout). forced: the tokens each row is fed instead (another run's
-    choices), so two graphs are compared on the same sequence."""
+    choices), so two graphs are compared on the same sequence. keep_first: the prompt's logits_to_keep (0: every
+    position)."""
     half = io.kv_dtype == "float16"  # an fp16 graph: its cache, states and logits are half too
     session = _session(onnx_path, prepacking=prepacking, half=half)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
@@ -335,7 +373,7 @@ def _run_session(
         binding.bind_ortvalue_input(past_name, buffer)
         binding.bind_ortvalue_output(present_name, buffer)
     _, mask, positions = _right_padded([ids[row, :length].tolist() for row, length in enumerate(lengths)])
-    feed, keep, totals = ids, 0, list(lengths)
+    feed, keep, totals = ids, keep_first, list(lengths)
     all_logits, tokens = [], [[], []]
     for step in range(decode_steps + 1):
         binding.bind_cpu_input(io.input_ids, feed.numpy())

@@ -4,6 +4,7 @@ byte-level BPE tokenizer trained on a slice of the bundled text) and its exporte
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,7 @@ def _script(name: str):
 
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up while the module runs
     spec.loader.exec_module(module)
     return module
 

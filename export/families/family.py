@@ -33,6 +33,9 @@ class GGUFLayout:
     also_read: tuple[str, ...] = ()  # tensors `config` reads that are not weights (Llama 3's rope_freqs.weight)
     # config.json -> the name prefixes of tensors the model leaves out (Qwen3.5's multi-token-prediction block)
     left_out: Callable[[dict], tuple[str, ...]] | None = None
+    # the chat template of a file that carries none (a base model's): the family's turn format, as llama.cpp's
+    # built-in templates give it; None: such a file has no chat
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)

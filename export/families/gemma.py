@@ -165,6 +165,18 @@ def _build(hf: dict, state: dict) -> Llama:
     return llama.build_llama(config_from_hf(hf), renamed(state, RENAMES))
 
 
+# Gemma's turns (llama.cpp's built-in "gemma" template): user and model turns between <start_of_turn> and
+# <end_of_turn>, a system message folded into the first user turn, the model's turn opened for the reply.
+TURNS = (
+    "{{ bos_token }}{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ prefix if loop.first else '' }}{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
 def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
     """config.json of a Gemma 3 file. llama.cpp's converter writes the window but no layer pattern, sliding-layer
     rotary base or attention scale: its loader fixes them (every FULL_EVERY-th layer full, base 10000,
@@ -236,7 +248,8 @@ def _row(model_type: str, gguf: GGUFLayout | None) -> Family:
 ROWS = (
     _row(
         "gemma3_text",
-        GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors),  # no rope_freqs.weight
+        # no rope_freqs.weight; base models' files (Gemma 3 270M) carry no chat template
+        GGUFLayout(architecture="gemma3", config=gguf_config, tensors=gguf_tensors, chat_template=TURNS),
     ),
     _row("gemma3", None),
 )
