@@ -8,12 +8,15 @@ rebuilt here, each to give the ids llama.cpp gives on the same file (llama-vocab
   silently.
 - `gemma4`: BPE on SentencePiece-spelled text ("▁" for the space, raw UTF-8, byte fallback) with the file's
   merges (the "gemma4" row).
-- `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral ship it. Merges
-  are recovered from the scores: a token is the merge of any two tokens that spell it, ranked by its score.
-  Gemma files (general.architecture gemma*) differ twice, as transformers' GGUF reader also handles them: their
-  runs of spaces are stored as spaces, not "▁", and their merge order is the tokens' order in the file, not
-  their scores. Gemma writes add_space_prefix false: no "▁" is prepended.
-Token types (llama.cpp's llama_token_type): 3 control -> special added token, 4 user-defined -> added token.
+- `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral / Gemma ship it.
+  Merges are recovered from the scores as llama.cpp's SPM tokenizer applies them: any two pieces whose
+  concatenation is a token merge, the highest-scored first. Gemma writes add_space_prefix false: no "▁" is
+  prepended.
+Token types (llama.cpp's llama_token_type): 3 control -> special added token, matched only where special tokens
+are parsed; 4 user-defined -> added token matched in the raw text before anything else, as llama.cpp's
+tokenizer_st_partition does whatever parse_special says (Gemma 3's runs of spaces, tabs and newlines, its HTML
+tags). Every added token keeps its own id: the tokenizer has exactly the file's tokens. Where HF tokenizers cannot
+do what llama.cpp does, docs/tokenization.md says so.
 """
 
 from __future__ import annotations
@@ -198,24 +201,24 @@ def _bpe(meta: Mapping[str, Any], tokens: list[str], split: Split) -> Tokenizer:
     return tokenizer
 
 
-def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> Tokenizer:
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ValueError("a llama-style (SentencePiece) tokenizer needs one tokenizer.ggml.scores entry per token")
-    if str(meta.get("general.architecture", "")).startswith("gemma"):
-        tokens = ["▁" * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
-        scores = [-float(index) for index in range(len(tokens))]  # earlier in the file merges first
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # checked: one per token
     for index, score in enumerate(scores):  # the merge ranks: a NaN compares false with every other score
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
             raise ValueError(f"tokenizer.ggml.scores[{index}] is {score!r:.60}, not a finite number")
     vocab = {token: index for index, token in enumerate(tokens)}
-    # Only ordinary tokens (type 1) are merge results; pieces may be any token in the vocabulary.
+    # llama.cpp (llm_tokenizer_spm_session) merges two adjacent pieces whenever their text is a token of any type
+    # (a control token's text too), scored by that token. A user-defined token never gets there: its text is cut
+    # out of the raw text first.
     ranked = []
     for index, (token, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
-        if kind != 1 or len(token) < 2:
+        if kind == USER_DEFINED or len(token) < 2:
             continue
         if len(token) > MAX_MERGED_LENGTH:  # every cut slices the token: quadratic in its length
+            if kind != 1:
+                continue  # a long control token is reached only as a special token, never by merges
             raise ValueError(
                 f"token {index} is an ordinary SentencePiece piece of {len(token)} characters; merges are rebuilt for "
                 f"pieces of up to {MAX_MERGED_LENGTH} (trained vocabularies' are 16 to 31)"
@@ -271,20 +274,20 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
             raise ValueError(f"{key} should be one integer token id, not {value!r:.60}")
         if value is not None and not 0 <= value < len(tokens):
             raise ValueError(f"{key} {value} is outside the vocabulary of {len(tokens)} tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
     if kind in ("gpt2", "gemma4"):
         split = _split(meta)
         tokenizer = _bpe(meta, tokens, split)
         default_bos, byte_level = split.add_bos, split.byte_level
     elif kind == "llama":
-        tokenizer = _sentencepiece(meta, tokens)
+        tokenizer = _sentencepiece(meta, tokens, types)
         default_bos, byte_level = True, False  # llama.cpp adds BOS to a SentencePiece vocabulary by default
     else:
         raise ValueError(
             f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; 'gpt2', 'gemma4' and 'llama' are"
         )
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
     control = [
         AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL
     ]
@@ -293,6 +296,10 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     ]
     tokenizer.add_special_tokens(control)
     tokenizer.add_tokens(user)
+    # An added token whose text is not in the model's vocabulary would get a new id past the file's last one.
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size != len(tokens):
+        raise ValueError(f"the tokenizer built from the file has {size} tokens, the file {len(tokens)}")
     post = _post_processor(meta, tokens, default_bos=default_bos, byte_level=byte_level)
     if post is not None:
         tokenizer.post_processor = post
