@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
