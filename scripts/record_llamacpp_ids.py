@@ -37,6 +37,7 @@ BOS_TEXT = "Hello world"
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in it looks its module up
     spec.loader.exec_module(module)
     return module
 
