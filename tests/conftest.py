@@ -81,8 +81,11 @@ def _script(name: str):
     """scripts/<name>.py as a module (scripts/ is not a package)."""
     import importlib.util
 
+    import sys
+
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in the script (fetch_real_models' RealFile) looks its module up
     spec.loader.exec_module(module)
     return module
 
