@@ -28,7 +28,20 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+# llama.cpp (llama_vocab::impl::load) makes every token spelled as one of these a control token whatever the file
+# says: its end-of-generation list. A user-defined "</s>" (Gemma 3's, Phi-3's) is then text unless special tokens
+# are parsed. (Its EOT / FIM look-ups, which mark only a slot the file leaves unset, are not mirrored.)
+LLAMACPP_END_OF_GENERATION = frozenset(
+    ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[")
+)  # fmt: skip
+# ... except "</s>" in a vocabulary with one of these end tokens (Gemma 4, PLaMo): there it is an ordinary token.
+ORDINARY_END_OF_SENTENCE = ("<|tool_response>", "<|plamo:eos|>")
+# Phi-3 (general.name containing "phi-3"/"phi3"): every special or user-defined token but these swallows the
+# whitespace after it (llama.cpp's RSTRIP attribute, set by name).
+PHI3_NO_RSTRIP = frozenset(("<unk>", "<s>", "<|endoftext|>"))
 # Longest ordinary SentencePiece piece whose merges are rebuilt. Trying each cut of a piece costs its length, so
 # a piece of n characters costs n**2 (a 1 MB one, minutes), and a vocabulary of n pieces "a" * k makes n**3 / 6
 # characters of merges. Bounded, both are linear in the vocabulary's size. Control and user-defined tokens have
@@ -41,7 +54,6 @@ class Split:
     """How text is cut into words before BPE merges them, for one `tokenizer.ggml.pre` label (llama-vocab.cpp)."""
 
     regexes: tuple[str, ...]  # applied in turn to every piece so far, each match kept as a piece of its own
-    nfc: bool = False  # the model's tokenizer.json normalizes to NFC first (llama.cpp does not)
     ignore_merges: bool = False  # a word that is itself a token is that token, whatever the merges say
     add_bos: bool = False  # BOS added when the file has no tokenizer.ggml.add_bos_token (llama.cpp's default)
     byte_level: bool = True  # GPT-2's bytes-as-characters spelling; else "▁" for the space and byte fallback
@@ -95,7 +107,7 @@ DEEPSEEK_V3_WORDS = (
 GPT2 = Split((GPT2_WORDS,))
 LLAMA3 = Split((LLAMA3_WORDS,), ignore_merges=True, add_bos=True)
 LLAMA3_MERGED = Split((LLAMA3_WORDS,))  # the same words, every one built by the merges
-QWEN2 = Split((QWEN2_WORDS,), nfc=True)
+QWEN2 = Split((QWEN2_WORDS,))  # no NFC, as llama.cpp (docs/tokenization.md)
 STARCODER = Split((r"\p{N}", GPT2_WORDS))  # every digit alone, then GPT-2's words
 DEEPSEEK_V3 = Split((r"\p{N}{1,3}", KANA_CJK, DEEPSEEK_V3_WORDS))
 GPT4O = Split((GPT4O_WORDS,))
@@ -109,7 +121,7 @@ PRE_TOKENIZERS = {
     "phi-2": GPT2,
     "olmo": GPT2,
     "granite-docling": GPT2,
-    "mpt": Split((GPT2_WORDS,), nfc=True),  # GPT-NeoX's tokenizer
+    "mpt": GPT2,  # GPT-NeoX's tokenizer
     "llama-bpe": LLAMA3,
     "llama3": LLAMA3,
     "llama-v3": LLAMA3,
@@ -129,7 +141,7 @@ PRE_TOKENIZERS = {
     "starcoder": STARCODER,
     "smollm": STARCODER,
     "refact": STARCODER,
-    "command-r": Split((r"\p{N}", GPT2_WORDS), nfc=True),
+    "command-r": STARCODER,
     "falcon": Split((r"[\p{P}\$\+<=>\^~\|`]+", GPT2_WORDS, "[0-9][0-9][0-9]")),
     "deepseek-llm": Split((r"[\r\n]", DEEPSEEK_LLM_LETTERS, DEEPSEEK_LLM_PUNCTUATION, r"\s+$", CJK, r"\p{N}+")),
     "deepseek-coder": Split((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", CJK, r"\p{N}")),
@@ -188,16 +200,13 @@ def _bpe(meta: Mapping[str, Any], tokens: list[str], split: Split) -> Tokenizer:
         )
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = _pre_tokenizer(split)
-    steps = [normalizers.NFC()] if split.nfc else []
-    if split.byte_level:
+    if split.byte_level:  # no normalizer: llama.cpp does not NFC-normalize, whatever the model's tokenizer.json
         tokenizer.decoder = decoders.ByteLevel()
     else:
-        steps.append(normalizers.Replace(" ", "\u2581"))
+        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
         tokenizer.decoder = decoders.Sequence(
             [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         )
-    if steps:
-        tokenizer.normalizer = normalizers.Sequence(steps) if len(steps) > 1 else steps[0]
     return tokenizer
 
 
@@ -262,6 +271,19 @@ def _post_processor(
     return processors.Sequence(steps) if len(steps) > 1 else (steps[0] if steps else None)
 
 
+def _llamacpp_kinds(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> list[int]:
+    """The token types as llama.cpp tokenizes with them: the file's, with the unknown token and the
+    end-of-generation texts (LLAMACPP_END_OF_GENERATION) made control tokens."""
+    ordinary_end = any(token in ORDINARY_END_OF_SENTENCE for token in tokens)
+    kinds = [CONTROL if kind == UNKNOWN else kind for kind in types]  # "<unk>" is parsed as control tokens are
+    for index, token in enumerate(tokens):
+        if token == "</s>" and ordinary_end:
+            kinds[index] = 1
+        elif token in LLAMACPP_END_OF_GENERATION:
+            kinds[index] = CONTROL
+    return kinds
+
+
 def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     """tokenizer.json text for the tokenizer described by `meta` (GGUF key -> value); ValueError when unsupported."""
     kind = meta.get("tokenizer.ggml.model")
@@ -277,25 +299,27 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    kinds = _llamacpp_kinds(meta, tokens, types)
     if kind in ("gpt2", "gemma4"):
         split = _split(meta)
         tokenizer = _bpe(meta, tokens, split)
         default_bos, byte_level = split.add_bos, split.byte_level
     elif kind == "llama":
-        tokenizer = _sentencepiece(meta, tokens, types)
+        tokenizer = _sentencepiece(meta, tokens, kinds)
         default_bos, byte_level = True, False  # llama.cpp adds BOS to a SentencePiece vocabulary by default
     else:
         raise ValueError(
             f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; 'gpt2', 'gemma4' and 'llama' are"
         )
-    control = [
-        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL
-    ]
-    user = [
-        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED
-    ]
-    tokenizer.add_special_tokens(control)
-    tokenizer.add_tokens(user)
+    name = str(meta.get("general.name", "")).lower()
+    phi3 = "phi-3" in name or "phi3" in name
+
+    def added(token: str, special: bool) -> AddedToken:
+        rstrip = phi3 and token not in PHI3_NO_RSTRIP
+        return AddedToken(token, special=special, normalized=False, rstrip=rstrip)
+
+    tokenizer.add_special_tokens([added(t, True) for t, k in zip(tokens, kinds, strict=True) if k == CONTROL])
+    tokenizer.add_tokens([added(t, False) for t, k in zip(tokens, kinds, strict=True) if k == USER_DEFINED])
     # An added token whose text is not in the model's vocabulary would get a new id past the file's last one.
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size != len(tokens):
