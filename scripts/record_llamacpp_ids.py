@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -126,6 +127,8 @@ def main() -> None:
         "(read its docstring for what each field is); tests/test_tokenizer_corpus.py compares edgelm's with them",
         "command": "python scripts/record_llamacpp_ids.py  (in a venv with llama-cpp-python)",
         "llama_cpp_python": llama_cpp.__version__,
+        # LLAMA_CPP_LIB_PATH: llama-cpp-python's Python files run over a libllama built apart (same version)
+        "libllama": os.environ.get("LLAMA_CPP_LIB_PATH") or "the package's own build",
         "python": sys.version.split()[0],
         "corpus_sha256": sha256(CORPUS),
         "vocabularies": {},
