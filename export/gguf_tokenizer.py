@@ -3,9 +3,9 @@
 A GGUF file carries its vocabulary as metadata, not as a tokenizer.json. Three kinds (`tokenizer.ggml.model`) are
 rebuilt here, each to give the ids llama.cpp gives on the same file (llama-vocab.cpp):
 - `gpt2`: byte-level BPE (tokens + merges). How text is cut into words before the merges is named by
-  `tokenizer.ggml.pre`; PRE_TOKENIZERS maps each label llama.cpp knows to its Split (regexes, NFC, whether a word
-  that is a token skips the merges, BOS by default). An unknown label is refused: a wrong split gives wrong ids
-  silently.
+  `tokenizer.ggml.pre`; PRE_TOKENIZERS maps each label llama.cpp knows to its Split (regexes, whether a word that is
+  a token skips the merges, BOS by default); no NFC, as llama.cpp has none. An unknown label is refused: a wrong
+  split gives wrong ids silently.
 - `gemma4`: BPE on SentencePiece-spelled text ("▁" for the space, raw UTF-8, byte fallback) with the file's
   merges (the "gemma4" row).
 - `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral / Gemma ship it.
@@ -44,8 +44,8 @@ ORDINARY_END_OF_SENTENCE = ("<|tool_response>", "<|plamo:eos|>")
 PHI3_NO_RSTRIP = frozenset(("<unk>", "<s>", "<|endoftext|>"))
 # Longest ordinary SentencePiece piece whose merges are rebuilt. Trying each cut of a piece costs its length, so
 # a piece of n characters costs n**2 (a 1 MB one, minutes), and a vocabulary of n pieces "a" * k makes n**3 / 6
-# characters of merges. Bounded, both are linear in the vocabulary's size. Control and user-defined tokens have
-# no merges and any length.
+# characters of merges. Bounded, both are linear in the vocabulary's size. User-defined tokens have no merges, and
+# a longer control token gets none (it is matched whole where special tokens are parsed).
 MAX_MERGED_LENGTH = 256
 
 
