@@ -127,8 +127,10 @@ def main() -> None:
         "(read its docstring for what each field is); tests/test_tokenizer_corpus.py compares edgelm's with them",
         "command": "python scripts/record_llamacpp_ids.py  (in a venv with llama-cpp-python)",
         "llama_cpp_python": llama_cpp.__version__,
-        # LLAMA_CPP_LIB_PATH: llama-cpp-python's Python files run over a libllama built apart (same version)
-        "libllama": os.environ.get("LLAMA_CPP_LIB_PATH") or "the package's own build",
+        # the native library that ran: the package's own, or one named by LLAMA_CPP_LIB_PATH (built apart from
+        # the same source distribution)
+        "libllama_sha256": sha256(Path(llama_cpp.llama_cpp._lib._name).resolve()),
+        "libllama_from_LLAMA_CPP_LIB_PATH": bool(os.environ.get("LLAMA_CPP_LIB_PATH")),
         "python": sys.version.split()[0],
         "corpus_sha256": sha256(CORPUS),
         "vocabularies": {},
