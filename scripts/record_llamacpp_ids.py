@@ -16,6 +16,8 @@ Per vocabulary also `bos`: `tokenize("Hello world")` with llama-cpp-python's def
 added the BOS id. It needs llama-cpp-python (a native build; never in CI: CI compares with the recorded file):
 
     .venv-llamacpp/bin/python scripts/record_llamacpp_ids.py  # writes tests/data/tokenizer_corpus/llamacpp_ids.json
+    LLAMA_CPP_LIB_PATH=DIR PYTHONPATH=SDIST python scripts/record_llamacpp_ids.py  # the sdist's llama_cpp/ over the
+                                                                                    # libllama.so its build made
 """
 
 from __future__ import annotations
