@@ -3,17 +3,20 @@
 A GGUF file carries its vocabulary as metadata, not as a tokenizer.json. Three kinds (`tokenizer.ggml.model`) are
 rebuilt here, each to give the ids llama.cpp gives on the same file (llama-vocab.cpp):
 - `gpt2`: byte-level BPE (tokens + merges). How text is cut into words before the merges is named by
-  `tokenizer.ggml.pre`; PRE_TOKENIZERS maps each label llama.cpp knows to its Split (regexes, NFC, whether a word
-  that is a token skips the merges, BOS by default). An unknown label is refused: a wrong split gives wrong ids
-  silently.
+  `tokenizer.ggml.pre`; PRE_TOKENIZERS maps each label llama.cpp knows to its Split (regexes, whether a word that is
+  a token skips the merges, BOS by default); no NFC, as llama.cpp has none. An unknown label is refused: a wrong
+  split gives wrong ids silently.
 - `gemma4`: BPE on SentencePiece-spelled text ("▁" for the space, raw UTF-8, byte fallback) with the file's
   merges (the "gemma4" row).
-- `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral ship it. Merges
-  are recovered from the scores: a token is the merge of any two tokens that spell it, ranked by its score.
-  Gemma files (general.architecture gemma*) differ twice, as transformers' GGUF reader also handles them: their
-  runs of spaces are stored as spaces, not "▁", and their merge order is the tokens' order in the file, not
-  their scores. Gemma writes add_space_prefix false: no "▁" is prepended.
-Token types (llama.cpp's llama_token_type): 3 control -> special added token, 4 user-defined -> added token.
+- `llama`: SentencePiece BPE (tokens + scores, byte fallback), as TinyLlama / Llama 2 / Mistral / Gemma ship it.
+  Merges are recovered from the scores as llama.cpp's SPM tokenizer applies them: any two pieces whose
+  concatenation is a token merge, the highest-scored first. Gemma writes add_space_prefix false: no "▁" is
+  prepended.
+Token types (llama.cpp's llama_token_type): 3 control -> special added token, matched only where special tokens
+are parsed; 4 user-defined -> added token matched in the raw text before anything else, as llama.cpp's
+tokenizer_st_partition does whatever parse_special says (Gemma 3's runs of spaces, tabs and newlines, its HTML
+tags). Every added token keeps its own id: the tokenizer has exactly the file's tokens. Where HF tokenizers cannot
+do what llama.cpp does, docs/tokenization.md says so.
 """
 
 from __future__ import annotations
@@ -25,11 +28,24 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+# llama.cpp (llama_vocab::impl::load) makes every token spelled as one of these a control token whatever the file
+# says: its end-of-generation list. A user-defined "</s>" (Gemma 3's, Phi-3's) is then text unless special tokens
+# are parsed. (Its EOT / FIM look-ups, which mark only a slot the file leaves unset, are not mirrored.)
+LLAMACPP_END_OF_GENERATION = frozenset(
+    ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[")
+)  # fmt: skip
+# ... except "</s>" in a vocabulary with one of these end tokens (Gemma 4, PLaMo): there it is an ordinary token.
+ORDINARY_END_OF_SENTENCE = ("<|tool_response>", "<|plamo:eos|>")
+# Phi-3 (general.name containing "phi-3"/"phi3"): every special or user-defined token but these swallows the
+# whitespace after it (llama.cpp's RSTRIP attribute, set by name).
+PHI3_NO_RSTRIP = frozenset(("<unk>", "<s>", "<|endoftext|>"))
 # Longest ordinary SentencePiece piece whose merges are rebuilt. Trying each cut of a piece costs its length, so
 # a piece of n characters costs n**2 (a 1 MB one, minutes), and a vocabulary of n pieces "a" * k makes n**3 / 6
-# characters of merges. Bounded, both are linear in the vocabulary's size. Control and user-defined tokens have
-# no merges and any length.
+# characters of merges. Bounded, both are linear in the vocabulary's size. User-defined tokens have no merges, and
+# a longer control token gets none (it is matched whole where special tokens are parsed).
 MAX_MERGED_LENGTH = 256
 
 
@@ -38,7 +54,6 @@ class Split:
     """How text is cut into words before BPE merges them, for one `tokenizer.ggml.pre` label (llama-vocab.cpp)."""
 
     regexes: tuple[str, ...]  # applied in turn to every piece so far, each match kept as a piece of its own
-    nfc: bool = False  # the model's tokenizer.json normalizes to NFC first (llama.cpp does not)
     ignore_merges: bool = False  # a word that is itself a token is that token, whatever the merges say
     add_bos: bool = False  # BOS added when the file has no tokenizer.ggml.add_bos_token (llama.cpp's default)
     byte_level: bool = True  # GPT-2's bytes-as-characters spelling; else "▁" for the space and byte fallback
@@ -92,7 +107,7 @@ DEEPSEEK_V3_WORDS = (
 GPT2 = Split((GPT2_WORDS,))
 LLAMA3 = Split((LLAMA3_WORDS,), ignore_merges=True, add_bos=True)
 LLAMA3_MERGED = Split((LLAMA3_WORDS,))  # the same words, every one built by the merges
-QWEN2 = Split((QWEN2_WORDS,), nfc=True)
+QWEN2 = Split((QWEN2_WORDS,))  # no NFC, as llama.cpp (docs/tokenization.md)
 STARCODER = Split((r"\p{N}", GPT2_WORDS))  # every digit alone, then GPT-2's words
 DEEPSEEK_V3 = Split((r"\p{N}{1,3}", KANA_CJK, DEEPSEEK_V3_WORDS))
 GPT4O = Split((GPT4O_WORDS,))
@@ -106,7 +121,7 @@ PRE_TOKENIZERS = {
     "phi-2": GPT2,
     "olmo": GPT2,
     "granite-docling": GPT2,
-    "mpt": Split((GPT2_WORDS,), nfc=True),  # GPT-NeoX's tokenizer
+    "mpt": GPT2,  # GPT-NeoX's tokenizer
     "llama-bpe": LLAMA3,
     "llama3": LLAMA3,
     "llama-v3": LLAMA3,
@@ -126,7 +141,7 @@ PRE_TOKENIZERS = {
     "starcoder": STARCODER,
     "smollm": STARCODER,
     "refact": STARCODER,
-    "command-r": Split((r"\p{N}", GPT2_WORDS), nfc=True),
+    "command-r": STARCODER,
     "falcon": Split((r"[\p{P}\$\+<=>\^~\|`]+", GPT2_WORDS, "[0-9][0-9][0-9]")),
     "deepseek-llm": Split((r"[\r\n]", DEEPSEEK_LLM_LETTERS, DEEPSEEK_LLM_PUNCTUATION, r"\s+$", CJK, r"\p{N}+")),
     "deepseek-coder": Split((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", CJK, r"\p{N}")),
@@ -185,37 +200,34 @@ def _bpe(meta: Mapping[str, Any], tokens: list[str], split: Split) -> Tokenizer:
         )
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = _pre_tokenizer(split)
-    steps = [normalizers.NFC()] if split.nfc else []
-    if split.byte_level:
+    if split.byte_level:  # no normalizer: llama.cpp does not NFC-normalize, whatever the model's tokenizer.json
         tokenizer.decoder = decoders.ByteLevel()
     else:
-        steps.append(normalizers.Replace(" ", "\u2581"))
+        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
         tokenizer.decoder = decoders.Sequence(
             [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         )
-    if steps:
-        tokenizer.normalizer = normalizers.Sequence(steps) if len(steps) > 1 else steps[0]
     return tokenizer
 
 
-def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
+def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> Tokenizer:
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ValueError("a llama-style (SentencePiece) tokenizer needs one tokenizer.ggml.scores entry per token")
-    if str(meta.get("general.architecture", "")).startswith("gemma"):
-        tokens = ["▁" * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
-        scores = [-float(index) for index in range(len(tokens))]  # earlier in the file merges first
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # checked: one per token
     for index, score in enumerate(scores):  # the merge ranks: a NaN compares false with every other score
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
             raise ValueError(f"tokenizer.ggml.scores[{index}] is {score!r:.60}, not a finite number")
     vocab = {token: index for index, token in enumerate(tokens)}
-    # Only ordinary tokens (type 1) are merge results; pieces may be any token in the vocabulary.
+    # llama.cpp (llm_tokenizer_spm_session) merges two adjacent pieces whenever their text is a token of any type
+    # (a control token's text too), scored by that token. A user-defined token never gets there: its text is cut
+    # out of the raw text first.
     ranked = []
     for index, (token, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
-        if kind != 1 or len(token) < 2:
+        if kind == USER_DEFINED or len(token) < 2:
             continue
         if len(token) > MAX_MERGED_LENGTH:  # every cut slices the token: quadratic in its length
+            if kind != 1:
+                continue  # a long control token is reached only as a special token, never by merges
             raise ValueError(
                 f"token {index} is an ordinary SentencePiece piece of {len(token)} characters; merges are rebuilt for "
                 f"pieces of up to {MAX_MERGED_LENGTH} (trained vocabularies' are 16 to 31)"
@@ -259,6 +271,19 @@ def _post_processor(
     return processors.Sequence(steps) if len(steps) > 1 else (steps[0] if steps else None)
 
 
+def _llamacpp_kinds(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> list[int]:
+    """The token types as llama.cpp tokenizes with them: the file's, with the unknown token and the
+    end-of-generation texts (LLAMACPP_END_OF_GENERATION) made control tokens."""
+    ordinary_end = any(token in ORDINARY_END_OF_SENTENCE for token in tokens)
+    kinds = [CONTROL if kind == UNKNOWN else kind for kind in types]  # "<unk>" is parsed as control tokens are
+    for index, token in enumerate(tokens):
+        if token == "</s>" and ordinary_end:
+            kinds[index] = 1
+        elif token in LLAMACPP_END_OF_GENERATION:
+            kinds[index] = CONTROL
+    return kinds
+
+
 def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     """tokenizer.json text for the tokenizer described by `meta` (GGUF key -> value); ValueError when unsupported."""
     kind = meta.get("tokenizer.ggml.model")
@@ -271,28 +296,34 @@ def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
             raise ValueError(f"{key} should be one integer token id, not {value!r:.60}")
         if value is not None and not 0 <= value < len(tokens):
             raise ValueError(f"{key} {value} is outside the vocabulary of {len(tokens)} tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    kinds = _llamacpp_kinds(meta, tokens, types)
     if kind in ("gpt2", "gemma4"):
         split = _split(meta)
         tokenizer = _bpe(meta, tokens, split)
         default_bos, byte_level = split.add_bos, split.byte_level
     elif kind == "llama":
-        tokenizer = _sentencepiece(meta, tokens)
+        tokenizer = _sentencepiece(meta, tokens, kinds)
         default_bos, byte_level = True, False  # llama.cpp adds BOS to a SentencePiece vocabulary by default
     else:
         raise ValueError(
             f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; 'gpt2', 'gemma4' and 'llama' are"
         )
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
-    control = [
-        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL
-    ]
-    user = [
-        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED
-    ]
-    tokenizer.add_special_tokens(control)
-    tokenizer.add_tokens(user)
+    name = str(meta.get("general.name", "")).lower()
+    phi3 = "phi-3" in name or "phi3" in name
+
+    def added(token: str, special: bool) -> AddedToken:
+        rstrip = phi3 and token not in PHI3_NO_RSTRIP
+        return AddedToken(token, special=special, normalized=False, rstrip=rstrip)
+
+    tokenizer.add_special_tokens([added(t, True) for t, k in zip(tokens, kinds, strict=True) if k == CONTROL])
+    tokenizer.add_tokens([added(t, False) for t, k in zip(tokens, kinds, strict=True) if k == USER_DEFINED])
+    # An added token whose text is not in the model's vocabulary would get a new id past the file's last one.
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size != len(tokens):
+        raise ValueError(f"the tokenizer built from the file has {size} tokens, the file {len(tokens)}")
     post = _post_processor(meta, tokens, default_bos=default_bos, byte_level=byte_level)
     if post is not None:
         tokenizer.post_processor = post

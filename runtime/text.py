@@ -97,7 +97,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         """The text of ids; control tokens dropped unless skip_special=False (a reply's tool-call markup)."""
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special)
+        raw = self._raw_added
+        if not raw or raw.keys().isdisjoint(ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=skip_special)
+        pieces, run = [], []
+        for token_id in ids:
+            if token_id in raw:  # the ids before it decoded on their own, then its text as it is
+                pieces += [self._tokenizer.decode(run, skip_special_tokens=skip_special), raw[token_id]]
+                run = []
+            else:
+                run.append(token_id)
+        return "".join(pieces) + self._tokenizer.decode(run, skip_special_tokens=skip_special)
+
+    @functools.cached_property
+    def _raw_added(self) -> dict[int, str]:
+        """The added tokens, not special, that the decoder does not give back as their text: DeepSeek's "ö", also
+        a byte-level character, which the ByteLevel decoder reads as the byte 0xF6. llama.cpp writes such a
+        (user-defined) token's text as it is, and so does decode. Empty for nearly every tokenizer."""
+        decode = self._tokenizer.decode
+        return {
+            token_id: text
+            for token_id, text in self.added_tokens
+            if token_id not in self.special_ids and decode([token_id], skip_special_tokens=False) != text
+        }
 
 
 class TextAssembler:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
@@ -89,16 +88,18 @@ def test_gemma3_gguf_weights_match_transformers_gguf_loader(families):
     assert max((loaded[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
 
 
-GEMMA_PIECES = [  # a small SentencePiece vocabulary in Gemma's GGUF spelling: runs of spaces stored as spaces
+GEMMA_PIECES = [  # a small SentencePiece vocabulary in Gemma 3's GGUF spelling: user-defined runs of spaces stored
+    # as spaces, and a user-defined newline
     "▁", *"abcdefghijklmnopqrstuvwxyz", "  ", "   ", "\n", ",", "!", "H", "W", "th", "he", "▁t", "▁th", "▁the", "at",
     "▁c", "▁ca", "▁cat", "in", "▁in", "▁s", "▁sa", "▁sat", "ha", "▁h", "▁hat", "ll", "el", "ell", "ello", "He",
-    "Hell", "Hello", "▁▁", "sp", "ac", "es", "ace", "aces", "spaces", "▁spaces", "us", "er", "user",
+    "Hell", "Hello", "sp", "ac", "es", "ace", "aces", "spaces", "▁spaces", "us", "er", "user",
 ]  # fmt: skip
 
 
 def test_gemma_sentencepiece_tokenizer_matches_transformers(tmp_path):
-    """A Gemma GGUF vocabulary (tokenizer model llama, no space prefix, byte fallback, scores that do not follow
-    the merge order) gives transformers' GGUF tokenizer's ids."""
+    """A Gemma GGUF vocabulary (tokenizer model llama, no space prefix, byte fallback) gives transformers' GGUF
+    tokenizer's ids. Its scores fall with the token's place in the file, as the real Gemma 3 file's do: transformers
+    merges Gemma's pieces in file order, llama.cpp (whose ids edgelm gives: test_tokenizer_corpus.py) by score."""
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
@@ -106,11 +107,11 @@ def test_gemma_sentencepiece_tokenizer_matches_transformers(tmp_path):
 
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     tokens += [f"<0x{b:02X}>" for b in range(256)] + GEMMA_PIECES
-    types = [3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * len(GEMMA_PIECES)
+    types = [3, 3, 3, 2, 3, 3] + [6] * 256 + [4 if piece in ("  ", "   ", "\n") else 1 for piece in GEMMA_PIECES]
     writer = gguf.GGUFWriter(tmp_path / "tok.gguf", "gemma3")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
-    writer.add_token_scores(list(np.random.default_rng(0).standard_normal(len(tokens))))
+    writer.add_token_scores([-float(index) for index in range(len(tokens))])
     writer.add_token_types(types)
     writer.add_bos_token_id(2)
     writer.add_eos_token_id(1)
