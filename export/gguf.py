@@ -29,7 +29,7 @@ from .families import Family, gguf_family
 from .gguf_blocks import SUPPORTED_TYPES, LazyRuns, Runs, by_rows, lazy_runs, to_runs
 from .gguf_header import HeaderError, read_header
 from .gguf_metadata import Entry, GGUFError, number
-from .gguf_tokenizer import build_tokenizer_json
+from .gguf_tokenizer import build_tokenizer_json, end_of_generation_ids
 
 __all__ = ["GGUFError", "GGUFModel", "read_gguf"]
 
@@ -237,7 +237,7 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
     _check_tensors(stored, entries, arch, also=family.gguf.also_read, left_out=left_out)
     ids, tokenizer_json = _tokenizer(meta, vocab)
     bos, pad = ids["bos"], ids["padding"]
-    eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], *_end_of_generation(meta)) if i is not None))
+    eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], *end_of_generation_ids(meta)) if i is not None))
     config |= {"bos_token_id": bos, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
     chat_template = meta.get("tokenizer.chat_template")
     if not isinstance(chat_template, str):
@@ -256,21 +256,6 @@ def _build(path: Path, stored: dict[str, _Stored], meta: dict) -> GGUFModel:
         _entries=entries,
         _stored=stored,
     )
-
-
-# Tokens llama.cpp ends generation at whatever the metadata names (llama-vocab.cpp's end-of-generation set): a
-# chat model's end of turn, which base models' files often leave out of tokenizer.ggml.eot_token_id.
-END_OF_GENERATION = (
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>",
-    "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
-)  # fmt: skip
-
-
-def _end_of_generation(meta: dict) -> list[int]:
-    """Ids of the control or user-defined tokens whose text is in END_OF_GENERATION."""
-    tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
-    wanted = set(END_OF_GENERATION)
-    return [i for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k in (3, 4) and t in wanted]
 
 
 def _check_tensors(

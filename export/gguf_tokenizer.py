@@ -284,6 +284,16 @@ def _llamacpp_kinds(meta: Mapping[str, Any], tokens: list[str], types: list[int]
     return kinds
 
 
+def end_of_generation_ids(meta: Mapping[str, Any]) -> list[int]:
+    """The ids llama.cpp ends generation at by their text (LLAMACPP_END_OF_GENERATION, "</s>" but beside an
+    ORDINARY_END_OF_SENTENCE token), whatever tokenizer.ggml.eos/eot_token_id say: a chat model's end of turn,
+    which many files leave out of the metadata."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    ordinary_end = any(token in ORDINARY_END_OF_SENTENCE for token in tokens)
+    ends = LLAMACPP_END_OF_GENERATION - ({"</s>"} if ordinary_end else set())
+    return [i for i, token in enumerate(tokens) if token in ends]
+
+
 def build_tokenizer_json(meta: Mapping[str, Any]) -> str:
     """tokenizer.json text for the tokenizer described by `meta` (GGUF key -> value); ValueError when unsupported."""
     kind = meta.get("tokenizer.ggml.model")

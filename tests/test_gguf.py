@@ -476,7 +476,7 @@ def test_smollm2_metadata(smollm2):
     expected |= dict(intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5, vocab_size=49152)
     expected |= dict(max_position_embeddings=8192, tie_word_embeddings=True, rope_scaling=None, attention_bias=False)
     assert {key: config[key] for key in expected} == expected
-    # EOS 2 (<|im_end|>), and <|endoftext|> (0), which llama.cpp also ends generation at (export/gguf.py END_OF_GENERATION)
+    # EOS 2 (<|im_end|>), and <|endoftext|> (0), which llama.cpp also ends generation at
     assert (smollm2.bos_token_id, smollm2.eos_token_ids) == (1, [2, 0])
     assert "<|im_start|>" in smollm2.chat_template
     assert "lm_head.weight" not in smollm2.tensor_names and len(smollm2.tensor_names) == 2 + 30 * 9
