@@ -11,7 +11,6 @@ GGUF file) is opened by export/source.py.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -56,6 +55,7 @@ from .defaults import (
     KEPT_FLOAT_TOLERANCE,
     LOGIT_PEAK,
     PARITY_TOLERANCE,
+    WINDOW_SLACK,
 )
 from .families import Blocks
 from .gguf_blocks import FLOAT_TYPES, KEPT_TYPE_NAMES
@@ -456,14 +456,14 @@ def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Pr
     """Step 3: ONNX Runtime against PyTorch (export/parity.py); RuntimeError when they disagree. Returns the
     manifest's parity record."""
     progress("[3/4] checking ONNX Runtime against PyTorch (prompt + 5 decode steps)")
-    io, tolerance = plan.manifest.io, plan.tolerance
+    io, tolerance, window = plan.manifest.io, plan.tolerance, None
     if plan.int8:
         return _prove_int8(plan, model, onnx_path, progress=progress, bars=bars)
     if plan.fused:
         steps = 6 + model.config.n_layer  # 6 ONNX Runtime runs, then the reference's one pass layer by layer
         with _bar(steps, "ONNX Runtime, then PyTorch float64", show=bars, unit="step") as bar:
             max_diff = check_parity_shared(model, onnx_path, io=io, prepacking=plan.keep, on_step=bar.update)
-        max_diff = max(max_diff, _window_check(model, onnx_path, io, progress=progress))
+        window = _window_check(model, onnx_path, io, tolerance=tolerance, progress=progress)
     else:
         last_token_logits = plan.manifest.export["last_token_logits"]
         max_diff = check_parity(model, onnx_path, io=io, last_token_logits=last_token_logits)
@@ -477,6 +477,8 @@ def _prove(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progress: Pr
         )
     parity = {"max_abs_logit_diff": max_diff, "tolerance": tolerance, "decode_steps": 5, "batch": 2}
     parity["reference"] = "PyTorch float64" if plan.fused else "PyTorch float32"
+    if plan.fused and window is not None:
+        parity["window"] = window
     if plan.half:
         parity["activations"] = "float16 (weights, activations, KV cache and logits)"
     return parity
@@ -489,12 +491,11 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
     with _bar(steps, "ONNX Runtime (float twin, int8), then PyTorch float64", show=bars, unit="step") as bar:
         with float_twin(onnx_path) as twin:
             proof = check_parity_int8(model, onnx_path, twin, io=plan.manifest.io, on_step=bar.update)
-            window = _window_check(model, twin, plan.manifest.io, progress=progress)
-    proof = dataclasses.replace(proof, float_max_abs=max(proof.float_max_abs, window))
-    _refuse_non_finite(proof.float_max_abs)
-    # float32's rounding is relative: the tolerance holds for logits of up to LOGIT_PEAK, and grows past it
-    scale = max(1.0, proof.reference_peak / LOGIT_PEAK)
-    tolerance = plan.tolerance * scale
+            _refuse_non_finite(proof.float_max_abs)
+            # float32's rounding is relative: the tolerance holds for logits of up to LOGIT_PEAK, and grows past it
+            scale = max(1.0, proof.reference_peak / LOGIT_PEAK)
+            tolerance = plan.tolerance * scale
+            window = _window_check(model, twin, plan.manifest.io, tolerance=tolerance, progress=progress)
     verdict = "passed" if proof.float_max_abs <= tolerance else "FAILED"
     progress(
         f"      float twin (accuracy level 0): max |logit difference| = {proof.float_max_abs:.2e}, allowed "
@@ -527,6 +528,8 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
     parity = {"max_abs_logit_diff": proof.float_max_abs, "tolerance": tolerance, "decode_steps": 5, "batch": 2}
     parity["reference"] = "PyTorch float64"
     parity["reference_peak"] = proof.reference_peak
+    if window is not None:
+        parity["window"] = window
     if plan.quantized:
         parity["reference_weights"] = "what the blocks hold (quantized and dequantized)"
     parity["activations"] = "int8 (MatMulNBits accuracy_level 4)"
@@ -543,14 +546,30 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
     return parity
 
 
-def _window_check(model: torch.nn.Module, onnx_path: Path, io: IONames, *, progress: Progress) -> float:
-    """check_window's figure where the model has sliding windows short enough to prove (export/parity.py
-    window_rows), else 0."""
+def _window_check(
+    model: torch.nn.Module, onnx_path: Path, io: IONames, *, tolerance: float, progress: Progress
+) -> dict | None:
+    """Past the sliding window, where the model has windows short enough to prove (export/parity.py window_rows):
+    its record for the manifest, or None; RuntimeError above WINDOW_SLACK times the tolerance (float32 sums over
+    hundreds of positions round more than over a dozen)."""
     length = window_rows(model)
     if length is None:
-        return 0.0
-    progress(f"      and past the sliding window: a prompt of {length} tokens")
-    return check_window(model, onnx_path, io=io, length=length)
+        return None
+    max_diff = check_window(model, onnx_path, io=io, length=length)
+    _refuse_non_finite(max_diff)
+    allowed = tolerance * WINDOW_SLACK
+    verdict = "passed" if max_diff <= allowed else "FAILED"
+    progress(
+        f"      past the sliding window ({length} tokens): max |logit difference| = {max_diff:.2e}, allowed "
+        f"{allowed:.1e}: {verdict}"
+    )
+    if not max_diff <= allowed:
+        raise RuntimeError(
+            f"ONNX Runtime and PyTorch disagree past the sliding window ({length} tokens, float activations): max "
+            f"|logit difference| {max_diff:.2e} > {allowed:.1e}, so the graph's window is not the model's; if the "
+            f"model is right, {_allow(max_diff / allowed * tolerance)}"
+        )
+    return {"tokens": length, "max_abs_logit_diff": max_diff, "tolerance": allowed}
 
 
 def _refuse_non_finite(max_diff: float) -> None:
