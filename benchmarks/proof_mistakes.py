@@ -76,11 +76,33 @@ def _sources(only: str, work: Path) -> dict[str, Path]:
     return sources
 
 
+def markdown(table: dict) -> str:
+    """The table for docs: a row per mistake, a column per model; each cell the figure and R (refused) or P."""
+    models = list(table)
+    mistakes = ["correct"] + [m for m in MISTAKES if any(m in rows for rows in table.values())]
+    lines = ["| mistake | " + " | ".join(models) + " |", "|---" * (len(models) + 1) + "|"]
+    for mistake in mistakes:
+        cells = []
+        for model in models:
+            row = table[model].get(mistake)
+            if row is None:
+                cells.append("n/a")
+            else:
+                figure = "?" if row["figure"] is None else f"{row['figure']:.2g}"
+                cells.append(f"{figure} {'refused' if row['refused'] else 'passed'}")
+        lines.append(f"| {mistake} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("all", "tiny", "real"), default="all")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
+    parser.add_argument("--markdown", type=Path, default=None, help="print the table of this JSON file and stop")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return
     table = {}
     with tempfile.TemporaryDirectory(prefix="edgelm-proof-") as tmp:
         for label, source in _sources(args.only, Path(tmp)).items():

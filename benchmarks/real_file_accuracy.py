@@ -90,8 +90,8 @@ def compare(name: str, file: Path, package: Path, python: Path, *, tokens: int, 
 
     model = load(package, threads=2)
     text = (REPO / "data" / "shakespeare-heldout.txt").read_text(encoding="utf-8")
-    ids = model.tokenizer.encode(text)[:tokens]
-    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    ids = model.tokenizer.encode(text, add_special_tokens=True)[:tokens]  # BOS where the file adds it
+    prompts = [model.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
     request = {
         "file": str(file), "n_ctx": max(tokens, 512) + 64, "ids": ids, "prompts": prompts,
         "greedy_tokens": GREEDY_TOKENS, "chat": chat, "texts": [text[:2000], *PROMPTS],
@@ -107,7 +107,8 @@ def compare(name: str, file: Path, package: Path, python: Path, *, tokens: int, 
         "nll_edgelm": _nll(model, ids),
         "nll_llamacpp": theirs["nll"],
         "same_ids_as_llamacpp": [
-            model.tokenizer.encode(t) == got for t, got in zip(request["texts"], theirs["tokenized"], strict=True)
+            model.tokenizer.encode(t, add_special_tokens=True) == got
+            for t, got in zip(request["texts"], theirs["tokenized"], strict=True)
         ],
         "greedy": [
             {
