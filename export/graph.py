@@ -303,17 +303,19 @@ def _rotary_tables(g: _GraphBuilder, rotary: Rotary, positions: int, name: str) 
     ones, (2 positions, r / 2)), computed from the frequencies by nodes of constants only, which ONNX Runtime folds
     once at session start: cos(p * inv_freq) * factor, p a float32 position and the product float32, as the
     reference's torch.arange(P, dtype=float32)[:, None] * inv_freq. The nodes keep float32 under the float16
-    conversion (edgelm/float16.py: positions past 2048 are not exact in float16, past 65504 not finite); a last
-    Cast gives the tables in the graph's float type."""
+    conversion (edgelm/float16.py: positions past 2048 are not exact in float16, past 65504 not finite); the last
+    node, a Cast to float32 that the conversion turns into one to float16, gives them in the graph's float type."""
     p = f"{KEEP_FLOAT32}{name}"
     int64 = lambda suffix, value: g.constant(f"{p}/{suffix}", np.array(value, dtype=np.int64))  # noqa: E731
     rows = g.weight_op("Range", [int64("start", 0), int64("limit", positions), int64("delta", 1)], f"{p}/Range")
-    positions = g.weight_op("Cast", [rows], f"{p}/positions", to=TensorProto.FLOAT)
-    column = g.weight_op("Unsqueeze", [positions, int64("axis", [1])], f"{p}/column")  # (P, 1)
-    frequencies = [rotary.inv_freq] + ([] if rotary.long_inv_freq is None else [rotary.long_inv_freq])
-    stacked = g.constant(f"{name}.inv_freq", np.stack(frequencies)[:, None, :])  # (K, 1, r / 2): short, long
-    angles = g.weight_op("Mul", [column, stacked], f"{p}/angles")  # (K, P, r / 2)
-    angles = g.weight_op("Reshape", [angles, int64("shape", [-1, rotary.width // 2])], f"{p}/rows")  # (K P, r / 2)
+    floats = g.weight_op("Cast", [rows], f"{p}/positions", to=TensorProto.FLOAT)
+    column = g.weight_op("Unsqueeze", [floats, int64("axis", [1])], f"{p}/column")  # (P, 1)
+    if rotary.long_inv_freq is None:
+        angles = g.weight_op("Mul", [column, g.constant(f"{name}.inv_freq", rotary.inv_freq)], f"{p}/angles")
+    else:  # (2, 1, r / 2): short, long; then (2, P, r / 2) as (2 P, r / 2), a Reshape that is a copy when folded
+        stacked = g.constant(f"{name}.inv_freq", np.stack([rotary.inv_freq, rotary.long_inv_freq])[:, None, :])
+        angles = g.weight_op("Mul", [column, stacked], f"{p}/stacked_angles")
+        angles = g.weight_op("Reshape", [angles, int64("shape", [-1, rotary.width // 2])], f"{p}/angles")
     tables = []
     for kind in ("Cos", "Sin"):
         table = g.weight_op(kind, [angles], f"{p}/{kind.lower()}")
