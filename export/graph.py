@@ -46,6 +46,7 @@ from .decoder import Decoder, Layer, Linear, Norm, Rotary
 from .graph_blocks import _BlockNodes, _gather_blocks, _gather_embedding_blocks
 from .graph_mixers import _Mixers, _Rotary
 from .graph_nodes import MS_DOMAIN
+from .limits import check_table_memory
 
 
 class _GraphBuilder(_BlockNodes, _Mixers):
@@ -305,6 +306,8 @@ def _rotary_tables(g: _GraphBuilder, rotary: Rotary, positions: int, name: str) 
     reference's torch.arange(P, dtype=float32)[:, None] * inv_freq. The nodes keep float32 under the float16
     conversion (edgelm/float16.py: positions past 2048 are not exact in float16, past 65504 not finite); the last
     node, a Cast to float32 that the conversion turns into one to float16, gives them in the graph's float type."""
+    sets = 1 if rotary.long_inv_freq is None else 2  # LongRoPE: short and long
+    check_table_memory(positions, sets * rotary.width, "the rotary cos and sin tables, (positions, r / 2) each,")
     p = f"{KEEP_FLOAT32}{name}"
     int64 = lambda suffix, value: g.constant(f"{p}/{suffix}", np.array(value, dtype=np.int64))  # noqa: E731
     rows = g.weight_op("Range", [int64("start", 0), int64("limit", positions), int64("delta", 1)], f"{p}/Range")
