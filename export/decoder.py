@@ -284,7 +284,7 @@ class Decoder:
         assert (self.position_table is None) != (self.rotary is None), "positions: a table or rotary, not both"
         sliding = any(layer.sliding_window is not None for layer in self.layers)
         assert not sliding or self.rotary_local is not None, "sliding-window layers need local rotary frequencies"
-        assert not (sliding and self.rotary.long_inv_freq is not None), "LongRoPE with sliding layers"
+        assert not sliding or self.rotary.long_inv_freq is None, "LongRoPE with sliding layers"
 
     def heads(self, layer: Layer) -> tuple[int, int, int]:
         """(query heads, KV heads, head size) of a layer."""
