@@ -15,12 +15,16 @@ from onnx import helper
 SLAB_VALUES = 1 << 24  # float32 values converted at once
 FLOAT16 = onnx.TensorProto.FLOAT16
 FP16_FACTS = {"mode": "fp16", "note": "for GPU execution providers; KV cache and logits in float16"}  # the recipe
+# nodes whose names start so keep float32 (the graph's rotary tables, computed from positions that float16 holds
+# exactly only up to 2048 and finitely up to 65504; export/graph.py); a node after them gives the float16 value
+KEEP_FLOAT32 = "keep_float32/"
 
 
 def half_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    """`model` with onnxruntime's float16 conversion (inputs and outputs too: the KV cache and logits in float16),
-    and the names of the float initializers it converted whose values it did not hold (no raw data in the graph):
-    their values are the caller's to convert (`to_half`) as they are written."""
+    """`model` with onnxruntime's float16 conversion (inputs and outputs too: the KV cache and logits in float16;
+    the nodes named KEEP_FLOAT32... and their weights as they are), and the names of the float initializers it
+    converted whose values it did not hold (no raw data in the graph): their values are the caller's to convert
+    (`to_half`) as they are written."""
     from unittest import mock
 
     from onnxruntime.transformers import float16
@@ -34,7 +38,10 @@ def half_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     # say it without reading the weight
     value_info = lambda tensor: helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)  # noqa: E731
     with mock.patch.object(float16, "make_value_info_from_tensor", value_info):
-        converted = float16.convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
+        kept = [node.name for node in model.graph.node if node.name.startswith(KEEP_FLOAT32)]
+        converted = float16.convert_float_to_float16(
+            model, keep_io_types=False, disable_shape_infer=True, node_block_list=kept
+        )
     names = [t.name for t in converted.graph.initializer if t.name in held_apart and t.data_type == FLOAT16]
     return converted, names
 

@@ -12,9 +12,9 @@ stated as data (fields named after what they do), and the weights in MatMul layo
     LM head           tied                             tied or untied
     Gemma 3 also      -                                an embedding scale, norms after attention and the MLP,
                                                        its attention scale, sliding-window layers with their
-                                                       own rotary caches
+                                                       own rotary frequencies
     others also       -                                layers without rotary (SmolLM3), Granite's multipliers,
-                                                       partial rotary and LongRoPE's long tables (Phi-3)
+                                                       partial rotary and LongRoPE's long frequencies (Phi-3)
     Gemma 4 also      -                                head sizes and KV heads per layer, layers reading an
                                                        earlier layer's keys and values, per-layer input
                                                        embeddings, layer output scales, logit softcapping
@@ -170,6 +170,33 @@ class PerLayerInput:
 
 
 @dataclass
+class Rotary:
+    """Rotary positions (Su et al. 2021) as a few numbers rather than tables: the graph computes its cos and sin
+    caches, (context_length, r / 2) each, as cos(p * inv_freq) * factor for p = 0 .. context_length - 1 (a float32
+    product, as the reference's torch.arange(P)[:, None] * inv_freq; export/graph.py), and ONNX Runtime folds them
+    once at session start, so a package holds no table that grows with the context. r: the rotary width, the head
+    size or its first values (partial rotary: Phi-3, Qwen3.5); a frequency of 0 leaves its pair as it is (Gemma 4's
+    proportional rotary)."""
+
+    inv_freq: np.ndarray  # (r / 2,) float32
+    factor: float = 1.0  # cos and sin times this (LongRoPE's attention factor)
+    # LongRoPE (Phi-3): the long factors' frequencies (r / 2,), which a row longer than long_after tokens rotates by
+    long_inv_freq: np.ndarray | None = None
+    long_after: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.inv_freq.dtype == np.float32 and self.inv_freq.ndim == 1, "inv_freq is float32 (r / 2,)"
+        assert (self.long_after is None) == (self.long_inv_freq is None), "long frequencies and their threshold"
+        long = self.long_inv_freq
+        assert long is None or (long.dtype, long.shape) == (np.float32, self.inv_freq.shape), "long: as inv_freq"
+
+    @property
+    def width(self) -> int:
+        """How many of a head's values rotate (r)."""
+        return 2 * self.inv_freq.shape[0]
+
+
+@dataclass
 class Layer:
     attention_norm: Norm  # the norm before attention, or before the layer's convolution
     qkv: Linear | None  # Q, K, V packed: out = (n_head + 2 * n_kv_head) * head_dim; None in a convolution layer
@@ -182,7 +209,7 @@ class Layer:
     attention_post_norm: Norm | None = None  # on the attention output, before the residual Add (Gemma 3)
     mlp_post_norm: Norm | None = None  # on the MLP output, before the residual Add (Gemma 3)
     sliding_window: int | None = None  # queries see the last this many positions (theirs included), with
-    # the Decoder's local rotary caches; None: full causal attention
+    # the Decoder's local rotary; None: full causal attention
     rotary: bool = True  # False: Q and K of this layer take no positions (SmolLM3's NoPE layers)
     conv: ShortConv | None = None  # a convolution layer (its state is past.%d.conv): no attention
     delta_net: DeltaNet | None = None  # a linear-attention layer (past.%d.conv and past.%d.recurrent)
@@ -236,17 +263,12 @@ class Decoder:
     head_nbits: NBits | None = None  # the LM head (and a tied embedding) as blocks
     embedding_nbits: NBits | None = None  # untied: the token embedding as blocks, its rows gathered from them
     position_table: np.ndarray | None = None  # (P, C), added to the token embeddings (GPT-2)
-    rotary_cos: np.ndarray | None = None  # (P, rotary_dim / 2): rotary positions inside attention (Llama); narrower
-    rotary_sin: np.ndarray | None = None  # than head_dim / 2: the first rotary_dim values of a head rotate (Phi-3)
-    rotary_cos_local: np.ndarray | None = None  # (P, head_dim / 2): the sliding-window layers' (Gemma 3)
-    rotary_sin_local: np.ndarray | None = None
+    rotary: Rotary | None = None  # rotary positions inside attention (Llama)
+    rotary_local: Rotary | None = None  # the sliding-window layers' (Gemma 3)
     embedding_scale: float | None = None  # token embeddings times this (Gemma 3: sqrt(n_embd) in fp32)
     attention_scale: float | None = None  # scores times this; None: 1 / sqrt(head_dim)
     residual_scale: float | None = None  # attention and MLP outputs times this before the residual Add (Granite)
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
-    rotary_cos_long: np.ndarray | None = None  # (P, rotary_dim / 2): LongRoPE's long-factor tables, which a row
-    rotary_sin_long: np.ndarray | None = None  # longer than rotary_long_after tokens rotates by (Phi-3)
-    rotary_long_after: int | None = None
     # Gemma 4's per-layer input embeddings: a table gathered per token (times sqrt(D)) plus the token embedding
     # projected (times n_embd ** -0.5) and RMS-normed over D, times 2 ** -0.5; layer i reads its D values
     per_layer_embedding: np.ndarray | None = None  # (V, n_layer * D)
@@ -259,11 +281,10 @@ class Decoder:
         assert self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}"
         assert self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}"
         assert self.n_head % self.n_kv_head == 0, f"n_head {self.n_head} is not a multiple of n_kv_head"
-        assert (self.position_table is None) != (self.rotary_cos is None), "positions: a table or rotary, not both"
+        assert (self.position_table is None) != (self.rotary is None), "positions: a table or rotary, not both"
         sliding = any(layer.sliding_window is not None for layer in self.layers)
-        assert not sliding or self.rotary_cos_local is not None, "sliding-window layers need local rotary caches"
-        assert (self.rotary_long_after is None) == (self.rotary_cos_long is None), "long tables and their threshold"
-        assert not (sliding and self.rotary_cos_long is not None), "long rotary tables with sliding layers"
+        assert not sliding or self.rotary_local is not None, "sliding-window layers need local rotary frequencies"
+        assert not sliding or self.rotary.long_inv_freq is None, "LongRoPE with sliding layers"
 
     def heads(self, layer: Layer) -> tuple[int, int, int]:
         """(query heads, KV heads, head size) of a layer."""

@@ -35,7 +35,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .limits import check_table_memory
 from .llama import RMSNorm, apply_rotary
 from .reference import Past, ReferenceModel, attention_bias, forward_inputs
 
@@ -130,14 +129,6 @@ def rope_inv_freq(config: Gemma4Config, *, full: bool) -> torch.Tensor:
     angles = int(config.partial_rotary_factor * dim // 2)
     rotated = 1.0 / (config.rope_theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
     return torch.cat([rotated, torch.zeros(dim // 2 - angles)]) / config.rope_factor
-
-
-def rope_cos_sin(config: Gemma4Config, *, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency, (n_positions, head size / 2) each: GroupQueryAttention's caches."""
-    width = config.global_head_dim if full else config.head_dim
-    check_table_memory(config.n_positions, width, "the rotary cos and sin tables, (positions, head_dim / 2) each,")
-    angles = torch.arange(config.n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(config, full=full)
-    return torch.cos(angles), torch.sin(angles)
 
 
 def value_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

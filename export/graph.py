@@ -39,11 +39,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from edgelm.float16 import KEEP_FLOAT32
+
 from ..runtime.contract import IONames
-from .decoder import Decoder, Layer, Linear, Norm
+from .decoder import Decoder, Layer, Linear, Norm, Rotary
 from .graph_blocks import _BlockNodes, _gather_blocks, _gather_embedding_blocks
 from .graph_mixers import _Mixers, _Rotary
 from .graph_nodes import MS_DOMAIN
+from .limits import check_table_memory
 
 
 class _GraphBuilder(_BlockNodes, _Mixers):
@@ -283,25 +286,52 @@ def _rotary_caches(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) ->
     """The full layers' and the sliding layers' rotary caches (None where none). GroupQueryAttention rotates by
     them itself where it can: one table for every row, of a width that is a multiple of 8 (ONNX Runtime 1.32's
     rule). Otherwise Q and K rotate before it, by positions computed here as it computes them (0 .. T - 1 in a
-    prompt, past .. past + T - 1 after), a LongRoPE row past rotary_long_after tokens reading the long tables,
+    prompt, past .. past + T - 1 after), a LongRoPE row past long_after tokens reading the long tables,
     stacked after the short ones."""
     rotary = local_rotary = None
-    if d.rotary_cos is not None:
-        cos, sin = d.rotary_cos, d.rotary_sin
-        if d.rotary_cos_long is not None:
-            cos, sin = np.concatenate([cos, d.rotary_cos_long]), np.concatenate([sin, d.rotary_sin_long])
-        rotary = _Rotary([g.constant("rotary.cos", cos), g.constant("rotary.sin", sin)])
-        if d.rotary_cos_long is not None or d.rotary_cos.shape[1] % 8:
+    if d.rotary is not None:
+        rotary = _Rotary(_rotary_tables(g, d.rotary, d.context_length, "rotary"), d.rotary.width)
+        if d.rotary.long_inv_freq is not None or d.rotary.width // 2 % 8:
             rotary.positions = _row_positions(g, d, io, seqlens_k)
-    if d.rotary_cos_local is not None:
-        local = [g.constant("rotary.cos_local", d.rotary_cos_local)]
-        local_rotary = _Rotary(local + [g.constant("rotary.sin_local", d.rotary_sin_local)])
+    if d.rotary_local is not None:
+        local = d.rotary_local
+        local_rotary = _Rotary(_rotary_tables(g, local, d.context_length, "rotary_local"), local.width)
     return rotary, local_rotary
+
+
+def _rotary_tables(g: _GraphBuilder, rotary: Rotary, positions: int, name: str) -> list[str]:
+    """The cos and sin caches, (positions, r / 2) float32 each (LongRoPE: the long frequencies' rows after the short
+    ones, (2 positions, r / 2)), computed from the frequencies by nodes of constants only, which ONNX Runtime folds
+    once at session start: cos(p * inv_freq) * factor, p a float32 position and the product float32, as the
+    reference's torch.arange(P, dtype=float32)[:, None] * inv_freq. The nodes keep float32 under the float16
+    conversion (edgelm/float16.py: positions past 2048 are not exact in float16, past 65504 not finite); the last
+    node, a Cast to float32 that the conversion turns into one to float16, gives them in the graph's float type."""
+    sets = 1 if rotary.long_inv_freq is None else 2  # LongRoPE: short and long
+    check_table_memory(positions, sets * rotary.width, "the rotary cos and sin tables, (positions, r / 2) each,")
+    p = f"{KEEP_FLOAT32}{name}"
+    int64 = lambda suffix, value: g.constant(f"{p}/{suffix}", np.array(value, dtype=np.int64))  # noqa: E731
+    rows = g.weight_op("Range", [int64("start", 0), int64("limit", positions), int64("delta", 1)], f"{p}/Range")
+    floats = g.weight_op("Cast", [rows], f"{p}/positions", to=TensorProto.FLOAT)
+    column = g.weight_op("Unsqueeze", [floats, int64("axis", [1])], f"{p}/column")  # (P, 1)
+    if rotary.long_inv_freq is None:
+        angles = g.weight_op("Mul", [column, g.constant(f"{name}.inv_freq", rotary.inv_freq)], f"{p}/angles")
+    else:  # (2, 1, r / 2): short, long; then (2, P, r / 2) as (2 P, r / 2), a Reshape that is a copy when folded
+        stacked = g.constant(f"{name}.inv_freq", np.stack([rotary.inv_freq, rotary.long_inv_freq])[:, None, :])
+        angles = g.weight_op("Mul", [column, stacked], f"{p}/stacked_angles")
+        angles = g.weight_op("Reshape", [angles, int64("shape", [-1, rotary.width // 2])], f"{p}/angles")
+    tables = []
+    for kind in ("Cos", "Sin"):
+        table = g.weight_op(kind, [angles], f"{p}/{kind.lower()}")
+        if rotary.factor != 1.0:  # times 1 is exact: no node
+            factor = g.constant(f"{p}/{kind.lower()}_factor", np.array(rotary.factor, dtype=np.float32))
+            table = g.weight_op("Mul", [table, factor], f"{p}/{kind.lower()}_scaled")
+        tables.append(g.weight_op("Cast", [table], f"{name}.{kind.lower()}", to=TensorProto.FLOAT))
+    return tables
 
 
 def _row_positions(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) -> str:
     """(B, T) int64: each row's positions, max(seqlens_k + 1 - T, 0) + 0 .. T - 1, plus the table length for a
-    LongRoPE row longer than rotary_long_after (seqlens_k + 1 tokens)."""
+    LongRoPE row longer than its long_after (seqlens_k + 1 tokens)."""
     ids_shape = g.op("Shape", [io.input_ids], "positions/Shape")
     width = g.op("Gather", [ids_shape, g.small_constant("positions/one", np.array(1))], "positions/T", axis=0)
     zero = g.small_constant("positions/zero", np.array(0, dtype=np.int64))
@@ -310,11 +340,11 @@ def _row_positions(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) ->
     lengths = g.op("Add", [g.op("Cast", [seqlens_k], "positions/lengths", to=TensorProto.INT64), step],
                    "positions/total")  # fmt: skip
     start = g.op("Max", [g.op("Sub", [lengths, width], "positions/Sub"), zero], "positions/start")  # (B,)
-    if d.rotary_long_after is not None:
-        after = g.small_constant("positions/long_after", np.array(d.rotary_long_after, dtype=np.int64))
+    if d.rotary.long_after is not None:
+        after = g.small_constant("positions/long_after", np.array(d.rotary.long_after, dtype=np.int64))
         long = g.op("Cast", [g.op("Greater", [lengths, after], "positions/long")], "positions/long_int",
                     to=TensorProto.INT64)  # fmt: skip
-        table = g.small_constant("positions/table", np.array(d.rotary_cos.shape[0], dtype=np.int64))
+        table = g.small_constant("positions/table", np.array(d.context_length, dtype=np.int64))
         start = g.op("Add", [start, g.op("Mul", [long, table], "positions/long_rows")], "positions/first")
     column = g.op("Unsqueeze", [start, g.small_constant("positions/axis", np.array([1]))], "positions/column")
     return g.op("Add", [column, offsets], "positions")  # (B, T)

@@ -21,6 +21,7 @@ from .graph_nodes import MS_DOMAIN, _Nodes
 @dataclass
 class _Rotary:
     caches: list[str]  # cos and sin tables
+    width: int  # how many of a head's values rotate
     positions: str | None = None  # (B, T) rows of the tables, per row; None: GroupQueryAttention rotates itself
 
 
@@ -78,7 +79,7 @@ class _Mixers(_Nodes):
         if qkv[1] == "":
             qkv = self.split_qkv(qkv[0], prefix, d)
         q, k, v = qkv
-        width = 2 * d.rotary_cos.shape[1]
+        width = rotary.width
         inputs = [rotary.positions, *rotary.caches]
         q = self.op("RotaryEmbedding", [q, *inputs], f"{prefix}/q_rotary", domain=MS_DOMAIN, num_heads=d.n_head,
                     rotary_embedding_dim=width)  # fmt: skip

@@ -58,14 +58,15 @@ def context_length_problem(length: int) -> str | None:
 def check_table_memory(positions: int, width: int, what: str) -> None:
     """MemoryError (clear, before allocating) when `what`, positions * width float32 values, would not fit twice
     in the memory a generation may use (runtime/kvcache.py: what is available, at most MAX_GENERATION_BYTES).
-    Twice: export holds a table and its graph copy at once (measured: tables of 256 MiB raised its peak 366 MiB)."""
+    Twice: export holds a table and its graph copy at once (measured: tables of 256 MiB raised its peak 366 MiB),
+    as ONNX Runtime does folding the rotary tables a graph computes (64 MiB of them raised a load's peak 126 MiB)."""
     from ..runtime.kvcache import MAX_GENERATION_BYTES, available_memory_bytes  # numpy and onnxruntime: not at import
 
     needed = 2 * positions * width * 4
     limit = min(available_memory_bytes(), MAX_GENERATION_BYTES)
     if needed > limit:
         raise MemoryError(
-            f"{what} for a context of {positions} positions need {needed / 2**30:.1f} GiB while export builds them, "
+            f"{what} for a context of {positions} positions need {needed / 2**30:.1f} GiB while they are built, "
             f"more than the {limit / 2**30:.1f} GiB available; the checkpoint's context length is too long for this "
             "machine"
         )

@@ -37,8 +37,8 @@ from ..checkpoint import (
     renamed,
     token_ids,
 )
-from ..decoder import Decoder, Layer, PerLayerInput
-from ..gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_cos_sin, rope_inv_freq
+from ..decoder import Decoder, Layer, PerLayerInput, Rotary
+from ..gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_inv_freq
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
 from . import gemma, llama
@@ -263,8 +263,6 @@ def decoder(model: Gemma4, *, blocks: Blocks | None = None) -> Decoder:
     for name, size in (("head_dim", c.head_dim), ("global_head_dim", c.global_head_dim)):
         if size % 16:
             raise CheckpointError(f"{name} {size} is not a multiple of 16, which the fused graph's rotary needs")
-    cos, sin = rope_cos_sin(c, full=True)  # (P, global_head_dim / 2)
-    local_cos, local_sin = rope_cos_sin(c, full=False)  # (P, head_dim / 2)
     tied = c.tie_word_embeddings
     # the per-layer table (n_layer * D values a token: the largest tensor of E2B) gathered from the file's blocks
     per_layer_nbits = kept_blocks(blocks, ["model.embed_tokens_per_layer.weight"]) if c.per_layer_dim else None
@@ -287,10 +285,8 @@ def decoder(model: Gemma4, *, blocks: Blocks | None = None) -> Decoder:
         lm_head=None if tied else array(model.lm_head.weight).T,
         head_nbits=head_blocks(blocks, tied, "model.embed_tokens.weight"),
         embedding_nbits=None if tied else kept_blocks(blocks, ["model.embed_tokens.weight"]),
-        rotary_cos=array(cos),
-        rotary_sin=array(sin),
-        rotary_cos_local=array(local_cos),
-        rotary_sin_local=array(local_sin),
+        rotary=Rotary(array(model.inv_freq)),  # (global_head_dim / 2,), proportional: 0 past the rotated pairs
+        rotary_local=Rotary(array(model.inv_freq_local)),  # (head_dim / 2,)
         embedding_scale=float(np.float32(c.n_embd**0.5)),
         attention_scale=1.0,  # the Q and K norms set the scores' size
         per_layer_embedding=None

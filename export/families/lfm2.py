@@ -25,7 +25,7 @@ from ..checkpoint import (
     read_config,
     read_safetensors_folder,
 )
-from ..decoder import Decoder, Layer, NBits, ShortConv
+from ..decoder import Decoder, Layer, NBits, Rotary, ShortConv
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
 from ..limits import MAX_NORM_EPSILON
@@ -132,14 +132,13 @@ def decoder(model: Lfm2, *, blocks: Blocks | None = None) -> Decoder:
             )
             layers.append(Layer(qkv=qkv, attention_out=linear(attn.out_proj, kept(["self_attn.out_proj"])),
                                 q_norm=norm(attn.q_layernorm), k_norm=norm(attn.k_layernorm), **shared))  # fmt: skip
-    angles = torch.arange(c.n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(c)  # (P, hs / 2)
     return Decoder(
         family="lfm2", vocab_size=c.vocab_size, context_length=c.n_positions, n_embd=c.n_embd, n_head=c.n_head,
         n_kv_head=c.n_kv_head, head_dim=c.head_dim, inner_dim=c.n_inner, norm="rms", norm_eps=c.norm_eps,
         activation="silu", gated_mlp=True, embedding=array(model.model.embed_tokens.weight), layers=layers,
         final_norm=norm(model.model.embedding_norm),
         lm_head=None if c.tie_word_embeddings else array(model.lm_head.weight).T,
-        rotary_cos=array(angles.cos()), rotary_sin=array(angles.sin()),
+        rotary=Rotary(array(model.inv_freq)),
         head_nbits=head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
         embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["model.embed_tokens.weight"]),
     )  # fmt: skip

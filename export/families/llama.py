@@ -35,10 +35,10 @@ from ..checkpoint import (
     renamed,
     token_ids,
 )
-from ..decoder import Decoder, Layer
+from ..decoder import Decoder, Layer, Rotary
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
-from ..llama import ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_cos_sin, rope_inv_freq
+from ..llama import ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq, rotary_factor
 from .family import Blocks, Family, GGUFLayout, array, checked_tokens, head_blocks, kept_blocks, linear, norm, packed
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; recomputed from the config
@@ -345,10 +345,13 @@ def decoder(model: Llama, *, blocks: Blocks | None = None, parts: dict = PARTS) 
     from (Phi-3's are packed already)."""
     c, m = model.config, model.model
     layers = [_layer(block, c, blocks, prefix=f"model.layers.{i}", parts=parts) for i, block in enumerate(m.layers)]
-    cos, sin = rope_cos_sin(c, c.n_positions)  # (P, rotary_dim / 2): GroupQueryAttention's rotary caches
-    local = rope_cos_sin(c, c.n_positions, local=True) if c.sliding_window else None
     longrope = (c.rope_scaling or {}).get("rope_type") == "longrope"
-    long = rope_cos_sin(c, c.n_positions, long=True) if longrope else None
+    rotary = Rotary(
+        array(model.inv_freq),  # (rotary_dim / 2,): the reference's, from which the graph computes its caches
+        factor=rotary_factor(c),
+        long_inv_freq=array(model.inv_freq_long) if longrope else None,
+        long_after=c.rope_scaling["original_max_position_embeddings"] if longrope else None,
+    )
     attention_scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
     return Decoder(
         family=c.model_type,
@@ -369,17 +372,12 @@ def decoder(model: Llama, *, blocks: Blocks | None = None, parts: dict = PARTS) 
         lm_head=None if c.tie_word_embeddings else array(model.lm_head.weight).T,
         head_nbits=head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
         embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["model.embed_tokens.weight"]),
-        rotary_cos=array(cos),
-        rotary_sin=array(sin),
-        rotary_cos_local=None if local is None else array(local[0]),
-        rotary_sin_local=None if local is None else array(local[1]),
+        rotary=rotary,
+        rotary_local=Rotary(array(model.inv_freq_local)) if c.sliding_window else None,
         embedding_scale=float(np.float32(c.n_embd**0.5)) if c.embedding_scale else c.embedding_multiplier,
         attention_scale=c.attention_multiplier or attention_scale,
         residual_scale=c.residual_multiplier,
         logits_divisor=c.logits_scaling,
-        rotary_cos_long=None if long is None else array(long[0]),
-        rotary_sin_long=None if long is None else array(long[1]),
-        rotary_long_after=c.rope_scaling["original_max_position_embeddings"] if longrope else None,
     )
 
 

@@ -32,7 +32,7 @@ from ..checkpoint import (
     read_config,
     read_safetensors_folder,
 )
-from ..decoder import Decoder, DeltaNet, Layer, Linear, NBits
+from ..decoder import Decoder, DeltaNet, Layer, Linear, NBits, Rotary
 from ..gguf_blocks import LazyRuns, Runs, by_rows
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..lazy_weights import LazyArray, read
@@ -184,14 +184,13 @@ def decoder(model: Qwen35, *, blocks: Blocks | None = None) -> Decoder:
             layers.append(Layer(qkv=_gated_qkv(attn, blocks, f"model.layers.{i}.self_attn."),
                                 attention_out=linear(attn.o_proj, kept(["self_attn.o_proj"])), q_norm=norm(attn.q_norm),
                                 k_norm=norm(attn.k_norm), attention_gate=True, **shared))  # fmt: skip
-    angles = torch.arange(c.n_positions, dtype=torch.float32).unsqueeze(1) * rope_inv_freq(c)  # (P, rotary / 2)
     return Decoder(
         family="qwen3_5_text", vocab_size=c.vocab_size, context_length=c.n_positions, n_embd=c.n_embd,
         n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, inner_dim=c.n_inner, norm="rms",
         norm_eps=c.rms_norm_eps, activation="silu", gated_mlp=True, embedding=array(model.model.embed_tokens.weight),
         layers=layers, final_norm=norm(model.model.norm),
         lm_head=None if c.tie_word_embeddings else array(model.lm_head.weight).T,
-        rotary_cos=array(angles.cos()), rotary_sin=array(angles.sin()),
+        rotary=Rotary(array(model.inv_freq)),
         head_nbits=head_blocks(blocks, c.tie_word_embeddings, "model.embed_tokens.weight"),
         embedding_nbits=None if c.tie_word_embeddings else kept_blocks(blocks, ["model.embed_tokens.weight"]),
     )  # fmt: skip
