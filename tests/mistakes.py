@@ -9,6 +9,7 @@ model has nothing it could get wrong (no sliding window, no softcap, ...).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -20,31 +21,23 @@ from edgelm.export.decoder import Decoder, Linear, NBits
 from edgelm.export.gguf_blocks import load_runs, widen
 
 
-def _angles(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A rotary table's (r/2,) frequencies and its factor (position 1's angles, position 0's cos)."""
-    return np.arctan2(sin[1], cos[1]).astype(np.float64), cos[0].astype(np.float64)
-
-
-def _retable(d: Decoder, names: tuple[str, str], change: Callable[[np.ndarray], np.ndarray]) -> bool:
-    cos, sin = getattr(d, names[0]), getattr(d, names[1])
-    if cos is None:
+def _refrequency(d: Decoder, name: str, change: Callable[[np.ndarray], np.ndarray]) -> bool:
+    rotary = getattr(d, name)
+    if rotary is None:
         return False
-    theta, factor = _angles(cos, sin)
-    angles = np.arange(cos.shape[0], dtype=np.float64)[:, None] * change(theta)[None, :]
-    setattr(d, names[0], (np.cos(angles) * factor).astype(np.float32))
-    setattr(d, names[1], (np.sin(angles) * factor).astype(np.float32))
+    setattr(d, name, dataclasses.replace(rotary, inv_freq=change(rotary.inv_freq).astype(np.float32)))
     return True
 
 
 def rope_base(d: Decoder) -> bool:
     """The rotary base b read as b ** 1.1 (1e4 -> 2.5e4): every frequency theta_j = b^(-2j/r) raised to 1.1."""
-    changed = _retable(d, ("rotary_cos", "rotary_sin"), lambda theta: theta**1.1)
-    return _retable(d, ("rotary_cos_local", "rotary_sin_local"), lambda theta: theta**1.1) or changed
+    changed = _refrequency(d, "rotary", lambda theta: theta**1.1)
+    return _refrequency(d, "rotary_local", lambda theta: theta**1.1) or changed
 
 
 def rope_scaling(d: Decoder) -> bool:
     """The full layers' positions scaled twice over (a linear rope scaling applied again)."""
-    return _retable(d, ("rotary_cos", "rotary_sin"), lambda theta: theta / 2)
+    return _refrequency(d, "rotary", lambda theta: theta / 2)
 
 
 def _norms(d: Decoder) -> list:
