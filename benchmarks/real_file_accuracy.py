@@ -117,6 +117,8 @@ def compare(name: str, file: Path, package: Path, python: Path, *, tokens: int, 
                 "first_difference": _first_difference(model, ids_, o, t),
                 "edgelm": model.tokenizer.decode(o),
                 "llama.cpp": model.tokenizer.decode(t),
+                "prompt_ids": ids_,
+                "llamacpp_ids": t,
             }
             for p, ids_, o, t in zip(PROMPTS, prompts, ours_greedy, theirs["greedy"], strict=True)
         ],
@@ -144,6 +146,12 @@ def main() -> None:
     parser.add_argument("--llamacpp-python", type=Path, default=REPO / ".venv-llamacpp" / "bin" / "python")
     parser.add_argument("--tokens", type=int, default=512, help="held-out tokens scored (default 512)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        help="also write llama.cpp's greedy ids for the tests (tests/data/real_files_llamacpp.json)",
+    )
     args = parser.parse_args()
     table = {}
     with tempfile.TemporaryDirectory(prefix="edgelm-accuracy-") as tmp:
@@ -154,6 +162,22 @@ def main() -> None:
             table[name] = compare(name, file, package, args.llamacpp_python, tokens=args.tokens, chat=chat)
     if args.out:
         args.out.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n")
+    if args.record:
+        record = {
+            "about": "llama.cpp's greedy ids on each real file (tests/test_real_files.py), made by "
+            "`python benchmarks/real_file_accuracy.py --record tests/data/real_files_llamacpp.json` with "
+            f"llama-cpp-python {table['smollm2']['llama_cpp_python']}; `agreed`: how many tokens edgelm's equalled "
+            "when recorded (its first difference a near tie)",
+            "files": {
+                name: [
+                    {"prompt": g["prompt"], "prompt_ids": g["prompt_ids"], "llamacpp_ids": g["llamacpp_ids"],
+                     "agreed": g["equal_tokens"]}
+                    for g in row["greedy"]
+                ]
+                for name, row in table.items()
+            },
+        }  # fmt: skip
+        args.record.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
