@@ -132,6 +132,6 @@ def test_real_blocks_match_reference(kernels, fixture, request):
     expected = {"smollm2_gguf": {Q.Q4_1, Q.Q8_0}, "gemma3_gguf": {Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0}}[fixture]
     assert expected <= set(tensors), f"{fixture} holds {sorted(t.name for t in tensors)}"
     rng = np.random.default_rng(7)
-    for kind, (name, rows, k) in tensors.items():
+    for kind, (_name, rows, k) in tensors.items():
         x = rng.standard_normal((3, k)).astype(np.float32)
         check_rows(kind, rows, x)

@@ -255,11 +255,13 @@ size_t eb_workspace_bytes(int type, int64_t m, int64_t k) {
 }
 
 /* x to int8 per block of `elems`: d = amax / 127, q = round_half_even(x * (1 / d)); NaN counts as 0. */
-int eb_quantize(int type, const float *x, int64_t m, int64_t k, void *workspace) {
+int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *workspace, int64_t row_start,
+                     int64_t row_stop) {
     const eb_type *t = find_type(type);
-    if (t == NULL || k <= 0 || k % t->elems != 0 || m <= 0) return -1;
+    if (t == NULL || k <= 0 || k % t->elems != 0 || m <= 0 || row_start < 0 || row_stop > m) return -1;
     eb_work w = work_parts(t, workspace, m, k);
-    for (int64_t b = 0; b < m * (k / t->elems); b++) {
+    const int64_t nb = k / t->elems;
+    for (int64_t b = row_start * nb; b < row_stop * nb; b++) {
         const float *xb = x + b * t->elems;
         int8_t *qb = w.q + b * t->elems;
         float amax = 0.0f;
@@ -271,12 +273,16 @@ int eb_quantize(int type, const float *x, int64_t m, int64_t k, void *workspace)
         }
         w.d[b] = d;
     }
-    for (int64_t g = 0; g < m * k / 16; g++) {
+    for (int64_t g = row_start * (k / 16); g < row_stop * (k / 16); g++) {
         int32_t s = 0;
         for (int i = 0; i < 16; i++) s += w.q[g * 16 + i];
         w.s16[g] = s;
     }
     return 0;
+}
+
+int eb_quantize(int type, const float *x, int64_t m, int64_t k, void *workspace) {
+    return eb_quantize_rows(type, x, m, k, workspace, 0, m);
 }
 
 void eb_matmul_rows(int type, int isa, const void *workspace, int64_t m, int64_t k, const uint8_t *w,

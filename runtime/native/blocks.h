@@ -28,6 +28,9 @@ EB_API const char *eb_isa_name(int isa);
 EB_API size_t eb_workspace_bytes(int type, int64_t m, int64_t k);
 /* Quantize x (M, K) for `type` into `workspace` (eb_workspace_bytes of it); 0, or -1 for a bad type or K. */
 EB_API int eb_quantize(int type, const float *x, int64_t m, int64_t k, void *workspace);
+/* The same for rows [row_start, row_stop) of x only (the custom op quantizes rows on several threads). */
+EB_API int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *workspace, int64_t row_start,
+                            int64_t row_stop);
 /* y[i, n] for every row i < M and n_start <= n < n_stop (y: M rows of `ldy` floats) from quantized activations. */
 EB_API void eb_matmul_rows(int type, int isa, const void *workspace, int64_t m, int64_t k, const uint8_t *w,
                            int64_t n_start, int64_t n_stop, float *y, int64_t ldy);
