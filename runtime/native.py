@@ -1,4 +1,4 @@
-"""edgelm's native kernels (runtime/native/*.c): GGUF blocks read as the file stores them, built with the machine's
+"""edgelm's native kernels (runtime/csrc/*.c): GGUF blocks read as the file stores them, built with the machine's
 C compiler on first use into a cache and loaded from there; and whether a package runs through them or through the
 fallback (runtime/packed_fallback.py).
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).parent / "native"
+SOURCE_DIR = Path(__file__).parent / "csrc"
 KERNEL_SOURCES = ("blocks.h", "blocks.c", "blocks_simd.h")
 OPS_SOURCES = (*KERNEL_SOURCES, "ort_ops.c")
 DOMAIN = "ai.edgelm"  # the custom ops' domain; their contract is com.microsoft.MatMulPacked / GatherPacked's
@@ -149,7 +149,7 @@ def _fetch_debian_headers(root: Path) -> None:
 
 
 def _build(name: str, sources: tuple[str, ...], include: Path | None) -> Path:
-    """runtime/native's `sources` compiled into cache_root()/<hash>/`name` (built once, under a lock)."""
+    """runtime/csrc's `sources` compiled into cache_root()/<hash>/`name` (built once, under a lock)."""
     compiler, version = _compiler()
     digest = hashlib.sha256(version.encode())
     for source in sources:
