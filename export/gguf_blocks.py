@@ -105,9 +105,16 @@ class LazyRuns:
     has_offsets: bool
     load: Callable[[], Runs]
     rows: Callable[[int, int], Runs] | None = None  # output rows [start, stop) alone; None: only the whole
+    kind: int | None = None  # the file's ggml type of `raw`'s blocks
+    raw: Callable[[], np.ndarray] | None = None  # the file's blocks, uint8 (N, row bytes) in Hugging Face row order
 
     def with_load(self, load: Callable[[], Runs], rows: Callable[[int, int], Runs] | None = None) -> LazyRuns:
-        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load, rows)
+        """The same weight read through `load` (the file's pages let go after, say); its raw blocks stay."""
+        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load, rows, self.kind, self.raw)
+
+    def changed(self, load: Callable[[], Runs]) -> LazyRuns:
+        """Runs that `load` computes differently from the file's rows (a family's reordering): no raw blocks."""
+        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load)
 
 
 def lazy_runs(
@@ -123,9 +130,13 @@ def lazy_runs(
         runs = to_runs(kind, rows, n_in)
         return runs if change is None else by_rows(runs, change)
 
+    def raw() -> np.ndarray:
+        return np.asarray(rows) if change is None else np.ascontiguousarray(change(np.asarray(rows)))
+
     first = to_runs(kind, rows[:1], n_in)
     some = None if change is not None else lambda start, stop: to_runs(kind, rows[start:stop], n_in)
-    return LazyRuns(row.bits, row.block_size, (rows.shape[0], n_in), first.offsets is not None, load, some)
+    shape = (rows.shape[0], n_in)
+    return LazyRuns(row.bits, row.block_size, shape, first.offsets is not None, load, some, int(kind), raw)
 
 
 def load_runs(runs: Runs | LazyRuns) -> Runs:

@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from ..runtime import packed
 from ..runtime.contract import Architecture, IONames
 from ..runtime.session import reclaiming_read_pages
 from .checkpoint import CheckpointError
@@ -69,8 +70,11 @@ def _session(onnx_path: str | Path, *, prepacking: bool = False, half: bool = Fa
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         options.enable_cpu_mem_arena = options.enable_mem_pattern = False
+    prepared = packed.prepare(Path(onnx_path), options, ["CPUExecutionProvider"])  # kept raw blocks: their ops
     with reclaiming_read_pages(Path(onnx_path).parent) if prepacking else nullcontext():
-        return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(prepared.model_path), options, providers=["CPUExecutionProvider"])
+    packed.opened(session, prepared)
+    return session
 
 
 def check_parity(
