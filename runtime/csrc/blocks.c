@@ -19,7 +19,7 @@ typedef struct {
 
 struct eb_type;
 typedef float (*eb_dot_fn)(const struct eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx,
-                           const float *dx, const int32_t *s16);
+                           const float *dx, const int32_t *s16, const int32_t *s32);
 
 typedef struct eb_type {
     int type;
@@ -43,23 +43,35 @@ static float half(const uint8_t *p) {  /* IEEE binary16, little-endian, to float
     return f;
 }
 
-/* Q4_K / Q5_K's 12 scale bytes: 8 six-bit scales and minimums (ggml's get_scale_min_k4 layout). */
+static inline __attribute__((always_inline)) uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Q4_K / Q5_K's 12 scale bytes: 8 six-bit scales and minimums (ggml's get_scale_min_k4 layout). Runs 0-3: the
+ * low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); runs 4-7: the nibbles of bytes 8-11 (low: scale, high:
+ * minimum) under the top 2 bits of bytes 0-3 (scales) and 4-7 (minimums). Computed four bytes a word: the
+ * scales of runs 0-3, 4-7, then the minimums, a byte a run, little end first. */
+static inline __attribute__((always_inline)) void scale_words(const uint8_t *q, uint32_t *words) {
+    const uint32_t w0 = le32(q), w1 = le32(q + 4), w2 = le32(q + 8);
+    words[0] = w0 & 0x3f3f3f3fu;                                 /* scales of runs 0-3, a byte each */
+    words[1] = (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u);   /* scales of runs 4-7 */
+    words[2] = w1 & 0x3f3f3f3fu;                                 /* minimums of runs 0-3 */
+    words[3] = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u); /* minimums of runs 4-7 */
+}
+
 static void scale_min_k4(const uint8_t *q, int16_t *sc, int16_t *mn) {
-    for (int j = 0; j < 8; j++) {
-        if (j < 4) {
-            sc[j] = q[j] & 63;
-            mn[j] = q[j + 4] & 63;
-        } else {
-            sc[j] = (int16_t)((q[j + 4] & 0x0f) | (q[j - 4] >> 6) << 4);
-            mn[j] = (int16_t)((q[j + 4] >> 4) | (q[j] >> 6) << 4);
-        }
+    uint32_t words[4];
+    scale_words(q, words);
+    for (int i = 0; i < 8; i++) {
+        sc[i] = (int16_t)((words[i / 4] >> (8 * (i % 4))) & 0xff);
+        mn[i] = (int16_t)((words[2 + i / 4] >> (8 * (i % 4))) & 0xff);
     }
 }
 
 /* Legacy blocks of 32: element j in byte j's low nibble, j + 16 in its high; Q5's fifth bit j in qh's bit j. */
 static void unpack_legacy(const uint8_t *b, eb_block *o, int qs, int qh, int zero, int has_min) {
     uint32_t high = 0;
-    if (qh >= 0) high = (uint32_t)b[qh] | (uint32_t)b[qh + 1] << 8 | (uint32_t)b[qh + 2] << 16 | (uint32_t)b[qh + 3] << 24;
+    if (qh >= 0) high = le32(b + qh);
     for (int j = 0; j < 16; j++) {
         int lo = b[qs + j] & 15, hi = b[qs + j] >> 4;
         if (qh >= 0) {
@@ -123,11 +135,18 @@ static void unpack_q6_k(const uint8_t *b, eb_block *o) {
     o->mf = 0.0f;
 }
 
+/* The eight partial sums' total, as a vector's halves are added (blocks.h). */
+static inline __attribute__((always_inline)) float lanes_total(const float *acc) {
+    float s4[4];
+    for (int i = 0; i < 4; i++) s4[i] = acc[i] + acc[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
 /* The reference: blocks.h's arithmetic, block after block. */
 static float dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
-                        const int32_t *s16) {
-    (void)s16;
-    float acc = 0.0f;
+                        const int32_t *s16, const int32_t *s32) {
+    (void)s16, (void)s32;
+    float acc[8] = {0};
     eb_block blk;
     for (int64_t b = 0; b < nb; b++) {
         t->unpack(row + b * t->bytes, &blk);
@@ -144,22 +163,22 @@ static float dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const 
         }
         float term = (blk.d * dx[b]) * (float)isum;
         if (t->has_min) term = term + (blk.mf * dx[b]) * (float)msum;
-        acc = acc + term;
+        acc[b & 7] = acc[b & 7] + term;
     }
-    return acc;
+    return lanes_total(acc);
 }
 
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define EB_X86 1
 #include <immintrin.h>
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+#pragma GCC target("avx2,f16c")
 #define EB_SUFFIX(name) name##_avx2
 #include "blocks_simd.h"
 #undef EB_SUFFIX
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define EB_VNNI 1
 #define EB_SUFFIX(name) name##_vnni
 #include "blocks_simd.h"
@@ -231,27 +250,30 @@ int eb_best_isa(void) {
     return chosen;
 }
 
-/* The workspace: int8 values (M, K) | float scales (M, K / elems) | int32 sums of 16 values (M, K / 16). */
+/* The workspace: int8 values (M, K) | float scales (M, K / elems) | int32 sums of 16 values (M, K / 16) | int32
+ * sums of 32 (M, K / 32), each part on a cache line of its own. */
 typedef struct {
     int8_t *q;
     float *d;
-    int32_t *s16;
+    int32_t *s16, *s32;
 } eb_work;
+
+static size_t line(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
 static eb_work work_parts(const eb_type *t, const void *workspace, int64_t m, int64_t k) {
     uint8_t *base = (uint8_t *)workspace;
-    size_t q_bytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    size_t d_bytes = ((size_t)(m * (k / t->elems)) * sizeof(float) + 63) & ~(size_t)63;
-    eb_work w = {(int8_t *)base, (float *)(base + q_bytes), (int32_t *)(base + q_bytes + d_bytes)};
+    size_t q_bytes = line((size_t)(m * k)), d_bytes = line((size_t)(m * (k / t->elems)) * sizeof(float));
+    size_t s16_bytes = line((size_t)(m * (k / 16)) * sizeof(int32_t));
+    eb_work w = {(int8_t *)base, (float *)(base + q_bytes), (int32_t *)(base + q_bytes + d_bytes),
+                 (int32_t *)(base + q_bytes + d_bytes + s16_bytes)};
     return w;
 }
 
 size_t eb_workspace_bytes(int type, int64_t m, int64_t k) {
     const eb_type *t = find_type(type);
     if (t == NULL || k <= 0 || k % t->elems != 0 || m <= 0) return 0;
-    size_t q_bytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    size_t d_bytes = ((size_t)(m * (k / t->elems)) * sizeof(float) + 63) & ~(size_t)63;
-    return q_bytes + d_bytes + (size_t)(m * (k / 16)) * sizeof(int32_t);
+    return line((size_t)(m * k)) + line((size_t)(m * (k / t->elems)) * sizeof(float)) +
+           line((size_t)(m * (k / 16)) * sizeof(int32_t)) + (size_t)(m * (k / 32)) * sizeof(int32_t);
 }
 
 /* x to int8 per block of `elems`: d = amax / 127, q = round_half_even(x * (1 / d)); NaN counts as 0. */
@@ -278,6 +300,7 @@ int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *works
         for (int i = 0; i < 16; i++) s += w.q[g * 16 + i];
         w.s16[g] = s;
     }
+    for (int64_t g = row_start * (k / 32); g < row_stop * (k / 32); g++) w.s32[g] = w.s16[2 * g] + w.s16[2 * g + 1];
     return 0;
 }
 
@@ -294,7 +317,8 @@ void eb_matmul_rows(int type, int isa, const void *workspace, int64_t m, int64_t
     int64_t nb = k / t->elems, row_bytes = nb * t->bytes;
     for (int64_t n = n_start; n < n_stop; n++)
         for (int64_t i = 0; i < m; i++)  /* the weight row stays in L1 across the rows of x */
-            y[i * ldy + n] = dot(t, w + n * row_bytes, nb, x.q + i * k, x.d + i * nb, x.s16 + i * (k / 16));
+            y[i * ldy + n] =
+                dot(t, w + n * row_bytes, nb, x.q + i * k, x.d + i * nb, x.s16 + i * (k / 16), x.s32 + i * (k / 32));
 }
 
 int eb_matmul(int type, int isa, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {

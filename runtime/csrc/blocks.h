@@ -4,8 +4,10 @@
  * block_q4_0 ... block_q6_K). x (M rows of K floats) is quantized per block to int8 first, as llama.cpp does:
  * per 32 for the legacy types, per 256 for the K-quants (one float scale a block, round half to even).
  * Every path computes the same numbers: inside a block integer sums (exact), then per block, in float32 and in
- * this order,   term = (d * dx) * isum  [+ (mf * dx) * msum]   and   acc = acc + term   block after block.
- * blocks.c's scalar path is the reference; the SIMD paths (blocks_simd.h) equal it bit for bit. */
+ * this order,   term = (d * dx) * isum  [+ (mf * dx) * msum],   added into one of eight partial sums, block b into
+ * acc[b % 8] = acc[b % 8] + term (blocks in order), and y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) +
+ * (acc3 + acc7)): eight lanes of a float32 vector, summed as a vector's halves are. blocks.c's scalar path is the
+ * reference; the SIMD paths (blocks_simd.h) equal it bit for bit. */
 #ifndef EDGELM_BLOCKS_H
 #define EDGELM_BLOCKS_H
 

@@ -1,6 +1,8 @@
-/* The SIMD row dots, included by blocks.c once per ISA (EB_SUFFIX names them, EB_VNNI picks the integer dot):
- * AVX2 (maddubs + madd) and AVX-512 VNNI (vpdpbusd on 256-bit vectors). Integer sums inside a block, then the
- * reference's float arithmetic in its order (blocks.h), so the result equals dot_scalar's bit for bit. */
+/* The SIMD row dots, included by blocks.c once per ISA (EB_SUFFIX names them, EB_VNNI picks the integer dots):
+ * AVX2 (maddubs + madd) and AVX-512 VNNI (vpdpbusd / vpdpwssd on 256-bit vectors). Integer sums inside a block,
+ * then the reference's float arithmetic in its order (blocks.h): the legacy types eight blocks at a time in the
+ * eight lanes of one float vector, the K-quants one super-block at a time into the same lanes. So the result
+ * equals dot_scalar's bit for bit. Little-endian hosts (the x86 ones these paths are for). */
 
 #define EB_INLINE static inline __attribute__((always_inline))
 
@@ -14,11 +16,30 @@ EB_INLINE __m256i EB_SUFFIX(dot_u8)(__m256i u, __m256i s) {
 #endif
 }
 
+/* acc + the products of u and s times `scale` (int16 per pair of elements): AVX2's maddubs then madd, VNNI's
+ * maddubs then vpdpwssd. The pair sums (|u s| <= 2 * 63 * 127) and their products with a 6- or 8-bit scale fit. */
+EB_INLINE __m256i EB_SUFFIX(scaled_dot)(__m256i acc, __m256i u, __m256i s, __m256i scale) {
+#ifdef EB_VNNI
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), scale);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale));
+#endif
+}
+
 EB_INLINE int32_t EB_SUFFIX(hsum)(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
+}
+
+/* Eight vectors of eight int32 -> their eight sums, in order. */
+EB_INLINE __m256i EB_SUFFIX(hsum8)(const __m256i *p) {
+    __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    __m128i s0123 = _mm_add_epi32(_mm256_castsi256_si128(h0123), _mm256_extracti128_si256(h0123, 1));
+    __m128i s4567 = _mm_add_epi32(_mm256_castsi256_si128(h4567), _mm256_extracti128_si256(h4567, 1));
+    return _mm256_set_m128i(s4567, s0123);
 }
 
 EB_INLINE float EB_SUFFIX(f16)(const uint8_t *p) {
@@ -27,10 +48,17 @@ EB_INLINE float EB_SUFFIX(f16)(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* Eight float16 numbers `stride` bytes apart -> float32. */
+EB_INLINE __m256 EB_SUFFIX(f16x8)(const uint8_t *p, int stride) {
+    uint16_t h[8];
+    for (int j = 0; j < 8; j++) memcpy(&h[j], p + j * stride, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
 /* 16 bytes -> 32 values: byte j's low nibble is element j, its high nibble element j + 16. */
 EB_INLINE __m256i EB_SUFFIX(nibbles)(const uint8_t *qs) {
-    __m128i v = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xf0), _mm256_set1_epi8(0x0f));
 }
 
 /* 32 bits (little-endian) -> 32 bytes of 16 where the bit is set, 0 where not. */
@@ -44,129 +72,147 @@ EB_INLINE __m256i EB_SUFFIX(fifth_bits)(const uint8_t *qh) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: a block of 32 against one block of activations. */
-EB_INLINE float EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const int8_t *qx,
-                                       const float *dx, const int32_t *s16) {
-    const int has_min = type == Q4_1 || type == Q5_1, bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20
-                                                              : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
-    const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bytes;
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qx + 32 * b)), p;
-        if (type == Q8_0) {  /* signed values: |w| times q with w's sign */
-            __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            p = EB_SUFFIX(dot_u8)(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
-        } else if (type == Q4_0 || type == Q4_1) {
-            p = EB_SUFFIX(dot_u8)(EB_SUFFIX(nibbles)(blk + (type == Q4_0 ? 2 : 4)), q);
-        } else {
-            const int qh = type == Q5_0 ? 2 : 4;
-            __m256i u = _mm256_or_si256(EB_SUFFIX(nibbles)(blk + qh + 4), EB_SUFFIX(fifth_bits)(blk + qh));
-            p = EB_SUFFIX(dot_u8)(u, q);
-        }
-        const int32_t sx = s16[2 * b] + s16[2 * b + 1];
-        const int32_t isum = EB_SUFFIX(hsum)(p) - zero * sx;
-        float term = (EB_SUFFIX(f16)(blk) * dx[b]) * (float)isum;
-        if (has_min) term = term + (EB_SUFFIX(f16)(blk + 2) * dx[b]) * (float)sx;
-        acc = acc + term;
+/* One legacy block's products with its activations (before the zero point): eight int32 lanes. */
+EB_INLINE __m256i EB_SUFFIX(legacy_dot)(int type, const uint8_t *blk, const int8_t *qx) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)qx);
+    if (type == Q8_0) { /* signed values: |w| times q with w's sign */
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        return EB_SUFFIX(dot_u8)(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
     }
-    return acc;
+    if (type == Q4_0 || type == Q4_1) return EB_SUFFIX(dot_u8)(EB_SUFFIX(nibbles)(blk + (type == Q4_0 ? 2 : 4)), q);
+    const int qh = type == Q5_0 ? 2 : 4;
+    return EB_SUFFIX(dot_u8)(_mm256_or_si256(EB_SUFFIX(nibbles)(blk + qh + 4), EB_SUFFIX(fifth_bits)(blk + qh)), q);
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against blocks of activations, eight blocks a step. */
+EB_INLINE float EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const int8_t *qx,
+                                       const float *dx, const int32_t *s32) {
+    const int has_min = type == Q4_1 || type == Q5_1;
+    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+    const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *blk = row + b * bytes;
+        __m256i p[8];
+        for (int j = 0; j < 8; j++) p[j] = EB_SUFFIX(legacy_dot)(type, blk + j * bytes, qx + 32 * (b + j));
+        const __m256i sx = _mm256_loadu_si256((const __m256i *)(s32 + b));
+        __m256i isum = EB_SUFFIX(hsum8)(p);
+        if (zero) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(zero)));
+        const __m256 dxv = _mm256_loadu_ps(dx + b);
+        __m256 term = _mm256_mul_ps(_mm256_mul_ps(EB_SUFFIX(f16x8)(blk, bytes), dxv), _mm256_cvtepi32_ps(isum));
+        if (has_min) {
+            const __m256 low = _mm256_mul_ps(EB_SUFFIX(f16x8)(blk + 2, bytes), dxv);
+            term = _mm256_add_ps(term, _mm256_mul_ps(low, _mm256_cvtepi32_ps(sx)));
+        }
+        acc = _mm256_add_ps(acc, term);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (; b < nb; b++) { /* the last nb % 8 blocks, into their lanes */
+        const uint8_t *blk = row + b * bytes;
+        const int32_t isum = EB_SUFFIX(hsum)(EB_SUFFIX(legacy_dot)(type, blk, qx + 32 * b)) - zero * s32[b];
+        float term = (EB_SUFFIX(f16)(blk) * dx[b]) * (float)isum;
+        if (has_min) term = term + (EB_SUFFIX(f16)(blk + 2) * dx[b]) * (float)s32[b];
+        lanes[b & 7] = lanes[b & 7] + term;
+    }
+    return lanes_total(lanes);
 }
 
 static float EB_SUFFIX(dot_legacy)(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx,
-                                   const float *dx, const int32_t *s16) {
-    switch (t->type) {  /* one specialised loop a type */
-    case Q4_0: return EB_SUFFIX(legacy_body)(Q4_0, row, nb, qx, dx, s16);
-    case Q4_1: return EB_SUFFIX(legacy_body)(Q4_1, row, nb, qx, dx, s16);
-    case Q5_0: return EB_SUFFIX(legacy_body)(Q5_0, row, nb, qx, dx, s16);
-    case Q5_1: return EB_SUFFIX(legacy_body)(Q5_1, row, nb, qx, dx, s16);
-    default: return EB_SUFFIX(legacy_body)(Q8_0, row, nb, qx, dx, s16);
+                                   const float *dx, const int32_t *s16, const int32_t *s32) {
+    (void)s16;
+    switch (t->type) { /* one specialised loop a type */
+    case Q4_0: return EB_SUFFIX(legacy_body)(Q4_0, row, nb, qx, dx, s32);
+    case Q4_1: return EB_SUFFIX(legacy_body)(Q4_1, row, nb, qx, dx, s32);
+    case Q5_0: return EB_SUFFIX(legacy_body)(Q5_0, row, nb, qx, dx, s32);
+    case Q5_1: return EB_SUFFIX(legacy_body)(Q5_1, row, nb, qx, dx, s32);
+    default: return EB_SUFFIX(legacy_body)(Q8_0, row, nb, qx, dx, s32);
     }
 }
 
-/* x's products with sub-scales: sc16 holds each lane's run scale as int16 pairs (AVX2) or int32 (VNNI). */
-EB_INLINE __m256i EB_SUFFIX(scaled_dot)(__m256i u, __m256i s, __m256i scale) {
-#ifdef EB_VNNI
-    return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s), scale);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
-#endif
-}
-
-EB_INLINE __m256i EB_SUFFIX(lane_scales)(int low, int high) {  /* lanes 0-3: low, 4-7: high */
-#ifdef EB_VNNI
-    return _mm256_setr_epi32(low, low, low, low, high, high, high, high);
-#else
-    return _mm256_setr_epi16((short)low, (short)low, (short)low, (short)low, (short)low, (short)low, (short)low,
-                             (short)low, (short)high, (short)high, (short)high, (short)high, (short)high,
-                             (short)high, (short)high, (short)high);
-#endif
+/* Sub-block j's int16 scale in every lane, from the eight scales' int16 in both 128-bit halves. */
+EB_INLINE __m256i EB_SUFFIX(splat16)(__m256i scales, int j) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * j + ((2 * j + 1) << 8))));
 }
 
 /* Q4_K, Q5_K: super-blocks of 256, eight runs of 32 with 6-bit scales and minimums. */
 EB_INLINE float EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
-                                   const int32_t *s16) {
+                                   const int32_t *s32) {
     const int bytes = five ? 176 : 144;
     const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    float acc = 0.0f;
+    float lanes[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bytes, *qs = blk + (five ? 48 : 16);
         const int8_t *q = qx + 256 * b;
-        int16_t sc[8], mn[8];
-        scale_min_k4(blk + 4, sc, mn);
-        __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        uint32_t words[4];
+        scale_words(blk + 4, words);
+        const __m128i packed = _mm_setr_epi32((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed)); /* sc 0-7, both halves */
+        const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));             /* mn 0-7 */
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         __m256i sums = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
             __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             if (five) {
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * p), one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * p + 1), one), 4));
             }
-            const __m256i q_lo = _mm256_loadu_si256((const __m256i *)(q + 64 * p));
-            const __m256i q_hi = _mm256_loadu_si256((const __m256i *)(q + 64 * p + 32));
-            sums = _mm256_add_epi32(sums, EB_SUFFIX(scaled_dot)(lo, q_lo, EB_SUFFIX(lane_scales)(sc[2 * p], sc[2 * p])));
-            sums = _mm256_add_epi32(sums, EB_SUFFIX(scaled_dot)(hi, q_hi, EB_SUFFIX(lane_scales)(sc[2 * p + 1], sc[2 * p + 1])));
+            sums = EB_SUFFIX(scaled_dot)(sums, lo, _mm256_loadu_si256((const __m256i *)(q + 64 * p)),
+                                         EB_SUFFIX(splat16)(scales, 2 * p));
+            sums = EB_SUFFIX(scaled_dot)(sums, hi, _mm256_loadu_si256((const __m256i *)(q + 64 * p + 32)),
+                                         EB_SUFFIX(splat16)(scales, 2 * p + 1));
         }
-        int32_t msum = 0;
-        for (int j = 0; j < 8; j++) msum += mn[j] * (s16[16 * b + 2 * j] + s16[16 * b + 2 * j + 1]);
-        const int32_t isum = EB_SUFFIX(hsum)(sums);
-        float term = (EB_SUFFIX(f16)(blk) * dx[b]) * (float)isum;
+        const int32_t msum = EB_SUFFIX(hsum)(_mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(s32 + 8 * b))));
+        float term = (EB_SUFFIX(f16)(blk) * dx[b]) * (float)EB_SUFFIX(hsum)(sums);
         term = term + (-EB_SUFFIX(f16)(blk + 2) * dx[b]) * (float)msum;
-        acc = acc + term;
+        lanes[b & 7] = lanes[b & 7] + term;
     }
-    return acc;
+    return lanes_total(lanes);
 }
 
 static float EB_SUFFIX(dot_k4)(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
-                               const int32_t *s16) {
-    return t->type == Q5_K ? EB_SUFFIX(k4_body)(1, row, nb, qx, dx, s16) : EB_SUFFIX(k4_body)(0, row, nb, qx, dx, s16);
+                               const int32_t *s16, const int32_t *s32) {
+    (void)s16;
+    return t->type == Q5_K ? EB_SUFFIX(k4_body)(1, row, nb, qx, dx, s32) : EB_SUFFIX(k4_body)(0, row, nb, qx, dx, s32);
 }
 
 /* Q6_K: super-blocks of 256, sixteen runs of 16 with int8 scales; values q - 32 as q times x less 32 sum(x). */
 static float EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx,
-                                 const float *dx, const int32_t *s16) {
-    (void)t;
+                                 const float *dx, const int32_t *s16, const int32_t *s32) {
+    (void)t, (void)s32;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
-    float acc = 0.0f;
+    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    float lanes[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
-        const int8_t *sc = (const int8_t *)(blk + 192), *q = qx + 256 * b;
+        const int8_t *q = qx + 256 * b;
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256i scales = _mm256_cvtepi8_epi16(sc8); /* int16 scales 0-15, two to a 32-bit word */
         __m256i sums = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {  /* elements 32 c .. 32 c + 31: half h, slot t */
-            const int h = c / 4, slot = c % 4;
-            __m256i low = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (slot % 2)));
-            low = _mm256_and_si256(_mm256_srli_epi16(low, 4 * (slot / 2)), low4);
-            __m256i high = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            high = _mm256_and_si256(_mm256_srli_epi16(high, 2 * slot), low2);
-            const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-            sums = _mm256_add_epi32(sums, EB_SUFFIX(scaled_dot)(u, x, EB_SUFFIX(lane_scales)(sc[2 * c], sc[2 * c + 1])));
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            for (int slot = 0; slot < 4; slot++) { /* elements 128 h + 32 slot .. + 31 */
+                const int c = 4 * h + slot;
+                __m256i low = _mm256_and_si256(_mm256_srli_epi16(slot % 2 ? l1 : l0, 4 * (slot / 2)), low4);
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * slot), low2);
+                const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                /* runs 2 c (lanes 0-3) and 2 c + 1 (lanes 4-7): word c of the scales, then its halves */
+                const __m256i pair = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(c));
+                const __m256i scale = _mm256_shuffle_epi8(pair, split);
+                sums = EB_SUFFIX(scaled_dot)(sums, u, _mm256_loadu_si256((const __m256i *)(q + 32 * c)), scale);
+            }
         }
-        int32_t offset = 0;
-        for (int r = 0; r < 16; r++) offset += sc[r] * s16[16 * b + r];
-        const int32_t isum = EB_SUFFIX(hsum)(sums) - 32 * offset;
-        acc = acc + (EB_SUFFIX(f16)(blk + 208) * dx[b]) * (float)isum;
+        const __m256i off = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)(s16 + 16 * b))),
+            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)),
+                               _mm256_loadu_si256((const __m256i *)(s16 + 16 * b + 8))));
+        const int32_t isum = EB_SUFFIX(hsum)(sums) - 32 * EB_SUFFIX(hsum)(off);
+        lanes[b & 7] = lanes[b & 7] + (EB_SUFFIX(f16)(blk + 208) * dx[b]) * (float)isum;
     }
-    return acc;
+    return lanes_total(lanes);
 }
