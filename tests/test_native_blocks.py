@@ -1,4 +1,4 @@
-"""The native kernels (runtime/native/blocks.c) against their scalar reference, bit for bit, on every block type and
+"""The native kernels (runtime/csrc/blocks.c) against their scalar reference, bit for bit, on every block type and
 ISA this CPU runs, random and real blocks and odd shapes; and the reference against float64 weights dequantized by
 gguf-py, within the error that quantizing the activations to int8 allows."""
 

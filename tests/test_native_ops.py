@@ -1,4 +1,4 @@
-"""The ai.edgelm custom ops (runtime/native/ort_ops.c) inside ONNX Runtime: MatMulPacked equals the kernels' scalar
+"""The ai.edgelm custom ops (runtime/csrc/ort_ops.c) inside ONNX Runtime: MatMulPacked equals the kernels' scalar
 reference bit for bit on one thread and on ONNX Runtime's pool, GatherPacked the kernels' dequantized rows; a bad
 attribute or input is an ONNX Runtime error naming the op, never a crash."""
 

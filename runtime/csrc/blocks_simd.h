@@ -52,7 +52,9 @@ EB_INLINE float EB_SUFFIX(f16)(const uint8_t *p) {
 EB_INLINE __m256 EB_SUFFIX(f16x8)(const uint8_t *p, int stride) {
     uint16_t h[8];
     for (int j = 0; j < 8; j++) memcpy(&h[j], p + j * stride, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    /* inserted one by one: eight 2-byte stores read back as one 16-byte load would stall store forwarding */
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
+                                          (short)h[5], (short)h[6], (short)h[7]));
 }
 
 /* 16 bytes -> 32 values: byte j's low nibble is element j, its high nibble element j + 16. */
@@ -95,6 +97,7 @@ EB_INLINE float EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb,
     for (; b + 8 <= nb; b += 8) {
         const uint8_t *blk = row + b * bytes;
         __m256i p[8];
+#pragma GCC unroll 8
         for (int j = 0; j < 8; j++) p[j] = EB_SUFFIX(legacy_dot)(type, blk + j * bytes, qx + 32 * (b + j));
         const __m256i sx = _mm256_loadu_si256((const __m256i *)(s32 + b));
         __m256i isum = EB_SUFFIX(hsum8)(p);
