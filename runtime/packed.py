@@ -248,3 +248,24 @@ def _array(item: dict, rows: _Rows, made: dict) -> np.ndarray:
     if array == "offsets" and offsets is not None:
         return offsets
     raise PackageError(f"{FALLBACK_PLAN} asks for {array!r} of blocks that have none")
+
+
+def add_genai_custom_ops(folder: Path) -> Path:
+    """Make a packed package runnable by onnxruntime-genai: a copy of the native library built on this machine put
+    in the folder (genai loads custom-op libraries only from inside the model's folder) and named by its
+    genai_config.json's decoder session option custom_ops_library. Returns the copy's path. The library is this
+    machine's build: run this again where the package is copied. The manifest's hash of genai_config.json then no
+    longer matches; edgelm's runtime does not read that file for a package of its own."""
+    import shutil  # noqa: PLC0415
+
+    from . import native  # noqa: PLC0415 - builds the library on first use
+    from .contract import GENAI_CONFIG_FILE  # noqa: PLC0415
+
+    folder = Path(folder)
+    library = folder / native.ops_library().name
+    shutil.copyfile(native.ops_library(), library)
+    path = folder / GENAI_CONFIG_FILE
+    config = json.loads(path.read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["custom_ops_library"] = str(library.resolve())
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return library
