@@ -49,7 +49,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 def activation_bound(kind: Q, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """|y - x W^T| allowed by int8 activations: half a step of each block's scale, times |w|, plus float32 noise."""
-    block = 256 if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    block = 32  # every type's activations are quantized in groups of 32
     m, k = x.shape
     step = np.abs(x).reshape(m, k // block, block).max(axis=2) / 127  # (M, blocks)
     abs_w = np.abs(w).reshape(w.shape[0], k // block, block).sum(axis=2)  # (N, blocks)

@@ -148,22 +148,27 @@ static float dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const 
     (void)s16, (void)s32;
     float acc[8] = {0};
     eb_block blk;
+    const int groups = t->elems / 32;
     for (int64_t b = 0; b < nb; b++) {
         t->unpack(row + b * t->bytes, &blk);
-        const int8_t *q = qx + b * t->elems;
-        int32_t isum = 0, msum = 0;
-        for (int r = 0; r < t->elems / t->run; r++) {
-            int32_t s = 0, sq = 0;
-            for (int i = r * t->run; i < (r + 1) * t->run; i++) {
-                s += blk.c[i] * q[i];
-                sq += q[i];
+        for (int g = 0; g < groups; g++) {
+            const int64_t at = b * groups + g; /* the group's index in the row */
+            const int8_t *q = qx + 32 * at;
+            int32_t isum = 0, msum = 0;
+            for (int r = 0; r < 32 / t->run; r++) {
+                const int run = g * (32 / t->run) + r;
+                int32_t s = 0, sq = 0;
+                for (int i = 0; i < t->run; i++) {
+                    s += blk.c[run * t->run + i] * q[r * t->run + i];
+                    sq += q[r * t->run + i];
+                }
+                isum += blk.sc[run] * s;
+                msum += blk.mn[run] * sq;
             }
-            isum += blk.sc[r] * s;
-            msum += blk.mn[r] * sq;
+            float term = (blk.d * dx[at]) * (float)isum;
+            if (t->has_min) term = term + (blk.mf * dx[at]) * (float)msum;
+            acc[at & 7] = acc[at & 7] + term;
         }
-        float term = (blk.d * dx[b]) * (float)isum;
-        if (t->has_min) term = term + (blk.mf * dx[b]) * (float)msum;
-        acc[b & 7] = acc[b & 7] + term;
     }
     return lanes_total(acc);
 }
@@ -262,7 +267,8 @@ static size_t line(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
 static eb_work work_parts(const eb_type *t, const void *workspace, int64_t m, int64_t k) {
     uint8_t *base = (uint8_t *)workspace;
-    size_t q_bytes = line((size_t)(m * k)), d_bytes = line((size_t)(m * (k / t->elems)) * sizeof(float));
+    (void)t;
+    size_t q_bytes = line((size_t)(m * k)), d_bytes = line((size_t)(m * (k / 32)) * sizeof(float));
     size_t s16_bytes = line((size_t)(m * (k / 16)) * sizeof(int32_t));
     eb_work w = {(int8_t *)base, (float *)(base + q_bytes), (int32_t *)(base + q_bytes + d_bytes),
                  (int32_t *)(base + q_bytes + d_bytes + s16_bytes)};
@@ -272,24 +278,23 @@ static eb_work work_parts(const eb_type *t, const void *workspace, int64_t m, in
 size_t eb_workspace_bytes(int type, int64_t m, int64_t k) {
     const eb_type *t = find_type(type);
     if (t == NULL || k <= 0 || k % t->elems != 0 || m <= 0) return 0;
-    return line((size_t)(m * k)) + line((size_t)(m * (k / t->elems)) * sizeof(float)) +
+    return line((size_t)(m * k)) + line((size_t)(m * (k / 32)) * sizeof(float)) +
            line((size_t)(m * (k / 16)) * sizeof(int32_t)) + (size_t)(m * (k / 32)) * sizeof(int32_t);
 }
 
-/* x to int8 per block of `elems`: d = amax / 127, q = round_half_even(x * (1 / d)); NaN counts as 0. */
+/* x to int8 per group of 32: d = amax / 127, q = round_half_even(x * (1 / d)); NaN counts as 0. */
 int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *workspace, int64_t row_start,
                      int64_t row_stop) {
     const eb_type *t = find_type(type);
     if (t == NULL || k <= 0 || k % t->elems != 0 || m <= 0 || row_start < 0 || row_stop > m) return -1;
     eb_work w = work_parts(t, workspace, m, k);
-    const int64_t nb = k / t->elems;
-    for (int64_t b = row_start * nb; b < row_stop * nb; b++) {
-        const float *xb = x + b * t->elems;
-        int8_t *qb = w.q + b * t->elems;
+    for (int64_t b = row_start * (k / 32); b < row_stop * (k / 32); b++) {
+        const float *xb = x + b * 32;
+        int8_t *qb = w.q + b * 32;
         float amax = 0.0f;
-        for (int i = 0; i < t->elems; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int i = 0; i < t->elems; i++) {
+        for (int i = 0; i < 32; i++) {
             float v = nearbyintf(xb[i] * id);
             qb[i] = (int8_t)(v != v ? 0.0f : fminf(127.0f, fmaxf(-127.0f, v)));
         }
@@ -318,7 +323,7 @@ void eb_matmul_rows(int type, int isa, const void *workspace, int64_t m, int64_t
     for (int64_t n = n_start; n < n_stop; n++)
         for (int64_t i = 0; i < m; i++)  /* the weight row stays in L1 across the rows of x */
             y[i * ldy + n] =
-                dot(t, w + n * row_bytes, nb, x.q + i * k, x.d + i * nb, x.s16 + i * (k / 16), x.s32 + i * (k / 32));
+                dot(t, w + n * row_bytes, nb, x.q + i * k, x.d + i * (k / 32), x.s16 + i * (k / 16), x.s32 + i * (k / 32));
 }
 
 int eb_matmul(int type, int isa, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {

@@ -1,13 +1,15 @@
 /* y = x · Wᵀ on a tensor's GGUF blocks exactly as the file stores them (edgelm's native kernels).
  *
  * W is N rows of `row_bytes` bytes, each row K / block_elems blocks of one ggml block type (ggml-common.h's
- * block_q4_0 ... block_q6_K). x (M rows of K floats) is quantized per block to int8 first, as llama.cpp does:
- * per 32 for the legacy types, per 256 for the K-quants (one float scale a block, round half to even).
- * Every path computes the same numbers: inside a block integer sums (exact), then per block, in float32 and in
- * this order,   term = (d * dx) * isum  [+ (mf * dx) * msum],   added into one of eight partial sums, block b into
- * acc[b % 8] = acc[b % 8] + term (blocks in order), and y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) +
- * (acc3 + acc7)): eight lanes of a float32 vector, summed as a vector's halves are. blocks.c's scalar path is the
- * reference; the SIMD paths (blocks_simd.h) equal it bit for bit. */
+ * block_q4_0 ... block_q6_K). x (M rows of K floats) is quantized to int8 per group of 32 first, for every type
+ * (llama.cpp's Q8_0; finer than its Q8_K for the K-quants): dx = amax / 127, q = round half to even (x / dx).
+ * Every path computes the same numbers: inside a group of 32 weights integer sums (exact: the runs' integer scales
+ * times their dot products, and the minimums times the sums of q), then per group g, in float32 and in this order,
+ *   term = (d * dx[g]) * isum  [+ (mf * dx[g]) * msum]   (d, mf: the block's float16 scale and offset factor)
+ * added into one of eight partial sums, acc[g % 8] = acc[g % 8] + term (groups in order), and
+ *   y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)):
+ * eight lanes of a float32 vector, summed as a vector's halves are. blocks.c's scalar path is the reference; the
+ * SIMD paths (blocks_simd.h) equal it bit for bit. */
 #ifndef EDGELM_BLOCKS_H
 #define EDGELM_BLOCKS_H
 

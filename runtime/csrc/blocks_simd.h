@@ -134,44 +134,50 @@ static float EB_SUFFIX(dot_legacy)(const eb_type *t, const uint8_t *row, int64_t
     }
 }
 
-/* Sub-block j's int16 scale in every lane, from the eight scales' int16 in both 128-bit halves. */
-EB_INLINE __m256i EB_SUFFIX(splat16)(__m256i scales, int j) {
-    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * j + ((2 * j + 1) << 8))));
+/* One super-block's eight groups of 32 into the eight lanes: the float arithmetic of blocks.h. */
+EB_INLINE __m256 EB_SUFFIX(k_term)(__m256i isum, __m256i msum, const uint8_t *d, const uint8_t *dmin, const float *dx) {
+    const __m256 dxv = _mm256_loadu_ps(dx);
+    __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(EB_SUFFIX(f16)(d)), dxv), _mm256_cvtepi32_ps(isum));
+    if (dmin != NULL) {
+        const __m256 low = _mm256_mul_ps(_mm256_set1_ps(-EB_SUFFIX(f16)(dmin)), dxv);
+        term = _mm256_add_ps(term, _mm256_mul_ps(low, _mm256_cvtepi32_ps(msum)));
+    }
+    return term;
 }
 
-/* Q4_K, Q5_K: super-blocks of 256, eight runs of 32 with 6-bit scales and minimums. */
+/* Q4_K, Q5_K: super-blocks of 256, eight runs of 32 with 6-bit scales and minimums: group j is run j. */
 EB_INLINE float EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
                                    const int32_t *s32) {
     const int bytes = five ? 176 : 144;
     const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    float lanes[8] = {0};
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bytes, *qs = blk + (five ? 48 : 16);
         const int8_t *q = qx + 256 * b;
         uint32_t words[4];
         scale_words(blk + 4, words);
         const __m128i packed = _mm_setr_epi32((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
-        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed)); /* sc 0-7, both halves */
-        const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));             /* mn 0-7 */
+        const __m256i scales = _mm256_cvtepu8_epi32(packed);                  /* sc 0-7 */
+        const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)); /* mn 0-7 */
         const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        __m256i sums = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i p[8];
+#pragma GCC unroll 4
+        for (int pair = 0; pair < 4; pair++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
             __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             if (five) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * p), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * p + 1), one), 4));
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair + 1), one), 4));
             }
-            sums = EB_SUFFIX(scaled_dot)(sums, lo, _mm256_loadu_si256((const __m256i *)(q + 64 * p)),
-                                         EB_SUFFIX(splat16)(scales, 2 * p));
-            sums = EB_SUFFIX(scaled_dot)(sums, hi, _mm256_loadu_si256((const __m256i *)(q + 64 * p + 32)),
-                                         EB_SUFFIX(splat16)(scales, 2 * p + 1));
+            p[2 * pair] = EB_SUFFIX(dot_u8)(lo, _mm256_loadu_si256((const __m256i *)(q + 64 * pair)));
+            p[2 * pair + 1] = EB_SUFFIX(dot_u8)(hi, _mm256_loadu_si256((const __m256i *)(q + 64 * pair + 32)));
         }
-        const int32_t msum = EB_SUFFIX(hsum)(_mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(s32 + 8 * b))));
-        float term = (EB_SUFFIX(f16)(blk) * dx[b]) * (float)EB_SUFFIX(hsum)(sums);
-        term = term + (-EB_SUFFIX(f16)(blk + 2) * dx[b]) * (float)msum;
-        lanes[b & 7] = lanes[b & 7] + term;
+        const __m256i isum = _mm256_mullo_epi32(EB_SUFFIX(hsum8)(p), scales);
+        const __m256i msum = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(s32 + 8 * b)));
+        acc = _mm256_add_ps(acc, EB_SUFFIX(k_term)(isum, msum, blk, blk + 2, dx + 8 * b));
     }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
     return lanes_total(lanes);
 }
 
@@ -181,41 +187,48 @@ static float EB_SUFFIX(dot_k4)(const eb_type *t, const uint8_t *row, int64_t nb,
     return t->type == Q5_K ? EB_SUFFIX(k4_body)(1, row, nb, qx, dx, s32) : EB_SUFFIX(k4_body)(0, row, nb, qx, dx, s32);
 }
 
-/* Q6_K: super-blocks of 256, sixteen runs of 16 with int8 scales; values q - 32 as q times x less 32 sum(x). */
+/* Q6_K: super-blocks of 256, sixteen runs of 16 with int8 scales, two runs a group of 32; values q - 32 as q times
+ * x less 32 sum(x). */
 static float EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx,
                                  const float *dx, const int32_t *s16, const int32_t *s32) {
     (void)t, (void)s32;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    float lanes[8] = {0};
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's lanes back in order */
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
         const int8_t *q = qx + 256 * b;
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m256i scales = _mm256_cvtepi8_epi16(sc8); /* int16 scales 0-15, two to a 32-bit word */
-        __m256i sums = _mm256_setzero_si256();
+        __m256i p[8];
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            for (int slot = 0; slot < 4; slot++) { /* elements 128 h + 32 slot .. + 31 */
+#pragma GCC unroll 4
+            for (int slot = 0; slot < 4; slot++) { /* group c = 4 h + slot: elements 128 h + 32 slot .. + 31 */
                 const int c = 4 * h + slot;
                 __m256i low = _mm256_and_si256(_mm256_srli_epi16(slot % 2 ? l1 : l0, 4 * (slot / 2)), low4);
                 __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * slot), low2);
                 const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
                 /* runs 2 c (lanes 0-3) and 2 c + 1 (lanes 4-7): word c of the scales, then its halves */
                 const __m256i pair = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(c));
-                const __m256i scale = _mm256_shuffle_epi8(pair, split);
-                sums = EB_SUFFIX(scaled_dot)(sums, u, _mm256_loadu_si256((const __m256i *)(q + 32 * c)), scale);
+                p[c] = EB_SUFFIX(scaled_dot)(_mm256_setzero_si256(), u,
+                                             _mm256_loadu_si256((const __m256i *)(q + 32 * c)),
+                                             _mm256_shuffle_epi8(pair, split));
             }
         }
-        const __m256i off = _mm256_add_epi32(
-            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)(s16 + 16 * b))),
-            _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)),
-                               _mm256_loadu_si256((const __m256i *)(s16 + 16 * b + 8))));
-        const int32_t isum = EB_SUFFIX(hsum)(sums) - 32 * EB_SUFFIX(hsum)(off);
-        lanes[b & 7] = lanes[b & 7] + (EB_SUFFIX(f16)(blk + 208) * dx[b]) * (float)isum;
+        /* 32 sum(x) of each run times its scale, the two runs of a group added: in group order */
+        const __m256i off_lo = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)(s16 + 16 * b)));
+        const __m256i off_hi = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)),
+                                                  _mm256_loadu_si256((const __m256i *)(s16 + 16 * b + 8)));
+        const __m256i off = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(off_lo, off_hi), order);
+        const __m256i isum = _mm256_sub_epi32(EB_SUFFIX(hsum8)(p), _mm256_slli_epi32(off, 5));
+        acc = _mm256_add_ps(acc, EB_SUFFIX(k_term)(isum, isum, blk + 208, NULL, dx + 8 * b));
     }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
     return lanes_total(lanes);
 }
