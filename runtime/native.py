@@ -204,6 +204,7 @@ def ops_library() -> Path:
         raise NativeUnavailable("turned off by EDGELM_NATIVE=0")
     if not sys.platform.startswith("linux"):
         raise NativeUnavailable(f"the native kernels are built on Linux only, not {sys.platform}")
+    _compiler()  # no compiler: say so before fetching headers it could not use
     return _build("libedgelm_ops.so", OPS_SOURCES, ort_include())
 
 
@@ -276,3 +277,18 @@ def dequantize(kind: int, rows, k: int):
     for n in range(rows.shape[0]):
         kernel_library().eb_dequantize_row(int(kind), rows[n].ctypes.data, k, out[n].ctypes.data)
     return out
+
+
+def main() -> int:
+    """`python -m edgelm.runtime.native`: build both libraries now (what first use would), print where they are."""
+    try:
+        print(f"kernels: {kernel_library()._name} ({best_isa()})")
+        print(f"ONNX Runtime custom ops: {ops_library()} (headers {ort_include()})")
+    except NativeUnavailable as error:
+        print(f"native kernels unavailable: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
