@@ -48,13 +48,21 @@ EB_INLINE float EB_SUFFIX(f16)(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* Eight float16 numbers `stride` bytes apart -> float32. */
-EB_INLINE __m256 EB_SUFFIX(f16x8)(const uint8_t *p, int stride) {
-    uint16_t h[8];
-    for (int j = 0; j < 8; j++) memcpy(&h[j], p + j * stride, 2);
-    /* inserted one by one: eight 2-byte stores read back as one 16-byte load would stall store forwarding */
-    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
-                                          (short)h[5], (short)h[6], (short)h[7]));
+/* The first four bytes of eight blocks `stride` bytes apart, one 32-bit gather: a legacy block's float16 d and
+ * (Q4_1, Q5_1) m. The gather reads 4 bytes of each block, all inside it (every block holds more than 4). */
+EB_INLINE __m256i EB_SUFFIX(heads8)(const uint8_t *p, int stride) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+    return _mm256_i32gather_epi32((const int *)p, offsets, 1);
+}
+
+/* float16 halves of eight 32-bit words -> float32: the low halves (high = 0) or the high ones (high = 1). */
+EB_INLINE __m256 EB_SUFFIX(halves)(__m256i words, int high) {
+    const __m256i pick = high ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                              : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, pick), 0x08); /* qwords 0, 2 */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
 }
 
 /* 16 bytes -> 32 values: byte j's low nibble is element j, its high nibble element j + 16. */
@@ -103,9 +111,10 @@ EB_INLINE float EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb,
         __m256i isum = EB_SUFFIX(hsum8)(p);
         if (zero) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(zero)));
         const __m256 dxv = _mm256_loadu_ps(dx + b);
-        __m256 term = _mm256_mul_ps(_mm256_mul_ps(EB_SUFFIX(f16x8)(blk, bytes), dxv), _mm256_cvtepi32_ps(isum));
+        const __m256i heads = EB_SUFFIX(heads8)(blk, bytes);
+        __m256 term = _mm256_mul_ps(_mm256_mul_ps(EB_SUFFIX(halves)(heads, 0), dxv), _mm256_cvtepi32_ps(isum));
         if (has_min) {
-            const __m256 low = _mm256_mul_ps(EB_SUFFIX(f16x8)(blk + 2, bytes), dxv);
+            const __m256 low = _mm256_mul_ps(EB_SUFFIX(halves)(heads, 1), dxv);
             term = _mm256_add_ps(term, _mm256_mul_ps(low, _mm256_cvtepi32_ps(sx)));
         }
         acc = _mm256_add_ps(acc, term);
