@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -27,7 +26,9 @@ def random_rows(number: int, n: int, k: int, rng) -> np.ndarray:
     blocks = rng.integers(0, 256, (n * k // row.elems, row.bytes), dtype=np.uint8)
     halves = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}[number]
     for at in halves:
-        blocks[:, at : at + 2] = (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        blocks[:, at : at + 2] = (
+            (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        )
     return blocks.reshape(n, -1)
 
 
@@ -36,7 +37,11 @@ def session(nodes, initializers, k: int, threads: int, library: str | None) -> o
         nodes, "op", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=initializers,
     )  # fmt: skip
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(native.DOMAIN, 1)]
+    opsets = [
+        helper.make_opsetid("", 17),
+        helper.make_opsetid("com.microsoft", 1),
+        helper.make_opsetid(native.DOMAIN, 1),
+    ]
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     if library:
@@ -102,7 +107,10 @@ def main() -> int:
     bytes_ours = rows.nbytes
     bytes_theirs = b.nbytes + scales.nbytes + (0 if offsets is None else offsets.nbytes)
     print(f"{args.type} N={args.n} K={args.k} M={args.m} threads={args.threads} (kernels: {native.best_isa()})")
-    print(f"  MatMulPacked (edgelm)     {t_ours * 1e6:9.1f} us  {bytes_ours / 1e6:6.2f} MB  {bytes_ours / t_ours / 1e9:5.1f} GB/s")
+    print(
+        f"  MatMulPacked (edgelm)     {t_ours * 1e6:9.1f} us  {bytes_ours / 1e6:6.2f} MB  "
+        f"{bytes_ours / t_ours / 1e9:5.1f} GB/s"
+    )
     print(f"  MatMulNBits (ORT, level 4) {t_theirs * 1e6:8.1f} us  {bytes_theirs / 1e6:6.2f} MB")
     print(f"  ratio (MatMulNBits time / MatMulPacked time): {t_theirs / t_ours:.2f}x")
     return 0
