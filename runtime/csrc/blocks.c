@@ -17,9 +17,19 @@ typedef struct {
     int16_t sc[16], mn[16];
 } eb_block;
 
+/* One row of quantized activations: int8 values, a scale a group of 32, the sums of each 16 and each 32 values. */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s16, *s32;
+} eb_xrow;
+
+#define EB_ROWS 4 /* rows of x a weight row is read for at once (its blocks unpacked once for all of them) */
+
 struct eb_type;
-typedef float (*eb_dot_fn)(const struct eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx,
-                           const float *dx, const int32_t *s16, const int32_t *s32);
+/* out[r] = row · x[r] for r < rows (1 to EB_ROWS). */
+typedef void (*eb_dot_fn)(const struct eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                          float *out);
 
 typedef struct eb_type {
     int type;
@@ -142,10 +152,8 @@ static inline __attribute__((always_inline)) float lanes_total(const float *acc)
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* The reference: blocks.h's arithmetic, block after block. */
-static float dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
-                        const int32_t *s16, const int32_t *s32) {
-    (void)s16, (void)s32;
+/* The reference: blocks.h's arithmetic, block after block, for one row of x. */
+static float dot_scalar_row(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx) {
     float acc[8] = {0};
     eb_block blk;
     const int groups = t->elems / 32;
@@ -173,6 +181,10 @@ static float dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const 
     return lanes_total(acc);
 }
 
+static void dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows, float *out) {
+    for (int r = 0; r < rows; r++) out[r] = dot_scalar_row(t, row, nb, x[r].q, x[r].d);
+}
+
 #if (defined(__x86_64__) || defined(__i386__)) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define EB_X86 1
 #include <immintrin.h>
@@ -189,6 +201,7 @@ static float dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const 
 #include "blocks_simd.h"
 #undef EB_SUFFIX
 #undef EB_VNNI
+#undef EB_BY_ROWS
 #pragma GCC pop_options
 #define EB_SIMD(name) {dot_scalar, name##_avx2, name##_vnni}
 #else
@@ -319,11 +332,20 @@ void eb_matmul_rows(int type, int isa, const void *workspace, int64_t m, int64_t
     if (t == NULL) return;
     eb_dot_fn dot = isa >= 0 && isa < EB_ISA_COUNT && t->dot[isa] != NULL ? t->dot[isa] : dot_scalar;
     eb_work x = work_parts(t, workspace, m, k);
-    int64_t nb = k / t->elems, row_bytes = nb * t->bytes;
-    for (int64_t n = n_start; n < n_stop; n++)
-        for (int64_t i = 0; i < m; i++)  /* the weight row stays in L1 across the rows of x */
-            y[i * ldy + n] =
-                dot(t, w + n * row_bytes, nb, x.q + i * k, x.d + i * (k / 32), x.s16 + i * (k / 16), x.s32 + i * (k / 32));
+    const int64_t nb = k / t->elems, row_bytes = nb * t->bytes;
+    eb_xrow rows[EB_ROWS];
+    float out[EB_ROWS];
+    for (int64_t i = 0; i < m; i += EB_ROWS) { /* a tile of x rows; the weight rows stay in L2 across tiles */
+        const int count = m - i < EB_ROWS ? (int)(m - i) : EB_ROWS;
+        for (int r = 0; r < count; r++) {
+            const int64_t at = i + r;
+            rows[r] = (eb_xrow){x.q + at * k, x.d + at * (k / 32), x.s16 + at * (k / 16), x.s32 + at * (k / 32)};
+        }
+        for (int64_t n = n_start; n < n_stop; n++) {
+            dot(t, w + n * row_bytes, nb, rows, count, out);
+            for (int r = 0; r < count; r++) y[(i + r) * ldy + n] = out[r];
+        }
+    }
 }
 
 int eb_matmul(int type, int isa, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {

@@ -82,94 +82,110 @@ EB_INLINE __m256i EB_SUFFIX(fifth_bits)(const uint8_t *qh) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
-/* One legacy block's products with its activations (before the zero point): eight int32 lanes. */
-EB_INLINE __m256i EB_SUFFIX(legacy_dot)(int type, const uint8_t *blk, const int8_t *qx) {
-    const __m256i q = _mm256_loadu_si256((const __m256i *)qx);
-    if (type == Q8_0) { /* signed values: |w| times q with w's sign */
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        return EB_SUFFIX(dot_u8)(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
-    }
-    if (type == Q4_0 || type == Q4_1) return EB_SUFFIX(dot_u8)(EB_SUFFIX(nibbles)(blk + (type == Q4_0 ? 2 : 4)), q);
+/* A legacy block's 32 values as bytes: unsigned (Q4, Q5: before the zero point) or, Q8_0, signed. */
+EB_INLINE __m256i EB_SUFFIX(legacy_values)(int type, const uint8_t *blk) {
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (type == Q4_0 || type == Q4_1) return EB_SUFFIX(nibbles)(blk + (type == Q4_0 ? 2 : 4));
     const int qh = type == Q5_0 ? 2 : 4;
-    return EB_SUFFIX(dot_u8)(_mm256_or_si256(EB_SUFFIX(nibbles)(blk + qh + 4), EB_SUFFIX(fifth_bits)(blk + qh)), q);
+    return _mm256_or_si256(EB_SUFFIX(nibbles)(blk + qh + 4), EB_SUFFIX(fifth_bits)(blk + qh));
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against blocks of activations, eight blocks a step. */
-EB_INLINE float EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const int8_t *qx,
-                                       const float *dx, const int32_t *s32) {
+/* Those values times 32 activations: eight int32 lanes (Q8_0's signed values as |w| times q with w's sign). */
+EB_INLINE __m256i EB_SUFFIX(values_dot)(int type, __m256i u, const int8_t *qx) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)qx);
+    if (type == Q8_0) return EB_SUFFIX(dot_u8)(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+    return EB_SUFFIX(dot_u8)(u, q);
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against `rows` rows of activations, eight blocks a step, each block
+ * unpacked once for all rows. */
+EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                      float *out) {
     const int has_min = type == Q4_1 || type == Q5_1;
     const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
     const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
         const uint8_t *blk = row + b * bytes;
-        __m256i p[8];
+        __m256i u[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) p[j] = EB_SUFFIX(legacy_dot)(type, blk + j * bytes, qx + 32 * (b + j));
-        const __m256i sx = _mm256_loadu_si256((const __m256i *)(s32 + b));
-        __m256i isum = EB_SUFFIX(hsum8)(p);
-        if (zero) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(zero)));
-        const __m256 dxv = _mm256_loadu_ps(dx + b);
+        for (int j = 0; j < 8; j++) u[j] = EB_SUFFIX(legacy_values)(type, blk + j * bytes);
         const __m256i heads = EB_SUFFIX(heads8)(blk, bytes);
-        __m256 term = _mm256_mul_ps(_mm256_mul_ps(EB_SUFFIX(halves)(heads, 0), dxv), _mm256_cvtepi32_ps(isum));
-        if (has_min) {
-            const __m256 low = _mm256_mul_ps(EB_SUFFIX(halves)(heads, 1), dxv);
-            term = _mm256_add_ps(term, _mm256_mul_ps(low, _mm256_cvtepi32_ps(sx)));
+        const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
+        for (int r = 0; r < rows; r++) {
+            __m256i p[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) p[j] = EB_SUFFIX(values_dot)(type, u[j], x[r].q + 32 * (b + j));
+            const __m256i sx = _mm256_loadu_si256((const __m256i *)(x[r].s32 + b));
+            __m256i isum = EB_SUFFIX(hsum8)(p);
+            if (zero) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(zero)));
+            const __m256 dxv = _mm256_loadu_ps(x[r].d + b);
+            __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
+            if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
+            acc[r] = _mm256_add_ps(acc[r], term);
         }
-        acc = _mm256_add_ps(acc, term);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
+    float lanes[EB_ROWS][8];
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(lanes[r], acc[r]);
     for (; b < nb; b++) { /* the last nb % 8 blocks, into their lanes */
         const uint8_t *blk = row + b * bytes;
-        const int32_t isum = EB_SUFFIX(hsum)(EB_SUFFIX(legacy_dot)(type, blk, qx + 32 * b)) - zero * s32[b];
-        float term = (EB_SUFFIX(f16)(blk) * dx[b]) * (float)isum;
-        if (has_min) term = term + (EB_SUFFIX(f16)(blk + 2) * dx[b]) * (float)s32[b];
-        lanes[b & 7] = lanes[b & 7] + term;
+        const __m256i u = EB_SUFFIX(legacy_values)(type, blk);
+        const float d = EB_SUFFIX(f16)(blk), m = has_min ? EB_SUFFIX(f16)(blk + 2) : 0.0f;
+        for (int r = 0; r < rows; r++) {
+            const int32_t sx = x[r].s32[b], isum = EB_SUFFIX(hsum)(EB_SUFFIX(values_dot)(type, u, x[r].q + 32 * b)) - zero * sx;
+            float term = (d * x[r].d[b]) * (float)isum;
+            if (has_min) term = term + (m * x[r].d[b]) * (float)sx;
+            lanes[r][b & 7] = lanes[r][b & 7] + term;
+        }
     }
-    return lanes_total(lanes);
+    for (int r = 0; r < rows; r++) out[r] = lanes_total(lanes[r]);
 }
 
-static float EB_SUFFIX(dot_legacy)(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx,
-                                   const float *dx, const int32_t *s16, const int32_t *s32) {
-    (void)s16;
-    switch (t->type) { /* one specialised loop a type */
-    case Q4_0: return EB_SUFFIX(legacy_body)(Q4_0, row, nb, qx, dx, s32);
-    case Q4_1: return EB_SUFFIX(legacy_body)(Q4_1, row, nb, qx, dx, s32);
-    case Q5_0: return EB_SUFFIX(legacy_body)(Q5_0, row, nb, qx, dx, s32);
-    case Q5_1: return EB_SUFFIX(legacy_body)(Q5_1, row, nb, qx, dx, s32);
-    default: return EB_SUFFIX(legacy_body)(Q8_0, row, nb, qx, dx, s32);
+/* One specialised loop a type and a count of rows (1 to EB_ROWS). */
+#define EB_BY_ROWS(body, first, row, nb, x, rows, out) \
+    switch (rows) {                                     \
+    case 1: body(first, row, nb, x, 1, out); break;     \
+    case 2: body(first, row, nb, x, 2, out); break;     \
+    case 3: body(first, row, nb, x, 3, out); break;     \
+    default: body(first, row, nb, x, 4, out); break;    \
+    }
+
+static void EB_SUFFIX(dot_legacy)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                  float *out) {
+    switch (t->type) {
+    case Q4_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q4_0, row, nb, x, rows, out) break;
+    case Q4_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q4_1, row, nb, x, rows, out) break;
+    case Q5_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q5_0, row, nb, x, rows, out) break;
+    case Q5_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q5_1, row, nb, x, rows, out) break;
+    default: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q8_0, row, nb, x, rows, out) break;
     }
 }
 
 /* One super-block's eight groups of 32 into the eight lanes: the float arithmetic of blocks.h. */
-EB_INLINE __m256 EB_SUFFIX(k_term)(__m256i isum, __m256i msum, const uint8_t *d, const uint8_t *dmin, const float *dx) {
+EB_INLINE __m256 EB_SUFFIX(k_term)(__m256i isum, __m256i msum, float d, float mf, int has_min, const float *dx) {
     const __m256 dxv = _mm256_loadu_ps(dx);
-    __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(EB_SUFFIX(f16)(d)), dxv), _mm256_cvtepi32_ps(isum));
-    if (dmin != NULL) {
-        const __m256 low = _mm256_mul_ps(_mm256_set1_ps(-EB_SUFFIX(f16)(dmin)), dxv);
-        term = _mm256_add_ps(term, _mm256_mul_ps(low, _mm256_cvtepi32_ps(msum)));
-    }
+    __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), dxv), _mm256_cvtepi32_ps(isum));
+    if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(mf), dxv), _mm256_cvtepi32_ps(msum)));
     return term;
 }
 
 /* Q4_K, Q5_K: super-blocks of 256, eight runs of 32 with 6-bit scales and minimums: group j is run j. */
-EB_INLINE float EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
-                                   const int32_t *s32) {
+EB_INLINE void EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows, float *out) {
     const int bytes = five ? 176 : 144;
     const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bytes, *qs = blk + (five ? 48 : 16);
-        const int8_t *q = qx + 256 * b;
         uint32_t words[4];
         scale_words(blk + 4, words);
         const __m128i packed = _mm_setr_epi32((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
         const __m256i scales = _mm256_cvtepu8_epi32(packed);                  /* sc 0-7 */
         const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)); /* mn 0-7 */
         const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        __m256i p[8];
+        __m256i u[8];
 #pragma GCC unroll 4
         for (int pair = 0; pair < 4; pair++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
@@ -178,40 +194,44 @@ EB_INLINE float EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, con
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair), one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair + 1), one), 4));
             }
-            p[2 * pair] = EB_SUFFIX(dot_u8)(lo, _mm256_loadu_si256((const __m256i *)(q + 64 * pair)));
-            p[2 * pair + 1] = EB_SUFFIX(dot_u8)(hi, _mm256_loadu_si256((const __m256i *)(q + 64 * pair + 32)));
+            u[2 * pair] = lo;
+            u[2 * pair + 1] = hi;
         }
-        const __m256i isum = _mm256_mullo_epi32(EB_SUFFIX(hsum8)(p), scales);
-        const __m256i msum = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(s32 + 8 * b)));
-        acc = _mm256_add_ps(acc, EB_SUFFIX(k_term)(isum, msum, blk, blk + 2, dx + 8 * b));
+        const float d = EB_SUFFIX(f16)(blk), mf = -EB_SUFFIX(f16)(blk + 2);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = x[r].q + 256 * b;
+            __m256i p[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) p[j] = EB_SUFFIX(dot_u8)(u[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
+            const __m256i isum = _mm256_mullo_epi32(EB_SUFFIX(hsum8)(p), scales);
+            const __m256i msum = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(x[r].s32 + 8 * b)));
+            acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, msum, d, mf, 1, x[r].d + 8 * b));
+        }
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    return lanes_total(lanes);
-}
-
-static float EB_SUFFIX(dot_k4)(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
-                               const int32_t *s16, const int32_t *s32) {
-    (void)s16;
-    return t->type == Q5_K ? EB_SUFFIX(k4_body)(1, row, nb, qx, dx, s32) : EB_SUFFIX(k4_body)(0, row, nb, qx, dx, s32);
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        out[r] = lanes_total(lanes);
+    }
 }
 
 /* Q6_K: super-blocks of 256, sixteen runs of 16 with int8 scales, two runs a group of 32; values q - 32 as q times
  * x less 32 sum(x). */
-static float EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t nb, const int8_t *qx,
-                                 const float *dx, const int32_t *s16, const int32_t *s32) {
-    (void)t, (void)s32;
+EB_INLINE void EB_SUFFIX(q6_k_body)(int unused, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                    float *out) {
+    (void)unused;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's lanes back in order */
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
-        const int8_t *q = qx + 256 * b;
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m256i scales = _mm256_cvtepi8_epi16(sc8); /* int16 scales 0-15, two to a 32-bit word */
-        __m256i p[8];
+        const __m256i sc_lo = _mm256_cvtepi8_epi32(sc8), sc_hi = _mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8));
+        __m256i u[8], scale[8];
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -219,25 +239,47 @@ static float EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t n
 #pragma GCC unroll 4
             for (int slot = 0; slot < 4; slot++) { /* group c = 4 h + slot: elements 128 h + 32 slot .. + 31 */
                 const int c = 4 * h + slot;
-                __m256i low = _mm256_and_si256(_mm256_srli_epi16(slot % 2 ? l1 : l0, 4 * (slot / 2)), low4);
-                __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * slot), low2);
-                const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(slot % 2 ? l1 : l0, 4 * (slot / 2)), low4);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * slot), low2);
+                u[c] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
                 /* runs 2 c (lanes 0-3) and 2 c + 1 (lanes 4-7): word c of the scales, then its halves */
-                const __m256i pair = _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(c));
-                p[c] = EB_SUFFIX(scaled_dot)(_mm256_setzero_si256(), u,
-                                             _mm256_loadu_si256((const __m256i *)(q + 32 * c)),
-                                             _mm256_shuffle_epi8(pair, split));
+                scale[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(c)), split);
             }
         }
-        /* 32 sum(x) of each run times its scale, the two runs of a group added: in group order */
-        const __m256i off_lo = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(sc8), _mm256_loadu_si256((const __m256i *)(s16 + 16 * b)));
-        const __m256i off_hi = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)),
-                                                  _mm256_loadu_si256((const __m256i *)(s16 + 16 * b + 8)));
-        const __m256i off = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(off_lo, off_hi), order);
-        const __m256i isum = _mm256_sub_epi32(EB_SUFFIX(hsum8)(p), _mm256_slli_epi32(off, 5));
-        acc = _mm256_add_ps(acc, EB_SUFFIX(k_term)(isum, isum, blk + 208, NULL, dx + 8 * b));
+        const float d = EB_SUFFIX(f16)(blk + 208);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = x[r].q + 256 * b;
+            __m256i p[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                p[c] = EB_SUFFIX(scaled_dot)(_mm256_setzero_si256(), u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)),
+                                             scale[c]);
+            /* 32 sum(x) of each run times its scale, the two runs of a group added: in group order */
+            const __m256i off_lo = _mm256_mullo_epi32(sc_lo, _mm256_loadu_si256((const __m256i *)(x[r].s16 + 16 * b)));
+            const __m256i off_hi = _mm256_mullo_epi32(sc_hi, _mm256_loadu_si256((const __m256i *)(x[r].s16 + 16 * b + 8)));
+            const __m256i off = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(off_lo, off_hi), order);
+            const __m256i isum = _mm256_sub_epi32(EB_SUFFIX(hsum8)(p), _mm256_slli_epi32(off, 5));
+            acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, isum, d, 0.0f, 0, x[r].d + 8 * b));
+        }
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    return lanes_total(lanes);
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        out[r] = lanes_total(lanes);
+    }
+}
+
+static void EB_SUFFIX(dot_k4)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                              float *out) {
+    if (t->type == Q5_K) {
+        EB_BY_ROWS(EB_SUFFIX(k4_body), 1, row, nb, x, rows, out)
+    } else {
+        EB_BY_ROWS(EB_SUFFIX(k4_body), 0, row, nb, x, rows, out)
+    }
+}
+
+static void EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                float *out) {
+    (void)t;
+    EB_BY_ROWS(EB_SUFFIX(q6_k_body), 0, row, nb, x, rows, out)
 }
