@@ -295,7 +295,7 @@ size_t eb_workspace_bytes(int type, int64_t m, int64_t k) {
            line((size_t)(m * (k / 16)) * sizeof(int32_t)) + (size_t)(m * (k / 32)) * sizeof(int32_t);
 }
 
-/* x to int8 per group of 32: d = amax / 127, q = round_half_even(x * (1 / d)); NaN counts as 0. */
+/* x to int8 per group of 32: d = amax / 127, q = round_half_even(x * (1 / d)) within +-127; NaN counts as 0. */
 int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *workspace, int64_t row_start,
                      int64_t row_stop) {
     const eb_type *t = find_type(type);
@@ -308,8 +308,11 @@ int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *works
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         for (int i = 0; i < 32; i++) {
-            float v = nearbyintf(xb[i] * id);
-            qb[i] = (int8_t)(v != v ? 0.0f : fminf(127.0f, fmaxf(-127.0f, v)));
+            /* round half to even as nearbyintf does in the default mode, without a libm call: |v| <= 127 here,
+             * and adding then subtracting 1.5 * 2^23 leaves v rounded to an integer (NaN stays NaN) */
+            const float scaled = xb[i] * id;
+            const float v = scaled != scaled ? 0.0f : fminf(127.0f, fmaxf(-127.0f, scaled));
+            qb[i] = (int8_t)(int)((v + 12582912.0f) - 12582912.0f);
         }
         w.d[b] = d;
     }
