@@ -18,6 +18,7 @@
 
 #define EB_ORT_API 17 /* KernelContext_ParallelFor's version: the newest function used */
 #define ROWS_A_TASK 32 /* weight rows one task of the pool computes: 32 x row_bytes, well within L2 */
+#define STACK_WORKSPACE 32768 /* bytes: quantized activations up to this size live on the stack */
 
 static const OrtApi *ort;
 
@@ -134,7 +135,10 @@ static OrtStatus *matmul_compute(void *kernel, OrtKernelContext *context) {
     float *y = NULL;
     CHECK(ort->GetTensorMutableData(out, (void **)&y));
     if (m == 0) return NULL;
-    MatMulTask task = {p, a.data, b.data, y, malloc(eb_workspace_bytes(p->type, m, p->k)), m};
+    /* a decode step's activations fit on the stack: no allocation a call */
+    _Alignas(64) uint8_t small[STACK_WORKSPACE];
+    const size_t bytes = eb_workspace_bytes(p->type, m, p->k);
+    MatMulTask task = {p, a.data, b.data, y, bytes <= sizeof small ? small : malloc(bytes), m};
     if (task.work == NULL) return ort->CreateStatus(ORT_FAIL, "ai.edgelm.MatMulPacked: out of memory");
     OrtStatus *status = NULL;
     if (m > 1)
@@ -144,7 +148,7 @@ static OrtStatus *matmul_compute(void *kernel, OrtKernelContext *context) {
     if (status == NULL)
         status = ort->KernelContext_ParallelFor(context, matmul_task, (size_t)((p->n + ROWS_A_TASK - 1) / ROWS_A_TASK),
                                                 0, &task);
-    free(task.work);
+    if (task.work != small) free(task.work);
     return status;
 }
 
