@@ -48,13 +48,6 @@ EB_INLINE float EB_SUFFIX(f16)(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* The first four bytes of eight blocks `stride` bytes apart, one 32-bit gather: a legacy block's float16 d and
- * (Q4_1, Q5_1) m. The gather reads 4 bytes of each block, all inside it (every block holds more than 4). */
-EB_INLINE __m256i EB_SUFFIX(heads8)(const uint8_t *p, int stride) {
-    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
-    return _mm256_i32gather_epi32((const int *)p, offsets, 1);
-}
-
 /* float16 halves of eight 32-bit words -> float32: the low halves (high = 0) or the high ones (high = 1). */
 EB_INLINE __m256 EB_SUFFIX(halves)(__m256i words, int high) {
     const __m256i pick = high ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -98,49 +91,46 @@ EB_INLINE __m256i EB_SUFFIX(values_dot)(int type, __m256i u, const int8_t *qx) {
 }
 
 /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against `rows` rows of activations, eight blocks a step, each block
- * unpacked once for all rows. */
+ * unpacked once for all rows. The last step may hold fewer than eight blocks: its other lanes get d = dx = 0 and
+ * no products, so they add +0.0, which leaves a lane as it is (a lane starts at +0.0 and so is never -0.0). */
 EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                       float *out) {
     const int has_min = type == Q4_1 || type == Q5_1;
     const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
     const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i offsets = _mm256_mullo_epi32(lane, _mm256_set1_epi32(bytes));
     __m256 acc[EB_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) {
+    for (int64_t b = 0; b < nb; b += 8) {
+        const int count = nb - b < 8 ? (int)(nb - b) : 8;
         const uint8_t *blk = row + b * bytes;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane); /* the blocks there are */
         __m256i u[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) u[j] = EB_SUFFIX(legacy_values)(type, blk + j * bytes);
-        const __m256i heads = EB_SUFFIX(heads8)(blk, bytes);
+        for (int j = 0; j < 8; j++) u[j] = j < count ? EB_SUFFIX(legacy_values)(type, blk + j * bytes) : _mm256_setzero_si256();
+        /* the first four bytes of each block (d, and m where it has one); none read past the blocks there are */
+        const __m256i heads = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)blk, offsets, mask, 1);
         const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
         for (int r = 0; r < rows; r++) {
             __m256i p[8];
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) p[j] = EB_SUFFIX(values_dot)(type, u[j], x[r].q + 32 * (b + j));
-            const __m256i sx = _mm256_loadu_si256((const __m256i *)(x[r].s32 + b));
+            for (int j = 0; j < 8; j++)
+                p[j] = j < count ? EB_SUFFIX(values_dot)(type, u[j], x[r].q + 32 * (b + j)) : _mm256_setzero_si256();
+            const __m256i sx = _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
             __m256i isum = EB_SUFFIX(hsum8)(p);
             if (zero) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(zero)));
-            const __m256 dxv = _mm256_loadu_ps(x[r].d + b);
+            const __m256 dxv = _mm256_maskload_ps(x[r].d + b, mask);
             __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
             if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
             acc[r] = _mm256_add_ps(acc[r], term);
         }
     }
-    float lanes[EB_ROWS][8];
-    for (int r = 0; r < rows; r++) _mm256_storeu_ps(lanes[r], acc[r]);
-    for (; b < nb; b++) { /* the last nb % 8 blocks, into their lanes */
-        const uint8_t *blk = row + b * bytes;
-        const __m256i u = EB_SUFFIX(legacy_values)(type, blk);
-        const float d = EB_SUFFIX(f16)(blk), m = has_min ? EB_SUFFIX(f16)(blk + 2) : 0.0f;
-        for (int r = 0; r < rows; r++) {
-            const int32_t sx = x[r].s32[b], isum = EB_SUFFIX(hsum)(EB_SUFFIX(values_dot)(type, u, x[r].q + 32 * b)) - zero * sx;
-            float term = (d * x[r].d[b]) * (float)isum;
-            if (has_min) term = term + (m * x[r].d[b]) * (float)sx;
-            lanes[r][b & 7] = lanes[r][b & 7] + term;
-        }
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        out[r] = lanes_total(lanes);
     }
-    for (int r = 0; r < rows; r++) out[r] = lanes_total(lanes[r]);
 }
 
 /* One specialised loop a type and a count of rows (1 to EB_ROWS). */
