@@ -75,9 +75,14 @@ EB_INLINE __m256i EB_SUFFIX(fifth_bits)(const uint8_t *qh) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 }
 
-/* A legacy block's 32 values as bytes: unsigned (Q4, Q5: before the zero point) or, Q8_0, signed. */
+/* A legacy block's 32 values as bytes: unsigned (Q4, Q5: before the zero point) or, Q8_0, signed (AVX2) or
+ * made unsigned by + 128 (VNNI). */
 EB_INLINE __m256i EB_SUFFIX(legacy_values)(int type, const uint8_t *blk) {
+#ifdef EB_VNNI /* vpdpbusd sums u8 x s8 products without saturating: Q8_0's w + 128, less 128 sum(q) after */
+    if (type == Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8(-128));
+#else
     if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+#endif
     if (type == Q4_0 || type == Q4_1) return EB_SUFFIX(nibbles)(blk + (type == Q4_0 ? 2 : 4));
     const int qh = type == Q5_0 ? 2 : 4;
     return _mm256_or_si256(EB_SUFFIX(nibbles)(blk + qh + 4), EB_SUFFIX(fifth_bits)(blk + qh));
@@ -86,7 +91,9 @@ EB_INLINE __m256i EB_SUFFIX(legacy_values)(int type, const uint8_t *blk) {
 /* Those values times 32 activations: eight int32 lanes (Q8_0's signed values as |w| times q with w's sign). */
 EB_INLINE __m256i EB_SUFFIX(values_dot)(int type, __m256i u, const int8_t *qx) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)qx);
+#ifndef EB_VNNI /* maddubs' int16 pair sums would saturate on w + 128: |w| times q with w's sign */
     if (type == Q8_0) return EB_SUFFIX(dot_u8)(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+#endif
     return EB_SUFFIX(dot_u8)(u, q);
 }
 
@@ -97,7 +104,11 @@ EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, 
                                       float *out) {
     const int has_min = type == Q4_1 || type == Q5_1;
     const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+#ifdef EB_VNNI
+    const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0;
+#else
     const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+#endif
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i offsets = _mm256_mullo_epi32(lane, _mm256_set1_epi32(bytes));
     __m256 acc[EB_ROWS];
