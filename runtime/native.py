@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -209,18 +208,6 @@ def ops_library() -> Path:
 
 
 ISAS = ("scalar", "avx2", "avx512vnni")  # blocks.h's enum eb_isa, in order
-
-
-@dataclass(frozen=True)
-class KernelPath:
-    """Which path a package's kept blocks run on: the native ops (and their ISA) or the fallback, and why."""
-
-    native: bool
-    isa: str | None  # the ISA the kernels picked; None on the fallback
-    reason: str  # why the fallback runs; "" on the native path
-
-    def describe(self) -> str:
-        return f"native kernels ({self.isa})" if self.native else f"fallback MatMulNBits ({self.reason})"
 
 
 @cache
