@@ -27,6 +27,7 @@ graph.py as one step that reads it (Qwen3's head norms and Gemma 3's parts came 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,23 @@ class NBits:
     def rows(self, start: int, stop: int) -> NBits:
         """Output rows [start, stop) alone (by_rows must hold): what writes a large table a slice at a time."""
         return NBits(self.bits, self.block_size, [self.sources[0].rows(start, stop)])
+
+    def raw_parts(self, kinds: tuple[int, ...]) -> list[tuple[int, int, Callable[[], np.ndarray]]] | None:
+        """The file's own blocks along the outputs as (ggml type, rows, read: uint8 (rows, row bytes)), neighbouring
+        parts of one type joined; None unless every part has them, of a type in `kinds` (runtime/packed.py)."""
+        if not all(isinstance(p, LazyRuns) and p.raw is not None and p.kind in kinds for p in self.sources):
+            return None
+        groups: list[tuple[int, list[LazyRuns]]] = []
+        for part in self.sources:
+            if groups and groups[-1][0] == part.kind:
+                groups[-1][1].append(part)
+            else:
+                groups.append((part.kind, [part]))
+
+        def read(parts: list[LazyRuns]) -> Callable[[], np.ndarray]:
+            return parts[0].raw if len(parts) == 1 else lambda: np.concatenate([p.raw() for p in parts])
+
+        return [(kind, sum(p.shape[0] for p in parts), read(parts)) for kind, parts in groups]
 
     @property
     def shape(self) -> tuple[int, int]:

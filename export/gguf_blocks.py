@@ -11,8 +11,8 @@ zero-point input; the offset is added beside the node as (block sums of x) @ off
 5- and 6-bit values take 8-bit blocks; 2- and 3-bit values 4-bit ones. Offsets are centred on the run's
 middle value, so its two terms cancel less than d q and m would. Each type also keeps the numbers its scales
 and offsets come from (`Factors`), which export/compact_blocks.py stores instead of the float32 results, its
-values as bit planes of the row's `planes` widths. Layouts:
-https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-common.h (block_q4_0 ... block_q6_K).
+values as bit planes of the row's `planes` widths. The unpacking of each type and the table's numbers live in
+runtime/block_types.py (the runtime's fallback converts raw blocks with them); this table is derived from it.
 """
 
 from __future__ import annotations
@@ -23,35 +23,11 @@ from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import Q4_K
+
+from edgelm.runtime.block_types import FORMATS, Factors, scales_offsets
+from edgelm.runtime.block_types import pack as pack  # export's modules import it from here
 
 Q = GGMLQuantizationType
-
-
-class Factors(NamedTuple):
-    """A weight's run scales and offsets as the file holds them, for G groups of runs in each of N rows (a legacy
-    block of 32: one run; a K-quant super-block of 256: 8 or 16): scale = d * sc, offset = middle * scale - dmin
-    * mn, in float32 and in that order (`scales_offsets`; export/compact_blocks.py has the package compute them
-    the same way at load)."""
-
-    d: np.ndarray  # float16 (N, G, 1), or (N, G, runs) for a legacy block split into shorter runs
-    sc: np.ndarray | None  # int8 or uint8 (N, G, runs): K-quants' sub-block scales; None: 1
-    dmin: np.ndarray | None  # float16 like d: K-quants' dmin, minus a legacy type's m; None: no offsets
-    mn: np.ndarray | None  # uint8 (N, G, runs): K-quants' sub-block minimums; None: 1
-    middle: int  # the run's middle value, the offset's multiple of the scale (see the table above)
-
-
-def scales_offsets(factors: Factors) -> tuple[np.ndarray, np.ndarray | None]:
-    """float32 (N, G, runs) scales and offsets (None: all 0) from the file's factors."""
-    scale = factors.d.astype(np.float32)
-    if factors.sc is not None:
-        scale = scale * factors.sc.astype(np.float32)
-    if factors.dmin is None:
-        return scale, None
-    low = factors.dmin.astype(np.float32)
-    if factors.mn is not None:
-        low = low * factors.mn.astype(np.float32)
-    return scale, factors.middle * scale - low
 
 
 class Runs(NamedTuple):
@@ -64,119 +40,6 @@ class Runs(NamedTuple):
     offsets: np.ndarray | None  # float32 (N, K / block_size); None: all 0
     value_bits: int  # the type's own bits a value (5 for Q5_0), at most `bits`
     factors: Factors  # what scales and offsets are computed from
-
-
-def _half(raw: np.ndarray) -> np.ndarray:
-    """Two bytes per row (the last axis) as float16 (..., 1)."""
-    return np.ascontiguousarray(raw).view(np.float16)
-
-
-def _bits_of(raw: np.ndarray, count: int) -> np.ndarray:
-    """(..., count / 8) bytes -> (..., count) bits, little end first (element j is bit j % 8 of byte j // 8)."""
-    return np.unpackbits(raw, axis=-1, bitorder="little")[..., :count]
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(..., 16) bytes of a 32-run -> (..., 32): element j in the low nibble of byte j, j + 16 in its high."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q4_0, blocks of 32: w = d (q - 8); c = q - 8, no offset."""
-    return _nibbles(blocks[:, 2:18]).astype(np.int8) - 8, Factors(_half(blocks[:, 0:2]), None, None, None, 0)
-
-
-def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q4_1, blocks of 32: w = d q + m; c = q - 8, offset m + 8 d (-m kept as dmin)."""
-    d, m = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
-    return _nibbles(blocks[:, 4:20]).astype(np.int8) - 8, Factors(d, None, -m, None, 8)
-
-
-def _five_bits(blocks: np.ndarray, start: int) -> np.ndarray:
-    """Q5_0 / Q5_1's 32 values: the 32-bit qh at `start` (bit j is element j's fifth bit), then the nibbles."""
-    high = _bits_of(blocks[:, start : start + 4], 32)
-    return _nibbles(blocks[:, start + 4 : start + 20]) | (high << 4)
-
-
-def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q5_0, blocks of 32: w = d (q - 16); c = q - 16, no offset."""
-    return _five_bits(blocks, 2).astype(np.int8) - 16, Factors(_half(blocks[:, 0:2]), None, None, None, 0)
-
-
-def _q5_1(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q5_1, blocks of 32: w = d q + m; c = q - 16, offset m + 16 d (-m kept as dmin)."""
-    d, m = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
-    return _five_bits(blocks, 4).astype(np.int8) - 16, Factors(d, None, -m, None, 16)
-
-
-def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q8_0, blocks of 32: w = d q; c = q, no offset."""
-    return blocks[:, 2:].view(np.int8), Factors(_half(blocks[:, 0:2]), None, None, None, 0)
-
-
-def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
-    """Q3_K's 12 bytes -> 16 signed 6-bit run scales: the low 4 bits in bytes 0-7 (runs 0-7 low nibbles,
-    8-15 high), the high 2 bits in bytes 8-11 (run r at bits 2 (r // 4) of byte 8 + r % 4)."""
-    low = np.concatenate([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], axis=-1)  # (B, 16)
-    high = (packed[:, 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)) & 0x03  # (B, 4 bytes, 4 shifts)
-    high = high.transpose(0, 2, 1).reshape(-1, 16)  # run r = 4 * shift + byte
-    return (low | (high << 4)).astype(np.int16) - 32
-
-
-def _q2_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q2_K, super-blocks of 256, runs of 16: w = d sc q - dmin mn; c = q - 2, offset 2 s - dmin mn.
-    Layout: scales[16] | qs[64] | d | dmin."""
-    n = blocks.shape[0]
-    sc, qs, d, dmin = blocks[:, :16], blocks[:, 16:80], _half(blocks[:, 80:82]), _half(blocks[:, 82:84])
-    q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
-    return q.reshape(n, 256).astype(np.int8) - 2, Factors(d, sc & 0x0F, dmin, sc >> 4, 2)
-
-
-def _q3_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q3_K, super-blocks of 256, runs of 16: w = d (sc - 32) q; c = q (-4 .. 3), no offset.
-    Layout: hmask[32] | qs[64] | scales[12] | d."""
-    n = blocks.shape[0]
-    hmask, qs, d = blocks[:, :32], blocks[:, 32:96], _half(blocks[:, 108:110])
-    low = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
-    high = (hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01  # (B, 1, 8, 32)
-    q = low.reshape(n, 256).astype(np.int8) - 4 * (1 - high.reshape(n, 256).astype(np.int8))  # set bit: no -4
-    return q, Factors(d, _q3_k_scales(blocks[:, 96:108]).astype(np.int8), None, None, 0)
-
-
-def _q4_k_q5_k(blocks: np.ndarray, *, five: bool) -> tuple[np.ndarray, Factors]:
-    """Q4_K / Q5_K: d | dmin | scales[12] (6-bit scale and minimum of 8 runs of 32) | [qh[32]] | qs[128]."""
-    n = blocks.shape[0]
-    d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
-    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])  # gguf-py's unpacking of the 12 scale bytes, (B, 8) each
-    qs = blocks[:, -128:]
-    q = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F).reshape(n, 256)
-    middle = 8
-    if five:
-        high = (blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 0x01  # (B, 8, 32)
-        q, middle = q | (high.reshape(n, 256) << 4), 16
-    return q.astype(np.int8) - middle, Factors(d, sc.astype(np.uint8), dmin, mn.astype(np.uint8), middle)
-
-
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q4_K, super-blocks of 256, runs of 32: w = d sc q - dmin mn; c = q - 8, offset 8 s - dmin mn."""
-    return _q4_k_q5_k(blocks, five=False)
-
-
-def _q5_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q5_K, super-blocks of 256, runs of 32: w = d sc q - dmin mn; c = q - 16, offset 16 s - dmin mn."""
-    return _q4_k_q5_k(blocks, five=True)
-
-
-def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, Factors]:
-    """Q6_K, super-blocks of 256, runs of 16: w = d sc (q - 32); c = q - 32, no offset.
-    Layout: ql[128] | qh[64] | scales[16] int8 | d."""
-    n = blocks.shape[0]
-    ql, qh, d = blocks[:, :128], blocks[:, 128:192], _half(blocks[:, 208:210])
-    low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F  # (B, 2, 2, 64)
-    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # (B, 2, 4, 32)
-    q = low.reshape(n, 256) | (high.reshape(n, 256) << 4)
-    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
-    return q.astype(np.int8) - 32, Factors(d, sc, None, None, 0)
 
 
 @dataclass(frozen=True)
@@ -196,20 +59,9 @@ class BlockType:
         return tuple(1 << i for i in reversed(range(4)) if self.value_bits >> i & 1)
 
 
-BLOCK_TYPES: dict[Q, BlockType] = {
-    row.kind: row
-    for row in (
-        BlockType(Q.Q4_0, bits=4, block_size=32, value_bits=4, unpack=_q4_0),
-        BlockType(Q.Q4_1, bits=4, block_size=32, value_bits=4, unpack=_q4_1),
-        BlockType(Q.Q5_0, bits=8, block_size=32, value_bits=5, unpack=_q5_0),
-        BlockType(Q.Q5_1, bits=8, block_size=32, value_bits=5, unpack=_q5_1),
-        BlockType(Q.Q8_0, bits=8, block_size=32, value_bits=8, unpack=_q8_0),
-        BlockType(Q.Q2_K, bits=4, block_size=16, value_bits=2, unpack=_q2_k),
-        BlockType(Q.Q3_K, bits=4, block_size=16, value_bits=3, unpack=_q3_k),
-        BlockType(Q.Q4_K, bits=4, block_size=32, value_bits=4, unpack=_q4_k),
-        BlockType(Q.Q5_K, bits=8, block_size=32, value_bits=5, unpack=_q5_k),
-        BlockType(Q.Q6_K, bits=8, block_size=16, value_bits=6, unpack=_q6_k),
-    )
+BLOCK_TYPES: dict[Q, BlockType] = {  # the runtime's table of block types (runtime/block_types.py), by Q
+    Q(row.number): BlockType(Q(row.number), row.bits, row.block_size, row.value_bits, row.unpack)
+    for row in FORMATS.values()
 }
 KEPT_TYPE_NAMES = tuple(kind.name for kind in BLOCK_TYPES)  # "Q4_0", ...: the types kept as blocks
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
@@ -253,9 +105,16 @@ class LazyRuns:
     has_offsets: bool
     load: Callable[[], Runs]
     rows: Callable[[int, int], Runs] | None = None  # output rows [start, stop) alone; None: only the whole
+    kind: int | None = None  # the file's ggml type of `raw`'s blocks
+    raw: Callable[[], np.ndarray] | None = None  # the file's blocks, uint8 (N, row bytes) in Hugging Face row order
 
     def with_load(self, load: Callable[[], Runs], rows: Callable[[int, int], Runs] | None = None) -> LazyRuns:
-        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load, rows)
+        """The same weight read through `load` (the file's pages let go after, say); its raw blocks stay."""
+        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load, rows, self.kind, self.raw)
+
+    def changed(self, load: Callable[[], Runs]) -> LazyRuns:
+        """Runs that `load` computes differently from the file's rows (a family's reordering): no raw blocks."""
+        return LazyRuns(self.bits, self.block_size, self.shape, self.has_offsets, load)
 
 
 def lazy_runs(
@@ -271,9 +130,13 @@ def lazy_runs(
         runs = to_runs(kind, rows, n_in)
         return runs if change is None else by_rows(runs, change)
 
+    def raw() -> np.ndarray:
+        return np.asarray(rows) if change is None else np.ascontiguousarray(change(np.asarray(rows)))
+
     first = to_runs(kind, rows[:1], n_in)
     some = None if change is not None else lambda start, stop: to_runs(kind, rows[start:stop], n_in)
-    return LazyRuns(row.bits, row.block_size, (rows.shape[0], n_in), first.offsets is not None, load, some)
+    shape = (rows.shape[0], n_in)
+    return LazyRuns(row.bits, row.block_size, shape, first.offsets is not None, load, some, int(kind), raw)
 
 
 def load_runs(runs: Runs | LazyRuns) -> Runs:
@@ -325,13 +188,3 @@ def dequantized(runs: Runs) -> np.ndarray:
     if runs.offsets is not None:
         w = w + runs.offsets[..., None]
     return w.reshape(n, k)
-
-
-def pack(values: np.ndarray, bits: int, block_size: int) -> np.ndarray:
-    """int8 (N, K) centred values -> MatMulNBits' B, uint8 (N, K / block_size, block_size * bits / 8): stored
-    value + 2^(bits-1); 4 bits: element 2i in the low nibble of byte i, 2i + 1 in its high nibble."""
-    n, k = values.shape
-    stored = (values.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).reshape(n, k // block_size, block_size)
-    if bits == 8:
-        return stored
-    return (stored[..., 0::2] | (stored[..., 1::2] << 4)).astype(np.uint8)

@@ -42,6 +42,7 @@ from onnx import TensorProto, helper
 from edgelm.float16 import KEEP_FLOAT32
 
 from ..runtime.contract import IONames
+from ..runtime.packed import DOMAIN as PACKED_DOMAIN
 from .decoder import Decoder, Layer, Linear, Norm, Rotary
 from .graph_blocks import _BlockNodes, _gather_blocks, _gather_embedding_blocks
 from .graph_mixers import _Mixers, _Rotary
@@ -181,15 +182,25 @@ class _GraphBuilder(_BlockNodes, _Mixers):
 
 
 def build_fused_graph(
-    decoder: Decoder, io: IONames, *, opset: int = 17, accuracy_level: int = 4, compact: bool = True
+    decoder: Decoder,
+    io: IONames,
+    *,
+    opset: int = 17,
+    accuracy_level: int = 4,
+    compact: bool = True,
+    packed: bool = False,
+    fallback_plan: dict | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The decoder as an ONNX graph with fused attention and a shared KV buffer, and its weights: initializer
     name -> array, for edgelm.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only);
     compact: kept blocks as bit planes and the file's factors, unpacked at load (export/compact_blocks.py),
-    else as MatMulNBits' own arrays. io: the manifest's names; its logits_to_keep names the optional input."""
+    else as MatMulNBits' own arrays. packed: the file's own rows under ai.edgelm ops (runtime/packed.py); a
+    fallback_plan dict: the plain graph whose block arrays it records as made from those rows (never written).
+    io: the manifest's names; its logits_to_keep names the optional input."""
     assert io.logits_to_keep is not None, "the fused graph takes the number of positions to keep as an input"
     d = decoder
     g = _GraphBuilder(accuracy_level=accuracy_level, compact=compact)
+    g.packed, g.fallback_plan = packed, fallback_plan
     one = g.small_constant("const_one", np.array(1, dtype=np.int64))
     axis_1 = g.small_constant("const_axis_1", np.array([1], dtype=np.int64))
     x, head = _embeddings(g, d, io)
@@ -246,8 +257,10 @@ def build_fused_graph(
         g.weight_nodes + g.nodes, f"edgelm-{d.family}-fused", inputs, outputs, g.initializers, value_info=g.value_info
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
+    if packed:
+        opsets.append(helper.make_opsetid(PACKED_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
-    _gather_embedding_blocks(model, d, g.weights, compact=compact)
+    _gather_embedding_blocks(model, d, g.weights, compact=compact, packed=packed)
     if d.per_layer_embedding_nbits is not None:  # Gemma 4's per-layer table, kept as the file's blocks
         _gather_blocks(model, "per_layer/Gather", "per_layer.embed", d.per_layer_embedding_nbits)
     return model, g.weights
@@ -265,7 +278,7 @@ def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | N
             table = "lm_head.weight_T" if d.head_nbits is not None else g.constant("lm_head.weight_T", d.embedding.T)
             head = table
         else:
-            g.nbits_weights("embed", d.embedding_nbits)  # offsets (C / block, V) too, where it has them
+            g.embedding_blocks("embed", d.embedding_nbits)  # offsets (C / block, V) too, where it has them
             table = "embed.weight_T"
         columns = g.op("Gather", [table, io.input_ids], "embed/Gather", axis=1)  # (C, B, T)
         x = g.op("Transpose", [columns], "embed/Transpose", perm=[1, 2, 0])  # (B, T, C)

@@ -4,6 +4,8 @@ offsets for Q4_1's w = d * q + m), its arrays written as MatMulNBits' own or, co
 unpacked at load (export/compact_blocks.py); and an embedding table kept as blocks (the head's, when tied; Gemma
 4's per-layer table) is a stand-in Gather rewired to gather rows of them (edgelm/nbits_gather.py), through
 initializers of its own naming the head's bytes (SameBytes) where the head's pages should not stay resident.
+Packed (runtime/packed.py): the file's rows as they are, an ai.edgelm MatMulPacked node on them (GatherPacked for the
+embedding); the fallback graph beside it is the plain form with its block arrays named for the runtime to compute.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from onnx import helper
 
 from edgelm.nbits_gather import gather_from_nbits
 from edgelm.onnxfile import SameBytes, placeholder
+from edgelm.runtime.block_types import row_bytes
+from edgelm.runtime.packed import DOMAIN, PACKED_TYPES
 
 from .compact_blocks import write_blocks
 from .decoder import Decoder, NBits
@@ -55,13 +59,71 @@ class _NBitsArrays:
         return self._take("block_offsets")
 
 
+def packed_names(prefix: str, parts: list) -> list[str]:
+    """The raw rows' initializers of a linear's parts (one per run of parts of one type)."""
+    return [f"{prefix}.weight_packed" + (f"{i}" if len(parts) > 1 else "") for i in range(len(parts))]
+
+
 class _BlockNodes(_Nodes):
-    """MatMulNBits on kept blocks; the builder's accuracy_level and compact choose how."""
+    """MatMulNBits on kept blocks; the builder's accuracy_level and compact choose how. packed: the file's own rows
+    under ai.edgelm MatMulPacked; fallback_plan (a dict): the plain arrays, recorded there as made from those rows,
+    for the fallback graph (runtime/packed.py), never written."""
+
+    packed = False
+    fallback_plan: dict | None = None
+
+    def _raw_parts(self, nbits: NBits) -> list | None:
+        return nbits.raw_parts(PACKED_TYPES) if self.packed or self.fallback_plan is not None else None
+
+    def packed_rows(self, prefix: str, nbits: NBits) -> list[tuple[str, int, int]]:
+        """The raw rows of each part as initializers: (name, ggml type, rows)."""
+        parts, k = self._raw_parts(nbits), nbits.shape[0]
+        named = []
+        for name, (kind, n, read) in zip(packed_names(prefix, parts), parts, strict=True):
+            self.constant(name, LazyArray((n, row_bytes(kind, k)), read, np.uint8))
+            named.append((name, kind, n))
+        return named
+
+    def matmul_packed(self, x: str, prefix: str, nbits: NBits, output: str) -> str:
+        """x @ W on the file's rows: one MatMulPacked a part of one type, concatenated along the outputs."""
+        k = nbits.shape[0]
+        rows = self.packed_rows(prefix, nbits)
+        products = []
+        for i, (name, kind, n) in enumerate(rows):
+            product = output if len(rows) == 1 else f"{output}/part{i}"
+            node = helper.make_node(
+                "MatMulPacked", [x, name], [product], name=product, domain=DOMAIN, packed_type=kind, N=n, K=k
+            )
+            self.nodes.append(node)
+            products.append(self.float_output(product, ["batch_size", "sequence_length", n]))
+        return output if len(products) == 1 else self.op("Concat", products, output, axis=-1)
+
+    def _record_fallback(self, prefix: str, nbits: NBits, names: tuple[str, str, str | None]) -> None:
+        parts = self._raw_parts(nbits)
+        sources = [
+            {"tensor": name, "type": kind, "rows": n}
+            for name, (kind, n, _) in zip(packed_names(prefix, parts), parts, strict=True)
+        ]
+        for array, name in zip(("B", "scales", "offsets"), names, strict=True):
+            if name is not None:
+                self.fallback_plan[name] = {
+                    "array": array, "bits": nbits.bits, "block_size": nbits.block_size, "k": nbits.shape[0],
+                    "parts": sources,
+                }  # fmt: skip
+
+    def embedding_blocks(self, prefix: str, nbits: NBits) -> None:
+        """An untied embedding's blocks: the file's rows (packed) or MatMulNBits' arrays."""
+        if self.packed and self._raw_parts(nbits) is not None:
+            self.packed_rows(prefix, nbits)
+        else:
+            self.nbits_weights(prefix, nbits)
 
     def nbits_weights(self, prefix: str, nbits: NBits) -> tuple[str, str, str | None]:
         """MatMulNBits' B and scales and the block offsets (None: none), as initializers or, compact, as the
         outputs of nodes that compute them from smaller ones."""
         packed, scales, offsets = _nbits_names(prefix, nbits)
+        if self.fallback_plan is not None and self._raw_parts(nbits) is not None:
+            self._record_fallback(prefix, nbits, (packed, scales, offsets))
         if self.compact:
             write_blocks(self, nbits, packed=packed, scales=scales, offsets=offsets)
         else:  # unpacked (or quantized) when written, once for the three arrays (save_model writes them in turn)
@@ -90,6 +152,8 @@ class _BlockNodes(_Nodes):
     def matmul_nbits(self, x: str, prefix: str, nbits: NBits, output: str) -> str:
         """x @ W on the blocks; with block offsets (Q4_1's w = d * q + m) the integer-zero-point product
         plus (block sums of x) @ offsets, which keeps ONNX Runtime on its fast kernels."""
+        if self.packed and self._raw_parts(nbits) is not None:
+            return self.matmul_packed(x, prefix, nbits, output)
         k, n = nbits.shape
         packed, scales, offsets = self.nbits_weights(prefix, nbits)
         product = output if offsets is None else f"{output}/blocks"
@@ -119,14 +183,40 @@ class _BlockNodes(_Nodes):
         return self.op("Add", [product, correction], output)
 
 
-def _gather_embedding_blocks(model: onnx.ModelProto, d: Decoder, weights: dict, *, compact: bool) -> None:
+def _gather_packed(model: onnx.ModelProto, node: str, rows: str, kind: int, k: int) -> None:
+    """Rewire the stand-in Gather `node` (a tied table's columns then Transpose, or a table's rows) into one
+    ai.edgelm GatherPacked on the raw rows `rows`."""
+    graph = model.graph
+    gather = next(n for n in graph.node if n.name == node)
+    index = list(graph.node).index(gather)
+    out = gather.output[0]
+    if any(a.name == "axis" and a.i == 1 for a in gather.attribute):
+        transpose = next(n for n in graph.node if n.input and n.input[0] == out and n.op_type == "Transpose")
+        out = transpose.output[0]
+        graph.node.remove(transpose)
+    graph.node.remove(gather)
+    packed = helper.make_node(
+        "GatherPacked", [rows, gather.input[1]], [out], name=f"{node}/packed", domain=DOMAIN, packed_type=kind, K=k
+    )
+    graph.node.insert(index, packed)
+    graph.value_info.append(
+        helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", k])
+    )
+
+
+def _gather_embedding_blocks(
+    model: onnx.ModelProto, d: Decoder, weights: dict, *, compact: bool, packed: bool = False
+) -> None:
     """Rewire the embedding's stand-in Gather to gather rows of blocks (the head's, when tied), if there are any.
     Tied plain blocks are gathered through initializers of their own that point at the head's bytes (SameBytes):
     ONNX Runtime maps them apart from the ones MatMulNBits prepacks and lets go, so the head's pages need not stay
     resident for the few rows a step gathers (runtime/session.py drops them; compact blocks are computed at load,
     and the gather reads the computed tensors)."""
     table, prefix = (d.head_nbits, "lm_head") if d.tied else (d.embedding_nbits, "embed")
-    if table is not None:
+    parts = table.raw_parts(PACKED_TYPES) if packed and table is not None else None
+    if parts is not None and len(parts) == 1:
+        _gather_packed(model, "embed/Gather", packed_names(prefix, parts)[0], parts[0][0], table.shape[0])
+    elif table is not None:
         _gather_blocks(model, "embed/Gather", prefix, table, weights if d.tied and not compact else None)
 
 

@@ -43,6 +43,7 @@ from ..runtime.contract import (
 from ..runtime.errors import PackageError
 from ..runtime.model import package_tokenizer
 from ..runtime.package import read_package
+from ..runtime.packed import FALLBACK_MODEL, uses_packed
 from .block_quantize import QUANTIZE_MODES, half_precision, quantize_decoder
 from .checkpoint import check_finite
 from .decoder import Decoder
@@ -62,6 +63,7 @@ from .gguf_blocks import FLOAT_TYPES, KEPT_TYPE_NAMES
 from .graph import build_fused_graph
 from .lazy_weights import is_lazy, lazy_parameter, materialize
 from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
+from .packed_blocks import Fallback
 from .parity import check_parity, check_parity_int8, check_parity_shared, check_window, window_rows
 from .source import Source, open_source
 from .tokenizer_config import tokenizer_config
@@ -212,6 +214,7 @@ def export_package(
     tolerance: float | None = None,
     overwrite: bool = False,
     compact_blocks: bool = False,
+    packed_blocks: bool = False,
     lora: list[tuple[str | Path, float]] = (),
     lora_slots: SlotSpec | None = None,
     quantize: str | None = None,
@@ -224,7 +227,8 @@ def export_package(
     failed export leaves nothing half-written; returns the manifest (JSON). attention: "fused" or "standard"
     (last_token_logits is the standard graph's). A GGUF file's quantized blocks are kept (MatMulNBits run at
     `accuracy_level`: 4 int8 activations, 0 float) unless `dequantize` or the standard graph, as MatMulNBits' own
-    arrays, or with compact_blocks as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py).
+    arrays, or with compact_blocks as bit planes ONNX Runtime unpacks at load (export/compact_blocks.py), or with
+    packed_blocks as the file's own rows under edgelm's native ops, with a fallback graph beside (runtime/packed.py).
     tolerance: the largest |logit difference| (None: by precision). lora: PEFT adapters merged, lora_slots:
     run-time slots (export/lora.py). quantize: "int4" or "int8-weight-only", written block by block with no fp32 package
     (export/block_quantize.py; block_size and int4_lm_head as quantize's). bars: progress bars on stderr for
@@ -247,11 +251,14 @@ def export_package(
         accuracy_level=accuracy_level, tolerance=tolerance, progress=progress,
         quantize=None if quantize is None else dict(mode=quantize, block_size=block_size, lm_head=int4_lm_head),
     )  # fmt: skip
-    manifest = _add_storage_and_lora(plan, source, compact_blocks=compact_blocks, adapters=adapters, slots=lora_slots)
+    packed = packed_blocks and plan.keep and not plan.quantized and plan.fused
+    manifest = _add_storage_and_lora(
+        plan, source, compact_blocks=compact_blocks, packed=packed, adapters=adapters, slots=lora_slots
+    )
     with staged as staging:
         _write_graph(
             plan, source.model, staging / MODEL_FILE, accuracy_level=accuracy_level, compact=compact_blocks,
-            progress=progress, bars=bars,
+            packed=packed, progress=progress, bars=bars,
         )  # fmt: skip
         manifest.parity = _prove(plan, source.model, staging / MODEL_FILE, progress=progress, bars=bars)
         progress("[4/4] writing package files")
@@ -263,12 +270,14 @@ def export_package(
 
 
 def _add_storage_and_lora(
-    plan: _Plan, source: Source, *, compact_blocks: bool, adapters: list, slots: SlotSpec | None
+    plan: _Plan, source: Source, *, compact_blocks: bool, packed: bool, adapters: list, slots: SlotSpec | None
 ) -> Manifest:
     """The plan's manifest with how kept blocks are stored and the LoRA record; run-time slots join the Decoder."""
     manifest = plan.manifest
     if plan.keep:  # compact: ONNX Runtime computes the blocks at load, by constant folding (export/compact_blocks.py)
         manifest.recipe["storage"] = "compact" if compact_blocks and not plan.quantized else "plain"
+        if packed:  # the file's rows under ai.edgelm ops; the fallback graph beside (runtime/packed.py)
+            manifest.recipe.update(storage="packed", op="MatMulPacked", fallback=FALLBACK_MODEL)
     planned = plan_slots(source.model, source.family, slots) if slots is not None else None
     if planned is not None:
         add_slots(plan.decoder, planned)
@@ -343,6 +352,7 @@ def _write_graph(
     *,
     accuracy_level: int,
     compact: bool,
+    packed: bool = False,
     progress: Progress,
     bars: bool | None,
 ) -> None:
@@ -356,12 +366,15 @@ def _write_graph(
     )
     if plan.fused:
         accuracy_level = 4 if plan.quantized else accuracy_level  # quantize's recipe: int8 activations
+        # packed: the fallback graph is built while the Decoder is at hand, saved once model.onnx is
+        fallback = Fallback(plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level) if packed else None
         graph, weights = build_fused_graph(
             plan.decoder,
             manifest.io,
             opset=opset,
             accuracy_level=accuracy_level,
-            compact=compact and not plan.quantized,
+            compact=compact and not plan.quantized and not packed,
+            packed=packed,
         )
         plan.decoder = None  # save_model drops each array once written: its float copies go one by one
         if plan.half:
@@ -369,6 +382,8 @@ def _write_graph(
             manifest.io.kv_dtype = "float16"
         with _bar(stored_bytes(weights), "writing weights", show=bars, unit="B") as bar:
             manifest.export["external_data"] = save_model(graph, path, weights=weights, on_write=bar.update)
+        if fallback is not None:
+            fallback.save(path)
     else:
         materialize(model)  # tracing runs the whole model in fp32
         graph = trace_graph(model, io=manifest.io, opset=opset, last_token_logits=last_token_logits)
@@ -495,7 +510,9 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
             # float32's rounding is relative: the tolerance holds for logits of up to LOGIT_PEAK, and grows past it
             scale = max(1.0, proof.reference_peak / LOGIT_PEAK)
             tolerance = plan.tolerance * scale
-            window = _window_check(model, twin, plan.manifest.io, tolerance=tolerance, progress=progress)
+            window = _window_check(
+                model, twin, plan.manifest.io, tolerance=tolerance, progress=progress, packed_for=onnx_path
+            )
     verdict = "passed" if proof.float_max_abs <= tolerance else "FAILED"
     progress(
         f"      float twin (accuracy level 0): max |logit difference| = {proof.float_max_abs:.2e}, allowed "
@@ -547,7 +564,13 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
 
 
 def _window_check(
-    model: torch.nn.Module, onnx_path: Path, io: IONames, *, tolerance: float, progress: Progress
+    model: torch.nn.Module,
+    onnx_path: Path,
+    io: IONames,
+    *,
+    tolerance: float,
+    progress: Progress,
+    packed_for: Path | None = None,
 ) -> dict | None:
     """Past the sliding window, where the model has windows short enough to prove (export/parity.py window_rows):
     its record for the manifest, or None; RuntimeError above WINDOW_SLACK times the tolerance (float32 sums over
@@ -555,7 +578,8 @@ def _window_check(
     length = window_rows(model)
     if length is None:
         return None
-    max_diff = check_window(model, onnx_path, io=io, length=length)
+    converted_for = packed_for if packed_for is not None and uses_packed(packed_for) else None
+    max_diff = check_window(model, onnx_path, io=io, length=length, converted_for=converted_for)
     _refuse_non_finite(max_diff)
     allowed = tolerance * WINDOW_SLACK
     verdict = "passed" if max_diff <= allowed else "FAILED"
@@ -588,14 +612,17 @@ def _allow(max_diff: float) -> str:
 @contextmanager
 def float_twin(onnx_path: Path) -> Iterator[Path]:
     """The graph beside `onnx_path` with every MatMulNBits at accuracy level 0 (float activations), reading the same
-    weights file; removed afterwards. Only the graph is rewritten: its external weights are not loaded."""
-    graph = onnx.load(str(onnx_path), load_external_data=False)
+    weights file; removed afterwards. A packed package's twin is its fallback graph's (runtime/packed.py), whose
+    arrays the proof converts from the blocks as the runtime does. Only the graph is rewritten: its external
+    weights are not loaded."""
+    source = onnx_path.with_name(FALLBACK_MODEL) if uses_packed(onnx_path) else onnx_path
+    graph = onnx.load(str(source), load_external_data=False)
     for node in graph.graph.node:
         if node.op_type == "MatMulNBits":
             for attribute in node.attribute:
                 if attribute.name == "accuracy_level":
                     attribute.i = 0
-    twin = onnx_path.with_name(f".float-twin-{onnx_path.name}")
+    twin = onnx_path.with_name(f".float-twin-{source.name}")
     onnx.save(graph, str(twin))
     try:
         yield twin

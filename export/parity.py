@@ -18,6 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from ..runtime import packed
 from ..runtime.contract import Architecture, IONames
 from ..runtime.session import reclaiming_read_pages
 from .checkpoint import CheckpointError
@@ -52,7 +53,9 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _session(onnx_path: str | Path, *, prepacking: bool = False, half: bool = False) -> ort.InferenceSession:
+def _session(
+    onnx_path: str | Path, *, prepacking: bool = False, half: bool = False, converted_for: Path | None = None
+) -> ort.InferenceSession:
     """prepacking: as the runtime runs it; needed where a kernel's fast path exists only for prepacked weights
     (MatMulNBits' int8-activation path, accuracy_level 4). Off, no second copy of the float weights is made.
 
@@ -70,8 +73,14 @@ def _session(onnx_path: str | Path, *, prepacking: bool = False, half: bool = Fa
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         options.enable_cpu_mem_arena = options.enable_mem_pattern = False
+    if converted_for is not None:  # a packed package's fallback graph (its float twin): arrays from its blocks
+        prepared = packed.fallback(converted_for, options, "the proof's float twin", graph=Path(onnx_path))
+    else:
+        prepared = packed.prepare(Path(onnx_path), options, ["CPUExecutionProvider"])  # kept raw blocks: their ops
     with reclaiming_read_pages(Path(onnx_path).parent) if prepacking else nullcontext():
-        return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(prepared.model_path), options, providers=["CPUExecutionProvider"])
+    packed.opened(session, prepared)
+    return session
 
 
 def check_parity(
@@ -270,7 +279,8 @@ def check_parity_int8(
     layout = state_layout(model)
     ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed, short=7 if layout.get("layer_types") else 5)
     run = dict(layout=layout, prepacking=True, on_step=on_step)
-    twin = _run_session(float_twin, io, config, ids, lengths, decode_steps, **run)
+    converted_for = Path(onnx_path) if packed.uses_packed(Path(onnx_path)) else None  # the twin is its fallback's
+    twin = _run_session(float_twin, io, config, ids, lengths, decode_steps, converted_for=converted_for, **run)
     shipped = _run_session(onnx_path, io, config, ids, lengths, decode_steps, forced=twin["tokens"], **run)
     rows = [
         ids[row, :length].tolist() + chosen
@@ -314,7 +324,15 @@ def window_rows(model: torch.nn.Module) -> int | None:
 WINDOW_BUDGET = 1e12  # multiply-adds of the window check's float64 pass (Gemma 3 270M at 520 tokens: 1.4e11)
 
 
-def check_window(model: torch.nn.Module, onnx_path: str | Path, *, io: IONames, length: int, seed: int = 1) -> float:
+def check_window(
+    model: torch.nn.Module,
+    onnx_path: str | Path,
+    *,
+    io: IONames,
+    length: int,
+    seed: int = 1,
+    converted_for: Path | None = None,
+) -> float:
     """Max |logit difference| at the last position of two random prompts of `length` tokens, longer than the
     model's smallest sliding window: a window one position off changes what that position attends to. A float
     graph (or an int8 graph's float twin) against the float64 reference, the last position's logits only."""
@@ -323,8 +341,9 @@ def check_window(model: torch.nn.Module, onnx_path: str | Path, *, io: IONames, 
     ids = torch.randint(0, config.vocab_size, (2, length), generator=generator)
     layout = state_layout(model)
     outputs = _run_session(
-        onnx_path, io, config, ids, [length, length], 0, layout=layout, prepacking=True, on_step=None, keep_first=1
-    )
+        onnx_path, io, config, ids, [length, length], 0, layout=layout, prepacking=True, on_step=None, keep_first=1,
+        converted_for=converted_for,
+    )  # fmt: skip
     mask = torch.ones_like(ids)
     positions = torch.arange(length).unsqueeze(0).expand(2, length)
     with _one_thread(), float64_stream(model):
@@ -345,13 +364,14 @@ def _run_session(
     on_step: Callable[[], None] | None,
     forced: list[list[int]] | None = None,
     keep_first: int = 0,
+    converted_for: Path | None = None,
 ) -> dict:
     """ONNX Runtime's logits for the prompt and each greedy decode step, and the tokens it chose (per row);
     layout: a hybrid's states (traced.state_layout). forced: the tokens each row is fed instead (another run's
     choices), so two graphs are compared on the same sequence. keep_first: the prompt's logits_to_keep (0: every
-    position)."""
+    position). converted_for: the packed package whose fallback graph `onnx_path` is."""
     half = io.kv_dtype == "float16"  # an fp16 graph: its cache, states and logits are half too
-    session = _session(onnx_path, prepacking=prepacking, half=half)
+    session = _session(onnx_path, prepacking=prepacking, half=half, converted_for=converted_for)
     uses_positions = io.position_ids in {i.name for i in session.get_inputs()}  # rotary graphs have none
     capacity = ids.shape[1] + decode_steps
     binding = session.io_binding()

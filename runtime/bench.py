@@ -63,6 +63,7 @@ def bench(
         "package": package,
         "precision": model.spec.precision,
         "provider": model.session.get_providers()[0],
+        "kernels": model.info()["kernels"],  # packed GGUF blocks: the native kernels or the fallback graph; else None
         "threads": threads,
         "batch": batch,
         "prompt_tokens": prompt_tokens,

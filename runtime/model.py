@@ -30,6 +30,7 @@ from .errors import ContextLengthError, InvalidInputError, InvalidParameterError
 from .kvcache import plain_feed
 from .onnx_external import external_data_locations
 from .package import PackageSpec, read_package
+from .packed import kernel_path
 from .results import GenerationResult, Stream, Timings, make_timings
 from .session import PROVIDERS, check_io, check_threads, open_session, ort_reason, resolve_providers
 from .text import TextAssembler, Tokenizer
@@ -126,6 +127,7 @@ class Model(AdapterMixin):
             "tokenizer": s.tokenizer_path.name if s.tokenizer_path else None,
             "chat_template": s.chat_template_path is not None,
             "provider": self.session.get_providers()[0],
+            "kernels": kernels.to_json() if (kernels := kernel_path(self.session)) else None,  # GGUF blocks as stored
             "size_bytes": sum(sizes) if sizes else model_bytes(s.model_path),
             "parity": manifest.parity if manifest else None,
             "evaluation": manifest.evaluation if manifest else None,

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from . import packed
 from .contract import GENAI_CONFIG_FILE, GRAPH_OPTIMIZATION_LEVEL, MANIFEST_FILE
 from .errors import InvalidParameterError, PackageError, ProviderError
 from .foreign import HF_CONFIG_FILE
@@ -81,11 +82,13 @@ def open_session(model_path: Path, providers: list[str], threads: int | None) ->
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+    prepared = packed.prepare(model_path, options, providers)  # GGUF blocks as stored: native ops or the fallback
     try:
         with reclaiming_read_pages(model_path.parent):
-            session = ort.InferenceSession(str(model_path), options, providers=providers)
+            session = ort.InferenceSession(str(prepared.model_path), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own pybind exception types
-        raise PackageError(f"ONNX Runtime cannot load {model_path.name}: {ort_reason(e)}") from None
+        raise PackageError(f"ONNX Runtime cannot load {prepared.model_path.name}: {ort_reason(e)}") from None
+    packed.opened(session, prepared)
     _return_freed_heap()
     return session
 

@@ -37,6 +37,7 @@ from .errors import InvalidParameterError
 from .generation import LOOKUP, DecodeState, Ending, GenerationOptions, check_speculative, is_model
 from .kvcache import Cache, make_cache
 from .onnx_external import operators
+from .packed import graph_path
 from .sampling import TokenPicker
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def _why_not_exact(runner: Runner) -> str | None:
     (row_dependent_operator). A short step check then stands guard for kernels that rule does not know."""
     if _last_token_only(runner):
         return "the graph gives the last position's logits only (exported with --last-token-logits)"
-    operator = row_dependent_operator(runner.spec.model_path)
+    operator = row_dependent_operator(graph_path(runner.session, runner.spec.model_path))  # the graph it runs
     if operator is not None:
         return f"{operator}, so a step of several tokens does not give the logits of single steps"
     if not _steps_agree(runner):

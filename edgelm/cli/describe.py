@@ -42,7 +42,8 @@ def weights(precision: str, recipe: dict) -> str | None:
         kept = _bits(recipe.get("kept_bits") or {}) or "no linears"
         floats = recipe.get("float_linears") or 0
         types = sorted((recipe.get("types") or {}).items(), key=lambda item: -item[1])
-        text = f"the GGUF file's own blocks (MatMulNBits): {kept}" + (f", {floats} float" if floats else "")
+        op = "as the file stores them, ai.edgelm MatMulPacked" if recipe.get("storage") == "packed" else "MatMulNBits"
+        text = f"the GGUF file's own blocks ({op}): {kept}" + (f", {floats} float" if floats else "")
         text += f"; LM head {_width(recipe.get('lm_head'))}"
         if "embedding" in recipe:
             text += f", embedding {_width(recipe['embedding'])}"

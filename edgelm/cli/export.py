@@ -126,6 +126,12 @@ def _add_gguf_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="kept GGUF blocks as MatMulNBits' own 4- and 8-bit arrays and float32 scales (the default)",
     )
+    storage.add_argument(
+        "--packed-blocks",
+        action="store_true",
+        help="kept GGUF blocks as the file stores them (the package is the file's size), run by edgelm's native "
+        "kernels (built with gcc on first use), with a MatMulNBits fallback graph where they cannot run",
+    )
 
 
 def _add_lora_options(p: argparse.ArgumentParser) -> None:
@@ -165,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         overwrite=args.overwrite,
         compact_blocks=args.compact_blocks,
+        packed_blocks=args.packed_blocks,
         lora=[parse_lora_argument(text) for text in args.lora],
         lora_slots=merge_slot_specs([parse_slot_argument(text) for text in args.lora_slots]),
         quantize=args.quantize,

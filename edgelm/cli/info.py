@@ -92,8 +92,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(report, indent=2))
         return 0
+    kernels = report.get("kernels")
+    path = "" if kernels is None else f" ({kernels['path']} kernels{', ' + kernels['isa'] if kernels['isa'] else ''})"
     print(
-        f"{printable(report['package'])}: {printable(report['precision'])} on {report['provider']}, "
+        f"{printable(report['package'])}: {printable(report['precision'])} on {report['provider']}{path}, "
         f"batch {report['batch']}, {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
         f"median of {report['repeats']}"
     )

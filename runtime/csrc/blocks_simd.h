@@ -1,0 +1,286 @@
+/* The SIMD row dots, included by blocks.c once per ISA (EB_SUFFIX names them, EB_VNNI picks the integer dots):
+ * AVX2 (maddubs + madd) and AVX-512 VNNI (vpdpbusd / vpdpwssd on 256-bit vectors). Integer sums inside a block,
+ * then the reference's float arithmetic in its order (blocks.h): the legacy types eight blocks at a time in the
+ * eight lanes of one float vector, the K-quants one super-block at a time into the same lanes. So the result
+ * equals dot_scalar's bit for bit. Little-endian hosts (the x86 ones these paths are for). */
+
+#define EB_INLINE static inline __attribute__((always_inline))
+
+/* 32 unsigned 8-bit values times 32 signed 8-bit ones: eight int32 sums of four products each, lane l holding
+ * elements 4 l .. 4 l + 3 (so lanes 0-3 are elements 0-15). Products of u <= 128 and |s| <= 127 fit exactly. */
+EB_INLINE __m256i EB_SUFFIX(dot_u8)(__m256i u, __m256i s) {
+#ifdef EB_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* acc + the products of u and s times `scale` (int16 per pair of elements): AVX2's maddubs then madd, VNNI's
+ * maddubs then vpdpwssd. The pair sums (|u s| <= 2 * 63 * 127) and their products with a 6- or 8-bit scale fit. */
+EB_INLINE __m256i EB_SUFFIX(scaled_dot)(__m256i acc, __m256i u, __m256i s, __m256i scale) {
+#ifdef EB_VNNI
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), scale);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale));
+#endif
+}
+
+EB_INLINE int32_t EB_SUFFIX(hsum)(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Eight vectors of eight int32 -> their eight sums, in order. */
+EB_INLINE __m256i EB_SUFFIX(hsum8)(const __m256i *p) {
+    __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    __m128i s0123 = _mm_add_epi32(_mm256_castsi256_si128(h0123), _mm256_extracti128_si256(h0123, 1));
+    __m128i s4567 = _mm_add_epi32(_mm256_castsi256_si128(h4567), _mm256_extracti128_si256(h4567, 1));
+    return _mm256_set_m128i(s4567, s0123);
+}
+
+EB_INLINE float EB_SUFFIX(f16)(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* float16 halves of eight 32-bit words -> float32: the low halves (high = 0) or the high ones (high = 1). */
+EB_INLINE __m256 EB_SUFFIX(halves)(__m256i words, int high) {
+    const __m256i pick = high ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                              : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, pick), 0x08); /* qwords 0, 2 */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+/* 16 bytes -> 32 values: byte j's low nibble is element j, its high nibble element j + 16. */
+EB_INLINE __m256i EB_SUFFIX(nibbles)(const uint8_t *qs) {
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xf0), _mm256_set1_epi8(0x0f));
+}
+
+/* 32 bits (little-endian) -> 32 bytes of 16 where the bit is set, 0 where not. */
+EB_INLINE __m256i EB_SUFFIX(fifth_bits)(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
+}
+
+/* A legacy block's 32 values as bytes: unsigned (Q4, Q5: before the zero point) or, Q8_0, signed (AVX2) or
+ * made unsigned by + 128 (VNNI). */
+EB_INLINE __m256i EB_SUFFIX(legacy_values)(int type, const uint8_t *blk) {
+#ifdef EB_VNNI /* vpdpbusd sums u8 x s8 products without saturating: Q8_0's w + 128, less 128 sum(q) after */
+    if (type == Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8(-128));
+#else
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+#endif
+    if (type == Q4_0 || type == Q4_1) return EB_SUFFIX(nibbles)(blk + (type == Q4_0 ? 2 : 4));
+    const int qh = type == Q5_0 ? 2 : 4;
+    return _mm256_or_si256(EB_SUFFIX(nibbles)(blk + qh + 4), EB_SUFFIX(fifth_bits)(blk + qh));
+}
+
+/* Those values times 32 activations: eight int32 lanes (Q8_0's signed values as |w| times q with w's sign). */
+EB_INLINE __m256i EB_SUFFIX(values_dot)(int type, __m256i u, const int8_t *qx) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)qx);
+#ifndef EB_VNNI /* maddubs' int16 pair sums would saturate on w + 128: |w| times q with w's sign */
+    if (type == Q8_0) return EB_SUFFIX(dot_u8)(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+#endif
+    return EB_SUFFIX(dot_u8)(u, q);
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against `rows` rows of activations, eight blocks a step, each block
+ * unpacked once for all rows. The last step may hold fewer than eight blocks: its other lanes get d = dx = 0 and
+ * no products, so they add +0.0, which leaves a lane as it is (a lane starts at +0.0 and so is never -0.0). */
+EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                      float *out) {
+    const int has_min = type == Q4_1 || type == Q5_1;
+    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+#ifdef EB_VNNI
+    const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0;
+#else
+    const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+#endif
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i offsets = _mm256_mullo_epi32(lane, _mm256_set1_epi32(bytes));
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 8) {
+        const int count = nb - b < 8 ? (int)(nb - b) : 8;
+        const uint8_t *blk = row + b * bytes;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane); /* the blocks there are */
+        __m256i u[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) u[j] = j < count ? EB_SUFFIX(legacy_values)(type, blk + j * bytes) : _mm256_setzero_si256();
+        /* the first four bytes of each block (d, and m where it has one); none read past the blocks there are */
+        const __m256i heads = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)blk, offsets, mask, 1);
+        const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
+        for (int r = 0; r < rows; r++) {
+            __m256i p[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                p[j] = j < count ? EB_SUFFIX(values_dot)(type, u[j], x[r].q + 32 * (b + j)) : _mm256_setzero_si256();
+            const __m256i sx = _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
+            __m256i isum = EB_SUFFIX(hsum8)(p);
+            if (zero) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(zero)));
+            const __m256 dxv = _mm256_maskload_ps(x[r].d + b, mask);
+            __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
+            if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
+            acc[r] = _mm256_add_ps(acc[r], term);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        out[r] = lanes_total(lanes);
+    }
+}
+
+/* One specialised loop a type and a count of rows (1 to EB_ROWS). */
+#define EB_BY_ROWS(body, first, row, nb, x, rows, out) \
+    switch (rows) {                                     \
+    case 1: body(first, row, nb, x, 1, out); break;     \
+    case 2: body(first, row, nb, x, 2, out); break;     \
+    case 3: body(first, row, nb, x, 3, out); break;     \
+    default: body(first, row, nb, x, 4, out); break;    \
+    }
+
+static void EB_SUFFIX(dot_legacy)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                  float *out) {
+    switch (t->type) {
+    case Q4_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q4_0, row, nb, x, rows, out) break;
+    case Q4_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q4_1, row, nb, x, rows, out) break;
+    case Q5_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q5_0, row, nb, x, rows, out) break;
+    case Q5_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q5_1, row, nb, x, rows, out) break;
+    default: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q8_0, row, nb, x, rows, out) break;
+    }
+}
+
+/* One super-block's eight groups of 32 into the eight lanes: the float arithmetic of blocks.h. */
+EB_INLINE __m256 EB_SUFFIX(k_term)(__m256i isum, __m256i msum, float d, float mf, int has_min, const float *dx) {
+    const __m256 dxv = _mm256_loadu_ps(dx);
+    __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), dxv), _mm256_cvtepi32_ps(isum));
+    if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(mf), dxv), _mm256_cvtepi32_ps(msum)));
+    return term;
+}
+
+/* Q4_K, Q5_K: super-blocks of 256, eight runs of 32 with 6-bit scales and minimums: group j is run j. */
+EB_INLINE void EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows, float *out) {
+    const int bytes = five ? 176 : 144;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bytes, *qs = blk + (five ? 48 : 16);
+        uint32_t words[4];
+        scale_words(blk + 4, words);
+        const __m128i packed = _mm_setr_epi32((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
+        const __m256i scales = _mm256_cvtepu8_epi32(packed);                  /* sc 0-7 */
+        const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)); /* mn 0-7 */
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m256i u[8];
+#pragma GCC unroll 4
+        for (int pair = 0; pair < 4; pair++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair + 1), one), 4));
+            }
+            u[2 * pair] = lo;
+            u[2 * pair + 1] = hi;
+        }
+        const float d = EB_SUFFIX(f16)(blk), mf = -EB_SUFFIX(f16)(blk + 2);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = x[r].q + 256 * b;
+            __m256i p[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) p[j] = EB_SUFFIX(dot_u8)(u[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
+            const __m256i isum = _mm256_mullo_epi32(EB_SUFFIX(hsum8)(p), scales);
+            const __m256i msum = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(x[r].s32 + 8 * b)));
+            acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, msum, d, mf, 1, x[r].d + 8 * b));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        out[r] = lanes_total(lanes);
+    }
+}
+
+/* Q6_K: super-blocks of 256, sixteen runs of 16 with int8 scales, two runs a group of 32; values q - 32 as q times
+ * x less 32 sum(x). */
+EB_INLINE void EB_SUFFIX(q6_k_body)(int unused, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                    float *out) {
+    (void)unused;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's lanes back in order */
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256i scales = _mm256_cvtepi8_epi16(sc8); /* int16 scales 0-15, two to a 32-bit word */
+        const __m256i sc_lo = _mm256_cvtepi8_epi32(sc8), sc_hi = _mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8));
+        __m256i u[8], scale[8];
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+#pragma GCC unroll 4
+            for (int slot = 0; slot < 4; slot++) { /* group c = 4 h + slot: elements 128 h + 32 slot .. + 31 */
+                const int c = 4 * h + slot;
+                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(slot % 2 ? l1 : l0, 4 * (slot / 2)), low4);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * slot), low2);
+                u[c] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                /* runs 2 c (lanes 0-3) and 2 c + 1 (lanes 4-7): word c of the scales, then its halves */
+                scale[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(c)), split);
+            }
+        }
+        const float d = EB_SUFFIX(f16)(blk + 208);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = x[r].q + 256 * b;
+            __m256i p[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                p[c] = EB_SUFFIX(scaled_dot)(_mm256_setzero_si256(), u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)),
+                                             scale[c]);
+            /* 32 sum(x) of each run times its scale, the two runs of a group added: in group order */
+            const __m256i off_lo = _mm256_mullo_epi32(sc_lo, _mm256_loadu_si256((const __m256i *)(x[r].s16 + 16 * b)));
+            const __m256i off_hi = _mm256_mullo_epi32(sc_hi, _mm256_loadu_si256((const __m256i *)(x[r].s16 + 16 * b + 8)));
+            const __m256i off = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(off_lo, off_hi), order);
+            const __m256i isum = _mm256_sub_epi32(EB_SUFFIX(hsum8)(p), _mm256_slli_epi32(off, 5));
+            acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, isum, d, 0.0f, 0, x[r].d + 8 * b));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        out[r] = lanes_total(lanes);
+    }
+}
+
+static void EB_SUFFIX(dot_k4)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                              float *out) {
+    if (t->type == Q5_K) {
+        EB_BY_ROWS(EB_SUFFIX(k4_body), 1, row, nb, x, rows, out)
+    } else {
+        EB_BY_ROWS(EB_SUFFIX(k4_body), 0, row, nb, x, rows, out)
+    }
+}
+
+static void EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                float *out) {
+    (void)t;
+    EB_BY_ROWS(EB_SUFFIX(q6_k_body), 0, row, nb, x, rows, out)
+}
