@@ -81,7 +81,6 @@ def model(package):
 def _script(name: str):
     """scripts/<name>.py as a module (scripts/ is not a package)."""
     import importlib.util
-    import sys
 
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
