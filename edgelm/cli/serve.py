@@ -14,7 +14,6 @@ from .cache import add_model_argument, open_model
 from .options import add_command, add_runtime, int_in, text_file
 
 API_KEY_VARIABLE = "EDGELM_API_KEY"
-GRACE_S = 5
 
 
 def add_parser(sub) -> None:
@@ -91,9 +90,8 @@ def adapter_spec(text: str) -> tuple[str | None, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from edgelm.serve import Engine, Settings, create_app
+    from edgelm.serve.server import GRACE_S, Server  # imports uvicorn: edgelm[serve]
 
     logging.basicConfig(level=logging.INFO, format="edgelm serve: %(message)s", stream=sys.stderr)
     log = logging.getLogger("edgelm.serve")
@@ -120,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
         )
     served = ", ".join(engine.model_names())
     log.info(f"serving {served} on http://{args.host}:{args.port}/v1 ({args.parallel} parallel, {args.queue} queued)")
-    # Ctrl-C: open requests get GRACE_S to end, then their streams close and their generations are cancelled
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
+    # Ctrl-C: open requests get GRACE_S to end, then their generations are cancelled and each ends with a
+    # server_shutting_down error (a stream's last event); the exit status is then 130 (SIGTERM: 143)
     try:
-        uvicorn.Server(config).run(sockets=[listening])
+        Server(app, grace_s=GRACE_S).run(sockets=[listening])
     finally:
         engine.close()
         listening.close()
