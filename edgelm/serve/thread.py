@@ -12,7 +12,8 @@ from contextlib import contextmanager
 @contextmanager
 def serve_in_thread(app, *, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> Iterator[str]:
     """Run `app` (create_app's) with uvicorn in a daemon thread; yields its base URL (port 0: a free port) and
-    stops it on exit as Ctrl-C stops `edgelm serve` (edgelm/serve/server.py). RuntimeError when it has not started within timeout_s."""
+    stops it on exit as Ctrl-C stops `edgelm serve` (edgelm/serve/server.py). RuntimeError when it has not
+    started within timeout_s."""
     from .server import Server  # uvicorn: edgelm[serve]
 
     server = Server(app, host=host, port=port)
