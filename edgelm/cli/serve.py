@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 from .cache import add_model_argument, open_model
-from .options import add_command, add_runtime, int_in, text_file
+from .options import add_command, add_runtime, int_in, positive, text_file
 
 API_KEY_VARIABLE = "EDGELM_API_KEY"
+GRACE_S = 5.0  # after Ctrl-C, what open requests get to finish (edgelm/serve/server.py)
 
 
 def add_parser(sub) -> None:
@@ -80,6 +81,13 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="a Jinja chat template used instead of the package's (e.g. one that knows tools)",
     )
+    g.add_argument(
+        "--grace",
+        type=positive,
+        default=GRACE_S,
+        metavar="SECONDS",
+        help="after Ctrl-C, what open requests get to finish before they are cancelled (default %(default)s)",
+    )
     add_runtime(p)
     p.set_defaults(run=run)
 
@@ -91,7 +99,7 @@ def adapter_spec(text: str) -> tuple[str | None, str]:
 
 def run(args: argparse.Namespace) -> int:
     from edgelm.serve import Engine, Settings, create_app
-    from edgelm.serve.server import GRACE_S, Server  # imports uvicorn: edgelm[serve]
+    from edgelm.serve.server import Server  # imports uvicorn: edgelm[serve]
 
     logging.basicConfig(level=logging.INFO, format="edgelm serve: %(message)s", stream=sys.stderr)
     log = logging.getLogger("edgelm.serve")
@@ -118,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
         )
     served = ", ".join(engine.model_names())
     log.info(f"serving {served} on http://{args.host}:{args.port}/v1 ({args.parallel} parallel, {args.queue} queued)")
-    # Ctrl-C: open requests get GRACE_S to end, then their generations are cancelled and each ends with a
+    # Ctrl-C: open requests get --grace seconds to end, then their generations are cancelled and each ends with a
     # server_shutting_down error (a stream's last event); the exit status is then 130 (SIGTERM: 143)
     try:
-        Server(app, grace_s=GRACE_S).run(sockets=[listening])
+        Server(app, grace_s=args.grace).run(sockets=[listening])
     finally:
         engine.close()
         listening.close()

@@ -14,14 +14,13 @@ import asyncio
 
 import uvicorn
 
-GRACE_S = 5.0  # what open requests get to finish after Ctrl-C
 ENDING_S = 10.0  # after the grace: for cancelled generations to end (one decode step; a prefill under way first)
 
 
 class Server(uvicorn.Server):
     """A uvicorn Server for create_app's app (its `.engine` is stopped when the grace period ends)."""
 
-    def __init__(self, app, *, grace_s: float = GRACE_S, **config):
+    def __init__(self, app, *, grace_s: float, **config):
         config = {"log_level": "warning", "access_log": False, **config}
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace_s + ENDING_S, **config))
         self.engine, self.grace_s = app.engine, grace_s
