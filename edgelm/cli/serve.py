@@ -98,8 +98,10 @@ def adapter_spec(text: str) -> tuple[str | None, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: F401  (edgelm[serve]: missing, it is named before anything loads)
+
     from edgelm.serve import Engine, Settings, create_app
-    from edgelm.serve.server import Server  # imports uvicorn: edgelm[serve]
+    from edgelm.serve.server import Server
 
     logging.basicConfig(level=logging.INFO, format="edgelm serve: %(message)s", stream=sys.stderr)
     log = logging.getLogger("edgelm.serve")
