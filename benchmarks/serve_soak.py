@@ -187,16 +187,27 @@ def request_for(kind: str, number: int, rng: random.Random, model: str, adapter:
         return route, {"model": model, **prompt, "max_tokens": 90, "temperature": 0.8, "seed": number, "stream": True}
     if kind == "schema":
         values = [f"{rng.choice(WORDS)}{number % 1000}", rng.choice(WORDS)]
-        schema = {"type": "object", "properties": {"answer": {"enum": values}}, "required": ["answer"]}
+        schema = {
+            "type": "object",
+            "properties": {"answer": {"enum": values}},
+            "required": ["answer"],
+            "additionalProperties": False,
+        }
         response_format = {"type": "json_schema", "json_schema": {"name": f"s{number}", "schema": schema}}
         body = {"model": model, "messages": messages, **sampling, "max_tokens": 40, "response_format": response_format}
         return "/v1/chat/completions", body | {"stream": rng.random() < 0.3}
     if kind == "tool":
         name = f"tool_{number % 997}"
-        parameters = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+        parameters = {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
         tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
         choice = {"type": "function", "function": {"name": name}} if rng.random() < 0.7 else "auto"
-        body = {"model": model, "messages": messages, **sampling, "max_tokens": 50, "tools": [tool]}
+        # a call is 54 tokens, the prompt up to 70 without a system message: within the 128-token context
+        body = {"model": model, "messages": messages[-1:], **sampling, "max_tokens": 56, "tools": [tool]}
         return "/v1/chat/completions", body | {"tool_choice": choice, "stream": rng.random() < 0.3}
     if kind in ("completion", "completion_stream", "adapter_completion"):
         body = {"model": adapter if kind == "adapter_completion" else model, "prompt": words, **sampling}
@@ -209,14 +220,16 @@ def request_for(kind: str, number: int, rng: random.Random, model: str, adapter:
 
 
 def send(client: httpx.Client, url: str, route: str, body, kind: str) -> str:
-    """One request; its outcome: the status, and for a stream how it ended ("done", "error_event", "closed")."""
+    """One request; its outcome: the status, then the finish reason, or for a stream how it ended ("done",
+    "error_event", "closed" by this client, "cut")."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if not (isinstance(body, dict) and body.get("stream")):
         response = client.post(url + route, content=content, headers=headers)
         if response.status_code != 200:
             assert "error" in response.json(), response.text
-        return str(response.status_code)
+            return str(response.status_code)
+        return f"200 {response.json()['choices'][0]['finish_reason']}"
     with client.stream("POST", url + route, content=content, headers=headers) as response:
         if response.status_code != 200:
             response.read()
