@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
         "answered 503; a request whose client disconnects stops generating. Chat requests reuse the KV cache of "
         "an earlier conversation sharing their prompt's beginning (--prompt-cache). One line per request is "
         "logged on stderr. Tools, tool_choice and response_format (JSON schema output) are answered as OpenAI "
-        "answers them, a build without them refusing them with a 400. Ctrl-C stops the server.",
+        "answers them, a build without them refusing them with a 400. Ctrl-C stops the server: open requests get "
+        "--grace seconds, then end with a 503 server_shutting_down error (a stream's last event).",
         example="edgelm serve out/smol-int4 --port 8000 --adapter pirate=pirate.onnx_adapter",
     )
     add_model_argument(p)
