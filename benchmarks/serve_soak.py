@@ -309,6 +309,7 @@ def soak(server: Served, args: argparse.Namespace, adapter: str | None) -> dict:
         "rss_mb_end": round(after_warmup[-1][1], 1),
         "rss_mb_max": round(max(rss for _, rss in after_warmup), 1),
         "slope_mb_per_1000": round(slope(after_warmup) * 1000, 3),
+        "slope_mb_per_1000_second_half": round(slope(after_warmup[len(after_warmup) // 2 :]) * 1000, 3),
         "samples": [[n, round(rss, 1)] for n, rss in samples],
         "by_kind": dict(sorted(by_kind.items())),
         "by_status": dict(sorted(by_status.items())),
