@@ -59,11 +59,11 @@ def model(tmp_path_factory):
 
 
 @contextmanager
-def serving(model, *, api_key: str | None = None, **settings):
+def serving(model, *, api_key: str | None = None, grace_s: float = 5.0, **settings):
     """A server on a free loopback port in a thread; yields (base URL, engine)."""
     engine = Engine(model, name=NAME, settings=Settings(**settings))
     try:
-        with serve_in_thread(create_app(engine, api_key=api_key), timeout_s=WAIT_S) as url:
+        with serve_in_thread(create_app(engine, api_key=api_key), timeout_s=WAIT_S, grace_s=grace_s) as url:
             yield url, engine
     finally:
         engine.close()
@@ -266,6 +266,51 @@ def test_a_client_leaving_stops_its_generation(model):
             f"{url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=WAIT_S
         )
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+
+
+def test_stopping_ends_an_open_stream_with_an_error_event(model):
+    """The server stopping (Ctrl-C, or serve_in_thread's exit) gives an open stream grace_s, then ends it with a
+    server_shutting_down event and a complete body, and a request waiting for the slot gets a 503."""
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 150, "temperature": 0, "stream": True}
+    events, outcome, opened = [], {}, threading.Event()
+
+    def read(url: str) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=WAIT_S) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        opened.set()
+        except httpx.HTTPError as error:
+            outcome["error"] = repr(error)
+
+    def wait(url: str) -> None:
+        outcome["waiting"] = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=WAIT_S)
+
+    with serving(model, parallel=1, grace_s=0.3) as (url, engine):
+        job = engine.chat_job
+
+        def slow_job(*args, emit, **kwargs):  # 30 ms a piece: 150 tokens outlast the grace
+            def slow_emit(item):
+                if item[0] == "piece":
+                    time.sleep(0.03)
+                emit(item)
+
+            return job(*args, emit=slow_emit, **kwargs)
+
+        engine.chat_job = slow_job
+        clients = [threading.Thread(target=read, args=(url,)), threading.Thread(target=wait, args=(url,))]
+        clients[0].start()
+        assert opened.wait(WAIT_S), "the stream did not start"
+        clients[1].start()
+        wait_for(lambda: engine.waiting == 1, "the second request did not wait")
+    for client in clients:
+        client.join(WAIT_S)
+    assert "error" not in outcome, outcome["error"]  # the body ended as a body ends, not cut
+    assert json.loads(events[-1])["error"]["code"] == "server_shutting_down" and len(events) > 2, events[-3:]
+    waiting = outcome["waiting"]
+    assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "server_shutting_down"
+    assert engine.finished == {"error": 2}
 
 
 MALFORMED = [  # (body, status, param or code expected in the error)

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from .cache import add_model_argument, open_model
-from .options import add_command, add_runtime, int_in, text_file
+from .options import add_command, add_runtime, int_in, positive, text_file
 
 API_KEY_VARIABLE = "EDGELM_API_KEY"
-GRACE_S = 5
+GRACE_S = 5.0  # after Ctrl-C, what open requests get to finish (edgelm/serve/server.py)
 
 
 def add_parser(sub) -> None:
@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
         "answered 503; a request whose client disconnects stops generating. Chat requests reuse the KV cache of "
         "an earlier conversation sharing their prompt's beginning (--prompt-cache). One line per request is "
         "logged on stderr. Tools, tool_choice and response_format (JSON schema output) are answered as OpenAI "
-        "answers them, a build without them refusing them with a 400. Ctrl-C stops the server.",
+        "answers them, a build without them refusing them with a 400. Ctrl-C stops the server: open requests get "
+        "--grace seconds, then end with a 503 server_shutting_down error (a stream's last event).",
         example="edgelm serve out/smol-int4 --port 8000 --adapter pirate=pirate.onnx_adapter",
     )
     add_model_argument(p)
@@ -81,6 +82,13 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="a Jinja chat template used instead of the package's (e.g. one that knows tools)",
     )
+    g.add_argument(
+        "--grace",
+        type=positive,
+        default=GRACE_S,
+        metavar="SECONDS",
+        help="after Ctrl-C, what open requests get to finish before they are cancelled (default %(default)s)",
+    )
     add_runtime(p)
     p.set_defaults(run=run)
 
@@ -91,9 +99,10 @@ def adapter_spec(text: str) -> tuple[str | None, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvicorn  # noqa: F401  (edgelm[serve]: missing, it is named before anything loads)
 
     from edgelm.serve import Engine, Settings, create_app
+    from edgelm.serve.server import Server
 
     logging.basicConfig(level=logging.INFO, format="edgelm serve: %(message)s", stream=sys.stderr)
     log = logging.getLogger("edgelm.serve")
@@ -120,10 +129,10 @@ def run(args: argparse.Namespace) -> int:
         )
     served = ", ".join(engine.model_names())
     log.info(f"serving {served} on http://{args.host}:{args.port}/v1 ({args.parallel} parallel, {args.queue} queued)")
-    # Ctrl-C: open requests get GRACE_S to end, then their streams close and their generations are cancelled
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
+    # Ctrl-C: open requests get --grace seconds to end, then their generations are cancelled and each ends with a
+    # server_shutting_down error (a stream's last event); the exit status is then 130 (SIGTERM: 143)
     try:
-        uvicorn.Server(config).run(sockets=[listening])
+        Server(app, grace_s=args.grace).run(sockets=[listening])
     finally:
         engine.close()
         listening.close()

@@ -112,7 +112,7 @@ class Run:
 
     async def start(self, engine: Engine, job) -> tuple[str, Any]:
         """Queue the job and wait for its first report (start, error or a cancelled end), watching the client."""
-        self.release = engine.submit(partial(job, cancel=self.cancel, emit=self.emit))
+        self.release = engine.submit(partial(job, emit=self.emit), cancel=self.cancel)
         self.watcher = asyncio.create_task(self.watch())
         try:
             return await self.queue.get()
@@ -325,7 +325,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         usage = record(request, result, cached)
         return protocol.text_completion(request_id, name, result.text, protocol.finish_reason(result), usage_=usage)
 
-    return RequestLog(app, api_key=api_key)
+    return RequestLog(app, engine, api_key=api_key)
 
 
 async def parse(request: Request, shape: type[protocol.Request]) -> protocol.Request:
@@ -354,11 +354,11 @@ async def parse(request: Request, shape: type[protocol.Request]) -> protocol.Req
 
 class RequestLog:
     """The outer ASGI layer: the API key on /v1 (401 otherwise) and one log line per request when it ends:
-    client, method, path, status, tokens (prompt, of them cached, completion), finish reason, seconds."""
+    client, method, path, status, tokens (prompt, of them cached, completion), finish reason, seconds.
+    `engine` is the Engine it serves (edgelm/serve/server.py stops it at shutdown)."""
 
-    def __init__(self, app: FastAPI, *, api_key: str | None):
-        self.app, self.api_key = app, api_key
-        self.engine_app = app
+    def __init__(self, app: FastAPI, engine: Engine, *, api_key: str | None):
+        self.app, self.engine, self.api_key = app, engine, api_key
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

@@ -13,6 +13,9 @@ Policy (docs/serve.md, "Policies"):
   ids share the longest prefix with its rendered prompt (same adapter), and the Conversation feeds only the
   rest (rewinding the cache to the common prefix). No match: a fresh Conversation. One request at a time
   uses a Conversation; the ids it reused are reported as usage.prompt_tokens_details.cached_tokens.
+- Shutdown: stop() (edgelm/serve/server.py calls it when the grace period ends) sets every accepted request's
+  cancel event; each then ends within one decode step with a 503 `server_shutting_down` error (a stream's last
+  event), so streams end as streams do rather than by a dropped connection. Requests submitted after it: 503.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class Engine:
         self.executor = ThreadPoolExecutor(max_workers=self.settings.parallel, thread_name_prefix="edgelm-serve")
         self.cache = PromptCache(model, self.settings.prompt_cache, self.settings.chat_template)
         self.accepted = 0  # running or waiting; read and written on the event loop's thread only
+        self.stopping = False  # set by stop(): cancelled generations end as server_shutting_down errors
+        self._cancels: set[threading.Event] = set()  # accepted requests' cancel events (the event loop's thread)
         self.finished: collections.Counter[str] = collections.Counter()  # finish reasons, "error" included
         self._finished_lock = threading.Lock()
         self._render_lock = threading.Lock()
@@ -133,11 +138,13 @@ class Engine:
     def waiting(self) -> int:
         return max(0, self.accepted - self.settings.parallel)
 
-    def submit(self, job: Callable[[], None]) -> Callable[[], None]:
-        """Run job on a worker slot (called on the event loop); APIError 503 when every slot and place is taken.
-        Returns the slot's release, for the caller to call (on the loop) as soon as the job has reported its end,
-        so that a client's next request never finds its own finished one still counted; the job's thread
-        ending releases it too."""
+    def submit(self, job: Callable[..., None], *, cancel: threading.Event) -> Callable[[], None]:
+        """Run job(cancel=cancel) on a worker slot (called on the event loop); APIError 503 when every slot and
+        place is taken, or the server is stopping. Returns the slot's release, for the caller to call (on the
+        loop) as soon as the job has reported its end, so that a client's next request never finds its own
+        finished one still counted; the job's thread ending releases it too."""
+        if self.stopping:
+            raise shutting_down()
         if self.accepted >= self.settings.parallel + self.settings.queue:
             raise APIError(
                 503,
@@ -146,6 +153,7 @@ class Engine:
                 code="server_overloaded",
             )
         self.accepted += 1
+        self._cancels.add(cancel)
         released = False
 
         def release() -> None:
@@ -153,14 +161,22 @@ class Engine:
             if not released:
                 released = True
                 self.accepted -= 1
+                self._cancels.discard(cancel)
 
         def done(future: asyncio.Future) -> None:
             release()
             if not future.cancelled():
                 future.exception()  # jobs report through emit; this only marks it retrieved
 
-        asyncio.wrap_future(self.executor.submit(job)).add_done_callback(done)
+        asyncio.wrap_future(self.executor.submit(job, cancel=cancel)).add_done_callback(done)
         return release
+
+    def stop(self) -> None:
+        """Cancel every accepted request (on the event loop): each ends within one decode step with a 503
+        server_shutting_down error, and later submits are refused the same way."""
+        self.stopping = True
+        for cancel in list(self._cancels):
+            cancel.set()
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -182,8 +198,8 @@ class Engine:
         self, messages: list[dict], *, adapter, max_tokens: int | None, options: dict, cancel, emit: Emit
     ) -> None:
         """Reply to messages in a cached Conversation; reports through emit (see Emit)."""
-        if cancel.is_set():  # the client left while the request waited
-            return self._end(emit, None)
+        if cancel.is_set():  # the client left while the request waited, or the server is stopping
+            return self._cancelled(emit)
         try:
             ids = self.chat_ids(messages, options)
             room = self.model.context_length - len(ids)
@@ -206,7 +222,7 @@ class Engine:
     ) -> None:
         """Continue a prompt (Model.stream); reports through emit."""
         if cancel.is_set():
-            return self._end(emit, None)
+            return self._cancelled(emit)
         try:
             stream = self.model.stream(prompt, max_tokens, adapter=adapter, cancel=cancel, **options)
             self._stream(stream, emit, lambda: None)
@@ -218,7 +234,15 @@ class Engine:
         for piece in stream:
             emit(("piece", piece))
         result: GenerationResult = stream.result
+        if result.finish_reason == "cancelled" and self.stopping:
+            return self._fail(emit, shutting_down())
         self._end(emit, (result, cached()))
+
+    def _cancelled(self, emit: Emit) -> None:
+        """A request cancelled before it started: by its client (no answer: it is gone) or by stop()."""
+        if self.stopping:
+            return self._fail(emit, shutting_down())
+        self._end(emit, None)
 
     def _count(self, reason: str) -> None:
         with self._finished_lock:
@@ -231,3 +255,7 @@ class Engine:
     def _fail(self, emit: Emit, error: Exception) -> None:
         self._count("error")
         emit(("error", error))
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another or later", code="server_shutting_down")

@@ -28,6 +28,8 @@ class APIError(Exception):
 def from_runtime(error: Exception, *, prompt_param: str | None) -> APIError:
     """The APIError for an exception the runtime raised while taking or running a request; prompt_param: the
     request field holding the prompt ("messages" or "prompt"), None where it is not known."""
+    if isinstance(error, APIError):  # the server's own (a shutdown)
+        return error
     message = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, ContextLengthError):
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")

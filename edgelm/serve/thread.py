@@ -10,12 +10,15 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def serve_in_thread(app, *, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> Iterator[str]:
+def serve_in_thread(
+    app, *, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0, grace_s: float = 5.0
+) -> Iterator[str]:
     """Run `app` (create_app's) with uvicorn in a daemon thread; yields its base URL (port 0: a free port) and
-    stops it on exit. RuntimeError when it has not started within timeout_s."""
-    import uvicorn
+    stops it on exit as Ctrl-C stops `edgelm serve` (open requests get grace_s: edgelm/serve/server.py).
+    RuntimeError when it has not started within timeout_s."""
+    from .server import Server  # uvicorn: edgelm[serve]
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    server = Server(app, grace_s=grace_s, host=host, port=port)
     thread = threading.Thread(target=server.run, name="edgelm-serve-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
