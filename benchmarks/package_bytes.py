@@ -33,6 +33,9 @@ def package_classes(package: Path) -> dict[str, int]:
             if node.op_type == "MatMulNBits":
                 role.setdefault(name, ("MatMulNBits values", "MatMulNBits scales", "MatMulNBits zero points")[
                     min(index - 1, 2)] if index else "activations")  # fmt: skip
+            elif node.op_type in ("MatMulPacked", "GatherPacked"):  # the blocks: B of MatMulPacked, data of a gather
+                blocks = index == (1 if node.op_type == "MatMulPacked" else 0)
+                role.setdefault(name, "the file's blocks (MatMulPacked, GatherPacked)" if blocks else "activations")
             elif node.op_type in ("Gather", "GatherBlockQuantized"):
                 role.setdefault(name, "gathered table (embedding rows)")
             elif node.op_type == "MatMul":
