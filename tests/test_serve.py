@@ -239,20 +239,26 @@ def wait_for(condition, what: str) -> None:
         time.sleep(0.01)
 
 
+def _slowed(engine):
+    """Make the engine's chat jobs emit a piece every 30 ms; returns the job it had."""
+    job = engine.chat_job
+
+    def slow_job(*args, emit, **kwargs):
+        def slow_emit(item):
+            if item[0] == "piece":
+                time.sleep(0.03)
+            emit(item)
+
+        return job(*args, emit=slow_emit, **kwargs)
+
+    engine.chat_job = slow_job
+    return job
+
+
 def test_a_client_leaving_stops_its_generation(model):
     body = {"model": NAME, "messages": MESSAGES, "max_tokens": 150, "temperature": 0, "stream": True}
     with serving(model, parallel=1) as (url, engine):
-        job = engine.chat_job
-
-        def slow_job(*args, emit, **kwargs):  # 30 ms a piece: 150 tokens take seconds, leaving time to leave
-            def slow_emit(item):
-                if item[0] == "piece":
-                    time.sleep(0.03)
-                emit(item)
-
-            return job(*args, emit=slow_emit, **kwargs)
-
-        engine.chat_job = slow_job
+        job = _slowed(engine)  # 150 tokens take seconds, leaving time to leave
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=WAIT_S) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
@@ -288,17 +294,7 @@ def test_stopping_ends_an_open_stream_with_an_error_event(model):
         outcome["waiting"] = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=WAIT_S)
 
     with serving(model, parallel=1, grace_s=0.3) as (url, engine):
-        job = engine.chat_job
-
-        def slow_job(*args, emit, **kwargs):  # 30 ms a piece: 150 tokens outlast the grace
-            def slow_emit(item):
-                if item[0] == "piece":
-                    time.sleep(0.03)
-                emit(item)
-
-            return job(*args, emit=slow_emit, **kwargs)
-
-        engine.chat_job = slow_job
+        _slowed(engine)  # 150 tokens outlast the grace
         clients = [threading.Thread(target=read, args=(url,)), threading.Thread(target=wait, args=(url,))]
         clients[0].start()
         assert opened.wait(WAIT_S), "the stream did not start"
