@@ -65,5 +65,6 @@ def test_a_wrong_graph_of_the_real_file_is_refused(real, tmp_path):
     base off for SmolLM2."""
     name, path, _, _ = real
     mistake = "embedding_scale_bf16" if name == "gemma3" else "rope_base"
-    with injected(mistake), pytest.raises(RuntimeError, match="with float activations the graph"):
+    # Gemma's window check (float activations past its 512-token window) runs first and refuses it there
+    with injected(mistake), pytest.raises(RuntimeError, match="ONNX Runtime and PyTorch disagree.*float activations"):
         export_package(path, tmp_path / "wrong", progress=quiet)
