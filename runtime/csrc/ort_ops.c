@@ -40,11 +40,20 @@ typedef struct {
     int isa;
 } Packed;
 
+/* Whether the node has the int64 attribute `name` (read into *value); ONNX Runtime's status for an absent one is
+   released here, not leaked. */
+static int attribute(const OrtKernelInfo *info, const char *name, int64_t *value) {
+    OrtStatus *status = ort->KernelInfoGetAttribute_int64(info, name, value);
+    if (status == NULL) return 1;
+    ort->ReleaseStatus(status);
+    return 0;
+}
+
 static OrtStatus *read_packed(const char *op, const OrtKernelInfo *info, int with_n, Packed *p) {
     int64_t type = -1, k = 0, n = 0;
-    if (ort->KernelInfoGetAttribute_int64(info, "packed_type", &type) != NULL) return fail(op, "no packed_type attribute");
-    if (ort->KernelInfoGetAttribute_int64(info, "K", &k) != NULL) return fail(op, "no K attribute");
-    if (with_n && ort->KernelInfoGetAttribute_int64(info, "N", &n) != NULL) return fail(op, "no N attribute");
+    if (!attribute(info, "packed_type", &type)) return fail(op, "no packed_type attribute");
+    if (!attribute(info, "K", &k)) return fail(op, "no K attribute");
+    if (with_n && !attribute(info, "N", &n)) return fail(op, "no N attribute");
     char text[200];
     if (type < 0 || type > INT_MAX || eb_block_shape((int)type, &p->elems, &p->bytes) != 0) {
         snprintf(text, sizeof text, "packed_type %lld is not a block type these kernels read", (long long)type);
@@ -194,26 +203,30 @@ static OrtStatus *gather_compute(void *kernel, OrtKernelContext *context) {
 
 /* --- the OrtCustomOp tables --- */
 
-static OrtStatus *create_matmul(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
-    (void)op, (void)api;
+/* A kernel of op `name`: its attributes read into a Packed it owns, or an error status and nothing kept. */
+static OrtStatus *create(const char *name, int with_n, const OrtKernelInfo *info, void **kernel) {
     Packed *p = calloc(1, sizeof *p);
     if (p == NULL) return ort->CreateStatus(ORT_FAIL, "ai.edgelm: out of memory");
-    OrtStatus *status = read_packed("MatMulPacked", info, 1, p);
+    OrtStatus *status = read_packed(name, info, with_n, p);
     if (status != NULL) free(p);
     else *kernel = p;
     return status;
 }
 
+static OrtStatus *create_matmul(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
+    (void)op, (void)api;
+    return create("MatMulPacked", 1, info, kernel);
+}
+
 static OrtStatus *create_gather(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
     (void)op, (void)api;
-    Packed *p = calloc(1, sizeof *p);
-    if (p == NULL) return ort->CreateStatus(ORT_FAIL, "ai.edgelm: out of memory");
-    OrtStatus *status = read_packed("GatherPacked", info, 0, p);
+    OrtStatus *status = create("GatherPacked", 0, info, kernel);
     int64_t dtype = 1;
-    if (status == NULL && ort->KernelInfoGetAttribute_int64(info, "output_dtype", &dtype) == NULL && dtype != 1)
+    if (status == NULL && attribute(info, "output_dtype", &dtype) && dtype != 1) {
+        free(*kernel);
+        *kernel = NULL;
         status = fail("GatherPacked", "output_dtype must be 1 (float32)");
-    if (status != NULL) free(p);
-    else *kernel = p;
+    }
     return status;
 }
 
