@@ -64,7 +64,7 @@ from .graph import build_fused_graph
 from .lazy_weights import is_lazy, lazy_parameter, materialize
 from .lora import SlotSpec, add_slots, apply_lora, finish_lora, lora_record, plan_slots, read_adapters
 from .packed_blocks import Fallback
-from .parity import check_parity, check_parity_int8, check_parity_shared, check_window, window_rows
+from .parity import check_parity, check_parity_int8, check_parity_shared, check_window, twin_of, window_rows
 from .source import Source, open_source
 from .tokenizer_config import tokenizer_config
 from .traced import state_layout, trace_graph
@@ -511,7 +511,7 @@ def _prove_int8(plan: _Plan, model: torch.nn.Module, onnx_path: Path, *, progres
             scale = max(1.0, proof.reference_peak / LOGIT_PEAK)
             tolerance = plan.tolerance * scale
             window = _window_check(
-                model, twin, plan.manifest.io, tolerance=tolerance, progress=progress, packed_for=onnx_path
+                model, twin, plan.manifest.io, tolerance=tolerance, progress=progress, twin_for=onnx_path
             )
     verdict = "passed" if proof.float_max_abs <= tolerance else "FAILED"
     progress(
@@ -570,15 +570,16 @@ def _window_check(
     *,
     tolerance: float,
     progress: Progress,
-    packed_for: Path | None = None,
+    twin_for: Path | None = None,
 ) -> dict | None:
     """Past the sliding window, where the model has windows short enough to prove (export/parity.py window_rows):
     its record for the manifest, or None; RuntimeError above WINDOW_SLACK times the tolerance (float32 sums over
-    hundreds of positions round more than over a dozen)."""
+    hundreds of positions round more than over a dozen). twin_for: the shipped graph `onnx_path` is the float twin
+    of."""
     length = window_rows(model)
     if length is None:
         return None
-    converted_for = packed_for if packed_for is not None and uses_packed(packed_for) else None
+    converted_for = None if twin_for is None else twin_of(twin_for)
     max_diff = check_window(model, onnx_path, io=io, length=length, converted_for=converted_for)
     _refuse_non_finite(max_diff)
     allowed = tolerance * WINDOW_SLACK

@@ -279,8 +279,7 @@ def check_parity_int8(
     layout = state_layout(model)
     ids, lengths = _prompts(config, decode_steps=decode_steps, seed=seed, short=7 if layout.get("layer_types") else 5)
     run = dict(layout=layout, prepacking=True, on_step=on_step)
-    converted_for = Path(onnx_path) if packed.uses_packed(Path(onnx_path)) else None  # the twin is its fallback's
-    twin = _run_session(float_twin, io, config, ids, lengths, decode_steps, converted_for=converted_for, **run)
+    twin = _run_session(float_twin, io, config, ids, lengths, decode_steps, converted_for=twin_of(onnx_path), **run)
     shipped = _run_session(onnx_path, io, config, ids, lengths, decode_steps, forced=twin["tokens"], **run)
     rows = [
         ids[row, :length].tolist() + chosen
@@ -306,15 +305,23 @@ def check_parity_int8(
     )
 
 
+def twin_of(shipped: str | Path) -> Path | None:
+    """The packed package whose fallback graph a float twin of `shipped` is (its arrays converted from the
+    package's blocks), or None: the twin reads the shipped graph's own weights."""
+    return Path(shipped) if packed.uses_packed(Path(shipped)) else None
+
+
 def window_rows(model: torch.nn.Module) -> int | None:
-    """The prompt length that puts a sliding window's edge inside the proof (the smallest window + 8), where the
+    """The prompt length that puts a sliding window's edge inside the proof (the window + 8), where the
     model has windows and a float64 pass over that many tokens costs at most WINDOW_BUDGET multiply-adds; None:
     no windows, or too large a model (its family's tiny models prove the window's graph step instead)."""
     sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())
-    windows = [w for w in (getattr(model.config, "sliding_window", None),) if sliding and isinstance(w, int) and w > 0]
-    if not windows or state_layout(model).get("layer_types") is not None:  # a hybrid's states: no windows
+    window = getattr(model.config, "sliding_window", None)
+    if not sliding or not isinstance(window, int) or window <= 0:
         return None
-    length = min(windows) + 8
+    if state_layout(model).get("layer_types") is not None:  # a hybrid's states: no windows
+        return None
+    length = window + 8
     if length > model.config.n_positions - 1:
         return None
     parameters = sum(p.numel() for p in model.parameters())
