@@ -305,13 +305,16 @@ int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *works
         const float *xb = x + b * 32;
         int8_t *qb = w.q + b * 32;
         float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < 32; i++) { /* fmaxf's answer (a NaN is passed over) without a libm call */
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         for (int i = 0; i < 32; i++) {
             /* round half to even as nearbyintf does in the default mode, without a libm call: |v| <= 127 here,
              * and adding then subtracting 1.5 * 2^23 leaves v rounded to an integer (NaN stays NaN) */
             const float scaled = xb[i] * id;
-            const float v = scaled != scaled ? 0.0f : fminf(127.0f, fmaxf(-127.0f, scaled));
+            const float v = scaled != scaled ? 0.0f : scaled < -127.0f ? -127.0f : scaled > 127.0f ? 127.0f : scaled;
             qb[i] = (int8_t)(int)((v + 12582912.0f) - 12582912.0f);
         }
         w.d[b] = d;

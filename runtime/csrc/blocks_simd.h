@@ -97,11 +97,24 @@ EB_INLINE __m256i EB_SUFFIX(values_dot)(int type, __m256i u, const int8_t *qx) {
     return EB_SUFFIX(dot_u8)(u, q);
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against `rows` rows of activations, eight blocks a step, each block
- * unpacked once for all rows. The last step may hold fewer than eight blocks: its other lanes get d = dx = 0 and
- * no products, so they add +0.0, which leaves a lane as it is (a lane starts at +0.0 and so is never -0.0). */
-EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
-                                      float *out) {
+/* The first four bytes of `count` blocks (d, and m where the block has one) as eight words; none read past the
+ * blocks there are. Scalar loads, not a gather: AMD's gathers are microcoded and slow. */
+EB_INLINE __m256i EB_SUFFIX(heads)(const uint8_t *blk, int bytes, int count) {
+    int32_t w[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        w[j] = 0;
+        if (j < count) memcpy(&w[j], blk + j * bytes, 4);
+    }
+    return _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
+}
+
+/* Blocks b .. b + count - 1 (count <= 8) against `rows` rows of activations, each block unpacked once for all
+ * rows, into the rows' lanes. Called with count = 8 for every whole step, so that loop has no conditions, and once
+ * with the rest: its other lanes get d = dx = 0 and no products, so they add +0.0, which leaves a lane as it is
+ * (a lane starts at +0.0 and so is never -0.0). */
+EB_INLINE void EB_SUFFIX(legacy_step)(int type, const uint8_t *blk, int64_t b, int count, const eb_xrow *x, int rows,
+                                      __m256 *acc) {
     const int has_min = type == Q4_1 || type == Q5_1;
     const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
 #ifdef EB_VNNI
@@ -109,34 +122,37 @@ EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, 
 #else
     const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
 #endif
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i offsets = _mm256_mullo_epi32(lane, _mm256_set1_epi32(bytes));
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i u[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) u[j] = j < count ? EB_SUFFIX(legacy_values)(type, blk + j * bytes) : _mm256_setzero_si256();
+    const __m256i heads = EB_SUFFIX(heads)(blk, bytes, count);
+    const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
+    for (int r = 0; r < rows; r++) {
+        __m256i p[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            p[j] = j < count ? EB_SUFFIX(values_dot)(type, u[j], x[r].q + 32 * (b + j)) : _mm256_setzero_si256();
+        const __m256i sx = count == 8 ? _mm256_loadu_si256((const __m256i *)(x[r].s32 + b))
+                                      : _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
+        __m256i isum = EB_SUFFIX(hsum8)(p);
+        if (zero) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sx, zero == 8 ? 3 : zero == 16 ? 4 : 7)); /* zero sx */
+        const __m256 dxv = count == 8 ? _mm256_loadu_ps(x[r].d + b) : _mm256_maskload_ps(x[r].d + b, mask);
+        __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
+        if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
+        acc[r] = _mm256_add_ps(acc[r], term);
+    }
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against `rows` rows of activations, eight blocks a step. */
+EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                      float *out) {
+    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
     __m256 acc[EB_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 8) {
-        const int count = nb - b < 8 ? (int)(nb - b) : 8;
-        const uint8_t *blk = row + b * bytes;
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane); /* the blocks there are */
-        __m256i u[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) u[j] = j < count ? EB_SUFFIX(legacy_values)(type, blk + j * bytes) : _mm256_setzero_si256();
-        /* the first four bytes of each block (d, and m where it has one); none read past the blocks there are */
-        const __m256i heads = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)blk, offsets, mask, 1);
-        const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
-        for (int r = 0; r < rows; r++) {
-            __m256i p[8];
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++)
-                p[j] = j < count ? EB_SUFFIX(values_dot)(type, u[j], x[r].q + 32 * (b + j)) : _mm256_setzero_si256();
-            const __m256i sx = _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
-            __m256i isum = EB_SUFFIX(hsum8)(p);
-            if (zero) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sx, _mm256_set1_epi32(zero)));
-            const __m256 dxv = _mm256_maskload_ps(x[r].d + b, mask);
-            __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
-            if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
-            acc[r] = _mm256_add_ps(acc[r], term);
-        }
-    }
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) EB_SUFFIX(legacy_step)(type, row + b * bytes, b, 8, x, rows, acc);
+    if (b < nb) EB_SUFFIX(legacy_step)(type, row + b * bytes, b, (int)(nb - b), x, rows, acc);
     for (int r = 0; r < rows; r++) {
         float lanes[8];
         _mm256_storeu_ps(lanes, acc[r]);
