@@ -41,7 +41,7 @@ SETUP = "run benchmarks/setup_llamacpp.sh to make it, or pass --llamacpp-python"
 # benchmark precision -> (GGUF type, how it is made): peers.py's precision names, so that rows line up;
 # q8_0 sits with the dynamic int8 rows since ggml quantizes activations to 8 bits per block at run time
 GGUF_TYPES = {"fp32": ("f32", "converter"), "int8-dynamic": ("q8_0", "converter"), "int4": ("q4_0", "quantize")}
-QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k_m")
+QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
 QUANTIZE_FTYPES = {name: f"LLAMA_FTYPE_MOSTLY_{name.upper()}" for name in QUANTIZE_TYPES}  # llama_cpp names
 
 

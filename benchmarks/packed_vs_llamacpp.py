@@ -5,6 +5,7 @@ and bytes read a token, for edgelm's packed package on its native kernels, the s
     python benchmarks/packed_vs_llamacpp.py make FILE.gguf [FILE.gguf ...] [--dir D]     # the packages, once
     python benchmarks/packed_vs_llamacpp.py time FILE.gguf [...] [--dir D] [--results R] [--rounds 3]
                                                 [--prompt-tokens 32,512] [--new-tokens 128] [--threads 2]
+                                                [--systems packed,fallback,plain,llamacpp]
     python benchmarks/packed_vs_llamacpp.py report [--results R]
 
 Files: benchmarks/real_sizes.py's shaped files (Qwen3-0.6B / Llama-3.2-1B / Qwen3-4B as Q4_K_M, Q5_K_M, Q6_K,
@@ -80,7 +81,7 @@ def measure(files: list[Path], root: Path, args) -> None:
             prompt.write_text(json.dumps([(17 + 7919 * i) % 30000 + 100 for i in range(tokens)]))
         for round_ in range(args.rounds):
             for i, gguf in enumerate(files):
-                order = list(SYSTEMS) if (round_ + i) % 2 == 0 else list(reversed(SYSTEMS))
+                order = list(args.systems) if (round_ + i) % 2 == 0 else list(reversed(args.systems))
                 for system in order:
                     key = (gguf.name, tokens, round_, system)
                     if key in done:
@@ -145,6 +146,9 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[32, 512])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--systems", type=lambda s: s.split(","), default=list(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}"
+    )
     p.add_argument("--llamacpp-python", type=Path, default=Path("/work/main/.venv-llamacpp/bin/python"))
     args = p.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)

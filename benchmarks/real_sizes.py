@@ -57,7 +57,8 @@ DIR = Path("/work/big-scratch/shaped")
 LLAMACPP_PYTHON = Path("/work/venv-llamacpp/bin/python")
 SHAPED = Path(__file__).resolve().with_name("shaped_checkpoints.py")
 CONVERTED = {"f32": "f32", "f16": "f16", "Q8_0": "q8_0"}  # GGUF type -> convert_hf_to_gguf.py --outtype
-QUANTIZED = {"Q4_K_M": "q4_k_m", "Q4_0": "q4_0"}  # GGUF type -> llama_model_quantize's type, from the f16 file
+# GGUF type -> llama_model_quantize's type, from the f16 file
+QUANTIZED = {"Q4_K_M": "q4_k_m", "Q5_K_M": "q5_k_m", "Q6_K": "q6_k", "Q4_0": "q4_0"}
 FROM_FOLDER = {"int4": "Q4_0", "int8-weight-only": "Q8_0", "int4-b128": "Q4_0"}  # edgelm's own -> llama.cpp's file
 EXPORT_FLAGS = {  # edgelm's own quantizations: `edgelm export FOLDER OUT` and these
     "int4": ["--quantize", "int4"],
