@@ -73,16 +73,18 @@ def here(name: str, function: Callable, *args, **kwargs) -> Variant:
 
 
 def parse_output(stdout: str, name: str = "child") -> object:
-    """The last line that is JSON (a child may print more before it), or the whole output as one JSON document."""
+    """The whole output as one JSON document (an indented one included), or else its last line that is JSON (a
+    child may print more before it)."""
+    try:
+        return json.loads(stdout)
+    except json.JSONDecodeError:
+        pass
     for line in reversed(stdout.strip().splitlines()):
         try:
             return json.loads(line)
         except json.JSONDecodeError:
             continue
-    try:
-        return json.loads(stdout)
-    except json.JSONDecodeError:
-        raise SystemExit(f"{name} printed no JSON line of figures: {stdout.strip()[-200:]!r}") from None
+    raise SystemExit(f"{name} printed no JSON line of figures: {stdout.strip()[-200:]!r}")
 
 
 def figures(value: object, prefix: str = "") -> dict[str, float]:
