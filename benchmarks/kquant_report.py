@@ -10,7 +10,7 @@ Exports FILE three ways (kept blocks at accuracy level 4, the default; kept at l
 - accuracy: logits on --tokens held-out tokens (data/shakespeare-heldout.txt, windows of 512 from a cold
   cache) of level 4 and of the fp32 package against level 0: max |logit difference| and top-1 agreement;
 - speed: edgelm's level-4 package and llama.cpp (llama-cpp-python) on the same FILE, each in a child
-  process of its own (benchmarks/peer_runner.py bench_in_child: one warm-up, median of 3 generations), round-robin
+  process of its own (benchmarks/peers/peer_runner.py bench_in_child: one warm-up, median of 3 generations), round-robin
   over --rounds rounds and both prompt lengths, greedy, --new-tokens tokens past EOS; time to first token and
   decode tokens/s, and edgelm / llama.cpp per round (benchmarks/ab.py).
 Prints one JSON report (and writes it to OUT/report.json).
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "peers")]
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 WINDOW = 512
 

@@ -9,7 +9,7 @@ gives a ratio per system (its decode tokens/s over edgelm plain's, all prompts o
 ratios is reported, because the machine is shared and noisy (docs/benchmarks.md, "Speculative decoding"); the
 turn orders and the ratios are benchmarks/ab.py's, the harness every A/B script uses.
 
-llama.cpp runs in a child process of the llama-cpp-python interpreter (benchmarks/setup_llamacpp.sh), kept
+llama.cpp runs in a child process of the llama-cpp-python interpreter (benchmarks/peers/setup_llamacpp.sh), kept
 loaded between rounds: `Llama(draft_model=LlamaPromptLookupDecoding(...))` with its defaults (10 tokens, n-grams
 of up to 2), and plain for reference. Its GGUF files: --gguf PRECISION=FILE (f32 and q8_0 can be made from the
 Q4_1 file with `python benchmarks/speculative.py requantize Q4_1.gguf OUT.gguf --type f32|q8_0` in that

@@ -1,7 +1,7 @@
 """What each performance lever is worth, side by side in one run: packages of one GPT-2 checkpoint that
 differ by one choice, benched alternately (round-robin, so drift on a shared machine hits all alike).
 
-    python benchmarks/levers.py [--checkpoint out/peers/gpt2/checkpoint] [--out out/levers]
+    python benchmarks/experiments/levers.py [--checkpoint out/peers/gpt2/checkpoint] [--out out/levers]
                                 [--prompt-tokens 32,512] [--new-tokens 128] [--rounds 3] [--threads 2]
 
 Pairs measured (every package built here from the checkpoint, or reused from --out):
@@ -21,9 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ab
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the A/B harness
+import ab  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 
 # name -> (attention, quantize mode or None, extra quantize arguments)
@@ -82,7 +83,8 @@ def main() -> int:
     args = parser.parse_args()
     checkpoint, out = Path(args.checkpoint), Path(args.out)
     if not (checkpoint / "config.json").is_file():
-        print(f"no checkpoint at {checkpoint}: run benchmarks/peers.py first, or pass --checkpoint", file=sys.stderr)
+        message = f"no checkpoint at {checkpoint}: run benchmarks/peers/peers.py first, or pass --checkpoint"
+        print(message, file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)
     packages = build(checkpoint, out)

@@ -1,11 +1,11 @@
-"""A few systems of benchmarks/peers.py benched round-robin, for a ratio that holds on a busy machine.
+"""A few systems of benchmarks/peers/peers.py benched round-robin, for a ratio that holds on a busy machine.
 
 peers.py runs each system once, one after another: when other work comes and goes during the run, rows
 measured minutes apart are not comparable. Here each round runs every named system once (a child process
 each, peers.py's own children), so drift hits all of them alike; the ratio is the median over rounds of
 each round's ratio to the first system (benchmarks/ab.py).
 
-    python benchmarks/alternate_peers.py --out out/peers/smollm2-135m --prompt-tokens 32 --rounds 3 \
+    python benchmarks/peers/alternate_peers.py --out out/peers/smollm2-135m --prompt-tokens 32 --rounds 3 \
         edgelm=edgelm-int4 onnxruntime-genai=genai-builder-int4 llamacpp=llamacpp/model-q4_0.gguf
 """
 
@@ -16,9 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-import ab
-import llamacpp_peer
-import peer_runner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the A/B harness
+import ab  # noqa: E402
+import llamacpp_peer  # noqa: E402
+import peer_runner  # noqa: E402
 
 
 def bench(child: str, path: Path, prompt_file: Path, args, python: str) -> dict:

@@ -2,7 +2,7 @@
 that differ by one quantization choice, benched alternately (round-robin, one child process per variant and
 round) so that drift on a shared machine hits all alike.
 
-    python benchmarks/session_levers.py BASE [--package NAME=FOLDER ...] [--options] [--rounds 3]
+    python benchmarks/experiments/session_levers.py BASE [--package NAME=FOLDER ...] [--options] [--rounds 3]
                                         [--prompt-tokens 32] [--new-tokens 128] [--threads 2]
 
 Variants: BASE with the runtime's own session (runtime/session.py), each --package folder with it, and with
@@ -17,8 +17,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
-import ab
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the A/B harness
+import ab  # noqa: E402
 
 SESSION_VARIANTS = {
     "same-options": {"session.intra_op.allow_spinning": "1"},  # ORT's default: a control for the session swap
