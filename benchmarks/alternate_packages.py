@@ -3,9 +3,9 @@
 Written for compact GGUF blocks (export/compact_blocks.py): the same file exported with plain and with compact
 blocks must decode at the same speed, and this measures what unpacking at load costs. Each package is loaded
 in a child process of its own, round by round, A then B then A..., so a shared machine's drift stays out of
-the per-round ratios. A child reports the session build (Model.load_s), the first generation's time to first
-token (a cold session: ONNX Runtime's first-run allocations included), the process's peak RSS after the load
-and at the end, its RSS right after the load (Linux's VmRSS: what stays once the load's peak is over), and
+the per-round ratios (benchmarks/ab.py). A child reports the session build (Model.load_s), the first generation's
+time to first token (a cold session: ONNX Runtime's first-run allocations included), the process's peak RSS after
+the load and at the end, its RSS right after the load (Linux's VmRSS: what stays once the load's peak is over), and
 decode tokens/s (the best of three generations after a warm-up).
 
     python benchmarks/alternate_packages.py PLAIN_PACKAGE COMPACT_PACKAGE [--rounds 5]
@@ -14,10 +14,9 @@ decode tokens/s (the best of three generations after a warm-up).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
+
+import ab
 
 CHILD = """
 import json, resource, sys
@@ -37,13 +36,9 @@ print(json.dumps({"load_s": model.load_s, "first_token_s": first, "loaded_rss_mb
 FIGURES = ("load_s", "first_token_s", "loaded_rss_mb", "resident_mb", "peak_rss_mb", "decode_tokens_per_s")
 
 
-def one_run(package: str, args: argparse.Namespace) -> dict:
+def variant(name: str, package: str, args: argparse.Namespace) -> ab.Variant:
     command = [args.python, "-c", CHILD, package, str(args.threads), str(args.prompt_tokens), str(args.new_tokens)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SystemExit(f"{package} failed: {last}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return ab.command(f"{name} ({package})", command)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,19 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     args = p.parse_args(argv)
-    runs: list[list[dict]] = [[], []]
-    for round_ in range(args.rounds):
-        for which, package in enumerate(args.packages):
-            runs[which].append(one_run(package, args))
-        a, b = runs[0][-1], runs[1][-1]
-        print(f"round {round_ + 1}: " + "  ".join(f"{k} {a[k]:.3g} / {b[k]:.3g}" for k in FIGURES), flush=True)
-    for key in FIGURES:
-        a, b = ([run[key] for run in runs[which]] for which in (0, 1))
-        ratios = [y / x for x, y in zip(a, b, strict=True)]
-        print(
-            f"{key}: A median {statistics.median(a):.4g}, B median {statistics.median(b):.4g}, B/A median of "
-            f"per-round ratios {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
-        )
+    variants = [variant(name, package, args) for name, package in zip("AB", args.packages, strict=True)]
+    result = ab.run(variants, rounds=args.rounds)
+    print()
+    print(ab.table(result, list(FIGURES)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ At 3.7M parameters a decode step reads 15 MB (fp32), so the time goes to per-ste
 executor, binding, sampling, Python) rather than to the weights: this measures that overhead.
 Default packages: the bundled model exported and quantized (dynamic int8, int4) under out/bundled.
 Greedy, 32-token prompt, 90 new tokens (the context is 128), EOS masked for both (genai's min_length);
-each system in child processes of its own, alternating, 3 generations per child after a warm-up.
+each system in child processes of its own, alternating, 3 generations per child after a warm-up (their median
+the child's figure); edgelm / genai is the median of the per-round ratios (benchmarks/ab.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import ab
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,20 +87,24 @@ def main() -> int:
     parser.add_argument("--child", choices=("edgelm", "genai"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, Path(args.packages[0]), args.threads, 3)))
+        rates = child(args.child, Path(args.packages[0]), args.threads, 3)
+        print(json.dumps({"decode_tokens_per_s": statistics.median(rates), "rates": rates}))
         return 0
     packages = [Path(p) for p in args.packages] or default_packages(Path(args.out))
 
     print("| package | edgelm decode tokens/s | onnxruntime-genai decode tokens/s | edgelm / genai |")
     print("|---|---|---|---|")
     for package in packages:
-        rates: dict[str, list[float]] = {"edgelm": [], "genai": []}
-        for _ in range(args.rounds):
-            for system in rates:
-                command = [sys.executable, __file__, str(package), "--child", system, "--threads", str(args.threads)]
-                rates[system] += json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
-        ours, theirs = statistics.median(rates["edgelm"]), statistics.median(rates["genai"])
-        print(f"| {package.name} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |", flush=True)
+        variants = [
+            ab.command(
+                system, [sys.executable, __file__, str(package), "--child", system, "--threads", str(args.threads)]
+            )
+            for system in ("edgelm", "genai")
+        ]
+        result = ab.run(variants, rounds=args.rounds, baseline="genai", progress=None)
+        ours, theirs = (result["medians"][system]["decode_tokens_per_s"] for system in ("edgelm", "genai"))
+        ratio = result["ratios"]["edgelm"]["decode_tokens_per_s"]["median"]
+        print(f"| {package.name} | {ours:.0f} | {theirs:.0f} | {ratio:.2f}x |", flush=True)
     return 0
 
 

@@ -5,7 +5,7 @@ round, A then B then A...; a child loads the package with one thread, warms up, 
 `--reps` generations (EOS ignored) as milliseconds per token, by wall clock and by the process's CPU time
 (less sensitive to a loaded machine). `--fixed-logits` replaces the model call by fixed logits (rolled each
 step, so the argmax moves), which leaves only the Python side of a step: picker, sampler, loop ending and
-detokenization. The report is each build's medians and the median of the per-round ratios B/A.
+detokenization. The report is each build's medians and the median of the per-round ratios B/A (benchmarks/ab.py).
 
     python benchmarks/decode_step_time.py PACKAGE --python /old/.venv/bin/python --python .venv/bin/python
 """
@@ -13,9 +13,8 @@ detokenization. The report is each build's medians and the median of the per-rou
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
+
+import ab
 
 CHILD = """
 import json, sys, time
@@ -55,15 +54,12 @@ print(json.dumps(result))
 """
 
 
-def one_run(python: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """{mode: {"wall": ms/token, "cpu": ms/token}} of one child process."""
+def variant(name: str, python: str, args: argparse.Namespace) -> ab.Variant:
+    """A child prints {mode: {"wall": ms/token, "cpu": ms/token}}: figures `greedy.wall`, `sample.cpu`, ..."""
     fixed = "1" if args.fixed_logits else "0"
-    command = [python, "-c", CHILD, args.package, str(args.reps), str(args.new_tokens), fixed]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SystemExit(f"{python} failed: {last}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return ab.command(
+        f"{name} ({python})", [python, "-c", CHILD, args.package, str(args.reps), str(args.new_tokens), fixed]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,19 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if len(args.python) != 2:
         p.error("give --python twice: the build to compare against, then the build to measure")
-    runs: list[list[dict[str, dict[str, float]]]] = [[], []]
-    for round_ in range(args.rounds):
-        for build, python in enumerate(args.python):
-            runs[build].append(one_run(python, args))
-        print(f"round {round_ + 1}: A {json.dumps(runs[0][-1])}  B {json.dumps(runs[1][-1])}", flush=True)
-    print("| mode | clock | A ms/token | B ms/token | B/A median (min-max) |")
-    print("|---|---|---|---|---|")
-    for mode in ("greedy", "sample"):
-        for clock in ("cpu", "wall"):
-            a, b = ([run[mode][clock] for run in build] for build in runs)
-            ratios = [y / x for x, y in zip(a, b, strict=True)]
-            spread = f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
-            print(f"| {mode} | {clock} | {statistics.median(a):.4f} | {statistics.median(b):.4f} | {spread} |")
+    variants = [variant(name, python, args) for name, python in zip("AB", args.python, strict=True)]
+    result = ab.run(variants, rounds=args.rounds)
+    print()
+    print(ab.table(result, [f"{mode}.{clock}" for mode in ("greedy", "sample") for clock in ("cpu", "wall")]))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ Exports FILE three ways (kept blocks at accuracy level 4, the default; kept at l
 - accuracy: logits on --tokens held-out tokens (data/shakespeare-heldout.txt, windows of 512 from a cold
   cache) of level 4 and of the fp32 package against level 0: max |logit difference| and top-1 agreement;
 - speed: edgelm's level-4 package and llama.cpp (llama-cpp-python) on the same FILE, each in a child
-  process of its own (benchmarks/peer_runner.py bench_in_child: one warm-up, median of 3 generations), round-robin
+  process of its own (benchmarks/peers/peer_runner.py bench_in_child: one warm-up, median of 3 generations), round-robin
   over --rounds rounds and both prompt lengths, greedy, --new-tokens tokens past EOS; time to first token and
-  decode tokens/s, and edgelm / llama.cpp per round.
+  decode tokens/s, and edgelm / llama.cpp per round (benchmarks/ab.py).
 Prints one JSON report (and writes it to OUT/report.json).
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "peers")]
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 WINDOW = 512
 
@@ -72,8 +72,18 @@ def accuracy(packages: dict[str, Path], reference: str, tokens: int) -> dict:
     return report
 
 
-def speed(package: Path, gguf: Path, args) -> dict:
+def _bench(child: str, path: Path, prompt_file: Path, child_args, python: str) -> dict:
     import peer_runner
+
+    report = peer_runner.bench_in_child(child, path, prompt_file, child_args, python=python)
+    if "error" in report:
+        raise RuntimeError(report["error"])
+    report.pop("token_ids", None)
+    return report
+
+
+def speed(package: Path, gguf: Path, args) -> dict:
+    import ab
 
     child_args = argparse.Namespace(threads=args.threads, new_tokens=args.new_tokens, repeats=3)
     vocab = 49152
@@ -82,24 +92,21 @@ def speed(package: Path, gguf: Path, args) -> dict:
         prompt = np.random.default_rng(0).integers(100, vocab, length).tolist()
         prompt_file = args.out / f"prompt-{length}.json"
         prompt_file.write_text(json.dumps(prompt))
-        rounds = []
-        for _ in range(args.rounds):
-            ours = peer_runner.bench_in_child("edgelm", package, prompt_file, child_args)
-            theirs = peer_runner.bench_in_child("llamacpp", gguf, prompt_file, child_args, python=args.llamacpp_python)
-            for report in (ours, theirs):
-                if "error" in report:
-                    raise RuntimeError(report["error"])
-                report.pop("token_ids", None)
-            rounds.append({"edgelm": ours, "llamacpp": theirs})
-        ratio = [r["edgelm"]["decode_tokens_per_s"] / r["llamacpp"]["decode_tokens_per_s"] for r in rounds]
-        ttft = [r["llamacpp"]["ttft_s"] / r["edgelm"]["ttft_s"] for r in rounds]
+        variants = [
+            ab.here("edgelm", _bench, "edgelm", package, prompt_file, child_args, sys.executable),
+            ab.here("llamacpp", _bench, "llamacpp", gguf, prompt_file, child_args, args.llamacpp_python),
+        ]
+        result = ab.run(variants, rounds=args.rounds, baseline="llamacpp", progress=None)
+        rounds = [dict(zip(result["runs"], one, strict=True)) for one in zip(*result["runs"].values(), strict=True)]
+        ratio = result["ratios"]["edgelm"]["decode_tokens_per_s"]["per_round"]
+        ttft = [1 / r for r in result["ratios"]["edgelm"]["ttft_s"]["per_round"]]  # llama.cpp's over edgelm's
         rows[length] = {
-            "edgelm_decode_tokens_per_s": statistics.median(r["edgelm"]["decode_tokens_per_s"] for r in rounds),
-            "llamacpp_decode_tokens_per_s": statistics.median(r["llamacpp"]["decode_tokens_per_s"] for r in rounds),
-            "edgelm_ttft_ms": 1000 * statistics.median(r["edgelm"]["ttft_s"] for r in rounds),
-            "llamacpp_ttft_ms": 1000 * statistics.median(r["llamacpp"]["ttft_s"] for r in rounds),
+            "edgelm_decode_tokens_per_s": result["medians"]["edgelm"]["decode_tokens_per_s"],
+            "llamacpp_decode_tokens_per_s": result["medians"]["llamacpp"]["decode_tokens_per_s"],
+            "edgelm_ttft_ms": 1000 * result["medians"]["edgelm"]["ttft_s"],
+            "llamacpp_ttft_ms": 1000 * result["medians"]["llamacpp"]["ttft_s"],
             "decode_ratio_per_round": ratio,
-            "decode_ratio_median": statistics.median(ratio),
+            "decode_ratio_median": result["ratios"]["edgelm"]["decode_tokens_per_s"]["median"],
             "ttft_speedup_median": statistics.median(ttft),
             "other_cpu_pct": [round(r["edgelm"]["other_cpu_pct"], 1) for r in rounds],
             "rounds": rounds,

@@ -9,7 +9,8 @@
 
 speed: each variant's decode tokens/s (greedy, 32-token prompt, 128 new tokens, the best of --best-of runs),
 variants alternating within a round (the order reversed every other round) so a shared machine's drift falls on
-all of them; reports the median per-round ratio to the first variant.
+all of them; reports the median per-round ratio to the first variant (benchmarks/ab.py, the models loaded once in
+this process and taking turns).
 switch: what changing adapter costs a request: making its runner and binding the adapter's tensors into a new
 binding (median over repeats), against the same step with the base. accuracy: top-1 agreement and mean KL of
 a package + adapter against a reference package (the fp32 merged model) over a text's tokens.
@@ -24,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+import ab
 import numpy as np
 
 SMOLLM2 = dict(
@@ -71,18 +73,19 @@ def speed(args: argparse.Namespace) -> None:
     prompt = list(range(100, 100 + args.prompt_tokens))
     for _, model, name in variants:
         model.generate(prompt, 8, ignore_eos=True, adapter=name)  # warm-up
-    rates: dict[str, list[float]] = {label: [] for label, _, _ in variants}
-    for round_ in range(args.rounds):
-        order = variants if round_ % 2 == 0 else variants[::-1]
-        for label, model, name in order:  # the best of a few runs: what other processes took is not the model's
-            runs = [model.generate(prompt, args.new_tokens, ignore_eos=True, adapter=name) for _ in range(args.best_of)]
-            rates[label].append(max(run.timings.decode_tokens_per_s for run in runs))
-        print(f"round {round_ + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
-    first = variants[0][0]
-    for label, values in rates.items():
-        ratios = [v / f for v, f in zip(values, rates[first], strict=True)]
-        print(f"{label}: median {statistics.median(values):.1f} tokens/s, per-round ratio to {first} median "
-              f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")  # fmt: skip
+
+    def best_rate(model, name: str | None) -> float:
+        """The best of a few runs: what other processes took is not the model's."""
+        runs = [model.generate(prompt, args.new_tokens, ignore_eos=True, adapter=name) for _ in range(args.best_of)]
+        return max(run.timings.decode_tokens_per_s for run in runs)
+
+    turns = [ab.here(label, best_rate, model, name) for label, model, name in variants]
+    result = ab.run(turns, rounds=args.rounds, order="reverse")  # the order reversed every other round
+    first = result["baseline"]
+    for label, medians in result["medians"].items():
+        ratio = result["ratios"][label]["value"]
+        print(f"{label}: median {medians['value']:.1f} tokens/s, per-round ratio to {first} median "
+              f"{ratio['median']:.3f} (min {ratio['min']:.3f}, max {ratio['max']:.3f})")  # fmt: skip
 
 
 def switch(args: argparse.Namespace) -> None:

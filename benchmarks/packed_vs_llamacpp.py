@@ -10,7 +10,7 @@ and bytes read a token, for edgelm's packed package on its native kernels, the s
 
 Files: benchmarks/real_sizes.py's shaped files (Qwen3-0.6B / Llama-3.2-1B / Qwen3-4B as Q4_K_M, Q5_K_M, Q6_K,
 Q4_0, Q8_0, made by llama.cpp's own tools) and the real Gemma 3 270M and SmolLM2 files (~/.cache/edgelm). Each
-system runs in a child process of its own (benchmarks/peer_runner.py), round-robin, the order alternating; every
+system runs in a child process of its own (benchmarks/peers/peer_runner.py), round-robin, the order alternating; every
 measurement is one JSON line in --results (a re-run skips what it holds). `report` prints medians and the median of
 per-round ratios against llama.cpp with the load average the rounds ran at: time it on a quiet machine.
 """
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "peers"))
 
 import peer_runner  # noqa: E402
 from peer_common import folder_bytes  # noqa: E402

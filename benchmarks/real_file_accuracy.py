@@ -2,7 +2,7 @@
 greedy ids on several prompts (the first difference, with edgelm's top-2 gap there to tell a near tie), and a
 greedy chat answer. llama.cpp computes with int8 activations too, so its figures are the file's own.
 
-llama.cpp runs in a child with llama-cpp-python's interpreter (benchmarks/setup_llamacpp.sh makes
+llama.cpp runs in a child with llama-cpp-python's interpreter (benchmarks/peers/setup_llamacpp.sh makes
 .venv-llamacpp); edgelm exports each file once into a temporary package (or uses --package).
 
     python benchmarks/real_file_accuracy.py --out benchmarks/results/real_file_accuracy.json

@@ -14,7 +14,7 @@ is the int4 recipe tuned for speed (blocks of 128, a 4-bit head: fewer bytes a t
 --dir: <shape>-hf/ (the folder), <shape>-<type>.gguf, pkg-<shape>-<kind>/ (edgelm's package), each made once
 and reused (a file another process is writing has a .part name until done).
 
-`time` runs every row, prompt length and round in child processes of their own (benchmarks/peer_runner.py's
+`time` runs every row, prompt length and round in child processes of their own (benchmarks/peers/peer_runner.py's
 bench_in_child: the edgelm child in this interpreter, the llama.cpp child in --llamacpp-python), llama.cpp
 and edgelm one after the other, the order alternating from one round and row to the next. Each child loads
 the model, warms up on 4 tokens, then generates --new-tokens tokens greedily past EOS from the same random
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import llamacpp_peer  # noqa: E402
 import peer_runner  # noqa: E402
 from peer_common import folder_bytes  # noqa: E402

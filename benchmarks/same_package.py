@@ -5,18 +5,17 @@
 Both load the package once; each round generates greedily from the same random prompt with edgelm's
 `generate`, with genai, and with a loop of bare KV-cache steps (`cache.next` with a fixed token: the
 cache grows as in generation, nothing is sampled), the floor for any Python driver of that session.
-Prints decode tokens/s per round and the median of the per-round ratios, which holds on a machine whose
-speed drifts between rounds.
+Prints decode tokens/s per round and the median of the per-round ratios (benchmarks/ab.py, its callables taking
+turns in this one process), which holds on a machine whose speed drifts between rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-from functools import partial
 
+import ab
 import numpy as np
 import onnxruntime_genai as og
 
@@ -60,18 +59,6 @@ def cache_steps_rate(model, prompt: list[int], new: int) -> float:
     return (new - 1) / (time.perf_counter() - started)
 
 
-def alternate(systems: dict, rounds: int) -> dict[str, list[float]]:
-    """One warm-up each, then `rounds` rounds of every system in turn; decode tokens/s per round."""
-    for run in systems.values():
-        run()
-    rates = {name: [] for name in systems}
-    for round_ in range(1, rounds + 1):
-        for name, run in systems.items():
-            rates[name].append(run())
-        print(f"round {round_}: " + ", ".join(f"{name} {r[-1]:.1f}" for name, r in rates.items()), flush=True)
-    return rates
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("package")
@@ -84,18 +71,16 @@ def main() -> int:
     model = load(args.package, provider="cpu", threads=args.threads)
     prompt = np.random.default_rng(0).integers(100, model.spec.arch.vocab_size, length).tolist()
     genai = genai_model(args.package, args.threads)
-    systems = {
-        "edgelm": partial(edgelm_rate, model, prompt, new),
-        "onnxruntime-genai": partial(genai_rate, genai, prompt, new),
-        "cache steps only": partial(cache_steps_rate, model, prompt, new),
-    }
-    rates = alternate(systems, args.rounds)
-    base = rates["edgelm"]
+    systems = [
+        ab.here("edgelm", edgelm_rate, model, prompt, new),
+        ab.here("onnxruntime-genai", genai_rate, genai, prompt, new),
+        ab.here("cache steps only", cache_steps_rate, model, prompt, new),
+    ]
+    result = ab.run(systems, rounds=args.rounds, warmup=1)  # one warm-up each, then every system in turn
     print(f"\n{args.package}: {length}-token prompt, {new} new tokens, {args.threads} threads, {args.rounds} rounds")
     print("| system | decode tokens/s (median) | per-round ratio to edgelm (median) |\n|---|---|---|")
-    for name, r in rates.items():
-        ratio = statistics.median(x / b for x, b in zip(r, base, strict=True))
-        print(f"| {name} | {statistics.median(r):.1f} | {ratio:.2f}x |")
+    for name, medians in result["medians"].items():
+        print(f"| {name} | {medians['value']:.1f} | {result['ratios'][name]['value']['median']:.2f}x |")
     return 0
 
 

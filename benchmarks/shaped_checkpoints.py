@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-# a llama.cpp tree holding models/ggml-vocab-*.gguf: $LLAMA_CPP, else what benchmarks/setup_llamacpp.sh extracts
+# a llama.cpp tree holding models/ggml-vocab-*.gguf: $LLAMA_CPP, else what benchmarks/peers/setup_llamacpp.sh extracts
 LLAMA_CPP = Path(os.environ.get("LLAMA_CPP", Path(__file__).resolve().parent / ".llamacpp" / "llama.cpp"))
 SHAPES = {
     "qwen3-0.6b": dict(

@@ -6,9 +6,10 @@ and free generation (open questions). Every system gets the same token ids, gene
 (EOS ignored, so every run is 128 tokens) on --threads threads; decode speed is new tokens per second after the
 first token. Systems take turns on each prompt (their order rotated per prompt and per round), and each round
 gives a ratio per system (its decode tokens/s over edgelm plain's, all prompts of a set); the median of the per-round
-ratios is reported, because the machine is shared and noisy (docs/benchmarks.md, "Speculative decoding").
+ratios is reported, because the machine is shared and noisy (docs/benchmarks.md, "Speculative decoding"); the
+turn orders and the ratios are benchmarks/ab.py's, the harness every A/B script uses.
 
-llama.cpp runs in a child process of the llama-cpp-python interpreter (benchmarks/setup_llamacpp.sh), kept
+llama.cpp runs in a child process of the llama-cpp-python interpreter (benchmarks/peers/setup_llamacpp.sh), kept
 loaded between rounds: `Llama(draft_model=LlamaPromptLookupDecoding(...))` with its defaults (10 tokens, n-grams
 of up to 2), and plain for reference. Its GGUF files: --gguf PRECISION=FILE (f32 and q8_0 can be made from the
 Q4_1 file with `python benchmarks/speculative.py requantize Q4_1.gguf OUT.gguf --type f32|q8_0` in that
@@ -29,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import ab
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 128
@@ -192,7 +195,7 @@ def one_round(systems: dict, ids: dict, order: list[str]) -> dict:
     runs = {name: {set_name: [] for set_name in ids} for name in order}
     for set_name, group in ids.items():
         for index, prompt in enumerate(group):
-            turn = order[index % len(order) :] + order[: index % len(order)]
+            turn = ab.order_of(order, index, "rotate")
             for name in turn:
                 runs[name][set_name].append(systems[name](prompt))
         print(f"  {set_name}: done", flush=True)
@@ -225,8 +228,8 @@ def summarise(rounds: list[dict]) -> dict:
             plain = rounds[0][reference][set_name]
             summary[set_name][name] = {
                 "decode_tokens_per_s": statistics.median(rates),
-                "ratio_to_edgelm_plain": statistics.median(a / b for a, b in zip(rates, base, strict=True)),
-                "per_round_ratios": [a / b for a, b in zip(rates, base, strict=True)],
+                "ratio_to_edgelm_plain": ab.spread(ab.per_round_ratios(rates, base))["median"],
+                "per_round_ratios": ab.per_round_ratios(rates, base),
                 "proposed": first["proposed"],
                 "accepted": first["accepted"],
                 "same_tokens_as_plain": first["tokens"] == plain["tokens"],
@@ -277,8 +280,8 @@ def table(report: dict) -> str:
             ours, theirs = r["edgelm lookup"], r.get("llama.cpp lookup")
             versus = peer = "n/a"
             if theirs:
-                pairs = zip(ours["per_round_ratios"], theirs["per_round_ratios"], strict=True)
-                versus = f"{statistics.median(a / b for a, b in pairs):.2f}x"
+                pairs = ab.per_round_ratios(ours["per_round_ratios"], theirs["per_round_ratios"])
+                versus = f"{ab.spread(pairs)['median']:.2f}x"
                 peer = f"{theirs['ratio_to_edgelm_plain']:.2f}x"
             same = "yes" if ours["same_tokens_as_plain"] else "NO"
             rows.append(
@@ -324,8 +327,7 @@ def run_rounds(args: argparse.Namespace) -> dict:
         model, ids, systems = systems_for(precision, args, prompts)
         rounds = []
         for index in range(args.rounds):
-            names = list(systems)
-            order = names[index % len(names) :] + names[: index % len(names)]
+            order = ab.order_of(list(systems), index, "rotate")
             rounds.append(one_round(systems, ids, order))
             print(f"{precision} round {index + 1}: " + json.dumps(summarise(rounds[-1:])), flush=True)
             report["results"][precision] = summarise(rounds)

@@ -11,7 +11,7 @@ after the last layer and export leaves it out. Each folder carries a real chat t
 
 The converter is the one tests/test_families_converter.py uses (fetched from llama-cpp-python's sdist, or
 $EDGELM_LLAMA_CPP); the quantizer and the greedy runs also need $EDGELM_LLAMA_CPP_PYTHON, a Python that imports
-llama_cpp (benchmarks/setup_llamacpp.sh builds one). Skipped otherwise."""
+llama_cpp (benchmarks/peers/setup_llamacpp.sh builds one). Skipped otherwise."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/peer_models.py: the folders benchmarks/peers.py starts every system from."""
+"""benchmarks/peers/peer_models.py: the folders benchmarks/peers/peers.py starts every system from."""
 
 import json
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "peers"))
 import peer_models  # noqa: E402  (benchmarks/ is not a package)
 
 transformers = pytest.importorskip("transformers")

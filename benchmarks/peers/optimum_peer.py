@@ -1,6 +1,6 @@
-"""Optimum as a peer for benchmarks/peers.py: ORTModelForCausalLM on Optimum's export (fp32) and its
+"""Optimum as a peer for benchmarks/peers/peers.py: ORTModelForCausalLM on Optimum's export (fp32) and its
 ORTQuantizer dynamic int8, plus a MatMulNBits int4 of that export for onnxruntime-genai. All of it runs in a
-second interpreter (optimum[onnxruntime] needs transformers<4.58; benchmarks/setup_optimum.sh makes it)."""
+second interpreter (optimum[onnxruntime] needs transformers<4.58; benchmarks/peers/setup_optimum.sh makes it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from peer_common import PEERS_SCRIPT, REPO, onnx_file, read_lines, timed_child, 
 from transformers_peer import generate_runs
 
 OPTIMUM_PRECISIONS = ("fp32", "int8-dynamic", "int4")  # the Optimum export, ORTQuantizer's int8, MatMulNBits int4
-OPTIMUM_PYTHON = REPO / ".venv-optimum" / "bin" / "python"  # made by benchmarks/setup_optimum.sh
+OPTIMUM_PYTHON = REPO / ".venv-optimum" / "bin" / "python"  # made by benchmarks/peers/setup_optimum.sh
 OPTIMUM_VERSIONS = ("optimum", "optimum-onnx", "transformers", "torch", "onnxruntime", "onnx", "accelerate", "numpy")
 
 # ---- the interpreter and the packages, seen from the main process --------------------------------
@@ -25,7 +25,7 @@ def optimum_interpreter(python: Path) -> dict:
     """The interpreter that runs Optimum: its versions, or "error", why it cannot. It is a venv of its
     own because optimum[onnxruntime] (optimum-onnx 0.1.0) needs transformers<4.58, and installing it
     here would downgrade the transformers 5 (and tokenizers) that the transformers baseline runs on."""
-    setup = "run benchmarks/setup_optimum.sh to make it, or pass --optimum-python"
+    setup = "run benchmarks/peers/setup_optimum.sh to make it, or pass --optimum-python"
     if not python.is_file():
         return {"python": str(python), "error": f"no Optimum interpreter at {python}: {setup}"}
     done = subprocess.run([str(python), str(PEERS_SCRIPT), "--probe-optimum"], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""The report of benchmarks/peers.py: ids against transformers', ratios to edgelm, the markdown tables, the
+"""The report of benchmarks/peers/peers.py: ids against transformers', ratios to edgelm, the markdown tables, the
 plot, the printed summary and peers.json."""
 
 from __future__ import annotations

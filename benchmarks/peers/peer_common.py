@@ -1,4 +1,4 @@
-"""What benchmarks/peers.py and its peer modules share: the row labels, the machine's facts (CPU, versions,
+"""What benchmarks/peers/peers.py and its peer modules share: the row labels, the machine's facts (CPU, versions,
 memory bandwidth, contention), file sizes, and the clock of one generation."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 PEERS_SCRIPT = Path(__file__).resolve().with_name("peers.py")  # the entry point every child process runs
 # row labels: the runtime, and for onnxruntime-genai whose package it runs

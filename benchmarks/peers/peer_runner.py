@@ -1,4 +1,4 @@
-"""The runner of benchmarks/peers.py: which systems this machine has, one child process per system,
+"""The runner of benchmarks/peers/peers.py: which systems this machine has, one child process per system,
 precision and prompt (`child_main` inside it, `bench_in_child` around it), and the loop over prompts that
 fills the rows, with each precision's memory-bandwidth bound."""
 

@@ -1,4 +1,4 @@
-"""The models benchmarks/peers.py measures, as Hugging Face folders every system starts from.
+"""The models benchmarks/peers/peers.py measures, as Hugging Face folders every system starts from.
 
 - gpt2-124m: `GPT2LMHeadModel(GPT2Config())`, random weights (seed 0); gpt2-tiny: 2 layers of width 64,
   to check the script in seconds. Written by make_checkpoint.
@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHAKESPEARE = REPO / "models" / "shakespeare"  # its tokenizer.json: byte-level BPE, 2,048 tokens
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 CONFIGS = {

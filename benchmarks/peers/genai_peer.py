@@ -1,4 +1,4 @@
-"""onnxruntime-genai as a peer for benchmarks/peers.py: its greedy loop on any package with a genai_config.json
+"""onnxruntime-genai as a peer for benchmarks/peers/peers.py: its greedy loop on any package with a genai_config.json
 (edgelm's own, Optimum's export, its model builder's). Threads go through `og.Config.overlay`;
 `min_length = max_length`, since genai cannot step past EOS."""
 

@@ -1,7 +1,7 @@
 """What each performance lever is worth, side by side in one run: packages of one GPT-2 checkpoint that
 differ by one choice, benched alternately (round-robin, so drift on a shared machine hits all alike).
 
-    python benchmarks/levers.py [--checkpoint out/peers/gpt2/checkpoint] [--out out/levers]
+    python benchmarks/experiments/levers.py [--checkpoint out/peers/gpt2/checkpoint] [--out out/levers]
                                 [--prompt-tokens 32,512] [--new-tokens 128] [--rounds 3] [--threads 2]
 
 Pairs measured (every package built here from the checkpoint, or reused from --out):
@@ -9,19 +9,22 @@ Pairs measured (every package built here from the checkpoint, or reused from --o
   export (past + new concatenated every step), at fp32, dynamic int8 and int4;
 - int4 LM head: 8-bit (the default, for accuracy) against 4-bit.
 Each row is the median over --rounds of `edgelm bench` figures (one child process per package and
-round): decode tokens/s, time to first token, and the runtime's own share of a decode step.
+round): decode tokens/s, time to first token, and the runtime's own share of a decode step; a lever's ratio is
+the median of its per-round ratios (benchmarks/ab.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the A/B harness
+import ab  # noqa: E402
+
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 
 # name -> (attention, quantize mode or None, extra quantize arguments)
@@ -61,12 +64,12 @@ def build(checkpoint: Path, out: Path) -> dict[str, Path]:
     return packages
 
 
-def bench(package: Path, prompt_tokens: int, args) -> dict:
+def bench(name: str, package: Path, prompt_tokens: int, args) -> ab.Variant:
+    """`edgelm bench --json` on one package, a child process per round."""
     command = [sys.executable, "-m", "edgelm", "bench", str(package), "--json", "--no-verify"]
     command += ["--prompt-tokens", str(prompt_tokens), "--new-tokens", str(args.new_tokens)]
     command += ["--threads", str(args.threads), "--repeats", "1"]
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout)
+    return ab.command(name, command)
 
 
 def main() -> int:
@@ -80,25 +83,25 @@ def main() -> int:
     args = parser.parse_args()
     checkpoint, out = Path(args.checkpoint), Path(args.out)
     if not (checkpoint / "config.json").is_file():
-        print(f"no checkpoint at {checkpoint}: run benchmarks/peers.py first, or pass --checkpoint", file=sys.stderr)
+        message = f"no checkpoint at {checkpoint}: run benchmarks/peers/peers.py first, or pass --checkpoint"
+        print(message, file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)
     packages = build(checkpoint, out)
     results: dict = {}
+    levers: dict = {}
+    keys = ("decode_tokens_per_s", "time_to_first_token_s", "runtime_overhead_pct", "size_mb")
     for prompt_tokens in [int(n) for n in args.prompt_tokens.split(",")]:
-        runs: dict[str, list[dict]] = {name: [] for name in packages}
-        for round_ in range(args.rounds):
-            for name, path in packages.items():
-                print(f"[{prompt_tokens}-token prompt, round {round_ + 1}] {name}", flush=True)
-                runs[name].append(bench(path, prompt_tokens, args))
-        results[prompt_tokens] = {
-            name: {
-                key: statistics.median(r[key] for r in rows)
-                for key in ("decode_tokens_per_s", "time_to_first_token_s", "runtime_overhead_pct", "size_mb")
-            }
-            for name, rows in runs.items()
+        print(f"[{prompt_tokens}-token prompt]", flush=True)
+        variants = [bench(name, path, prompt_tokens, args) for name, path in packages.items()]
+        result = ab.run(variants, rounds=args.rounds)
+        results[prompt_tokens] = {name: {key: m[key] for key in keys} for name, m in result["medians"].items()}
+        levers[prompt_tokens] = {
+            f"{first} / {second}": {key: ab.between(result, first, second, key)["median"] for key in keys[:2]}
+            for first, second in PAIRS
         }
-    (out / "levers.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    report = {"args": vars(args), "results": results, "levers": levers}
+    (out / "levers.json").write_text(json.dumps(report, indent=2))
 
     print(f"\nmedians of {args.rounds} rounds, {args.threads} threads, {args.new_tokens} new tokens\n")
     print("| prompt | package | decode tokens/s | first token ms | runtime overhead | size MB |")
@@ -110,12 +113,10 @@ def main() -> int:
                 f"{1000 * r['time_to_first_token_s']:.1f} | {r['runtime_overhead_pct']:.1f}% | {r['size_mb']:.0f} |"
             )
     print("\n| prompt | lever | decode tokens/s ratio | first token ratio |\n|---|---|---|---|")
-    for prompt_tokens, rows in results.items():
-        for first, second in PAIRS:
-            a, b = rows[first], rows[second]
-            rate = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-            ttft = a["time_to_first_token_s"] / b["time_to_first_token_s"]
-            print(f"| {prompt_tokens} | {first} / {second} | {rate:.2f}x | {ttft:.2f}x |")
+    for prompt_tokens, pairs in levers.items():
+        for lever, ratio in pairs.items():
+            rate, ttft = ratio["decode_tokens_per_s"], ratio["time_to_first_token_s"]
+            print(f"| {prompt_tokens} | {lever} | {rate:.2f}x | {ttft:.2f}x |")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""transformers as a peer for benchmarks/peers.py: `generate` in PyTorch, fp32, greedy, EOS disabled; the
+"""transformers as a peer for benchmarks/peers/peers.py: `generate` in PyTorch, fp32, greedy, EOS disabled; the
 reference every fp32 row's ids are compared with. `generate_runs` is also Optimum's loop (optimum_peer.py)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One greedy chat question, fed four ways: fresh, after reset(), as row 0 of a padded batch of 4, and with
 speculative="lookup"; prints whether each gives the fresh answer and any warning (issue 38).
 
-    python benchmarks/same_answer.py PACKAGE [PACKAGE ...]
+    python benchmarks/experiments/same_answer.py PACKAGE [PACKAGE ...]
 """
 
 from __future__ import annotations

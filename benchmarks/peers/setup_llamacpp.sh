@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The interpreter that benchmarks/peers.py runs llama.cpp with (--llamacpp-python, by default
+# The interpreter that benchmarks/peers/peers.py runs llama.cpp with (--llamacpp-python, by default
 # .venv-llamacpp/bin/python), and llama.cpp's own HF-to-GGUF converter. Never part of CI: pip compiles
 # llama.cpp from source, about 15 minutes on 2 cores.
 #
-#     bash benchmarks/setup_llamacpp.sh                    # venv .venv-llamacpp in the repository root
-#     LLAMACPP_VENV=/path/to/venv bash benchmarks/setup_llamacpp.sh   # reuse (or build) a venv elsewhere
+#     bash benchmarks/peers/setup_llamacpp.sh                    # venv .venv-llamacpp in the repository root
+#     LLAMACPP_VENV=/path/to/venv bash benchmarks/peers/setup_llamacpp.sh   # reuse (or build) a venv elsewhere
 #
 # What it leaves:
 # - $LLAMACPP_VENV with llama-cpp-python 0.3.36, a plain CPU build (no BLAS, no GPU backends). The build is
@@ -15,7 +15,7 @@
 #   GGUF comes from the same HF folder as every other system's model.
 # The build runs under `nice -n 19` with one compile job, so other work on a small machine keeps moving.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 version=0.3.36
 venv="${LLAMACPP_VENV:-.venv-llamacpp}"
 dest=benchmarks/.llamacpp

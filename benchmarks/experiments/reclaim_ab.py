@@ -1,8 +1,8 @@
 """Peak memory with and without reclaiming a session's read pages while it builds (runtime/session.py
 `reclaiming_read_pages`; docs/results.md, "Read pages reclaimed while a session builds").
 
-    python benchmarks/reclaim_ab.py export FILE.gguf [FILE.gguf ...] --dir /work/big-scratch/ab
-    python benchmarks/reclaim_ab.py load PACKAGE [PACKAGE ...]
+    python benchmarks/experiments/reclaim_ab.py export FILE.gguf [FILE.gguf ...] --dir /work/big-scratch/ab
+    python benchmarks/experiments/reclaim_ab.py load PACKAGE [PACKAGE ...]
 
 `export` runs `edgelm export FILE OUT` twice per file, reclaiming on and off, each in a child under
 `/usr/bin/time -v`, then checks both wrote the same bytes and deletes them; off is the code as it was (no reclaiming,
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parents[1]
 # the code before reclaiming: MADV_NORMAL (a hint that changes nothing) in place of MADV_PAGEOUT; the runtime dropped
 # the pages left after its build (MADV_DONTNEED) already, export's proof did not
 OFF_LOAD = "import edgelm.runtime.session as s; s._MADV_PAGEOUT = 0; "
@@ -62,7 +62,7 @@ def load(packages: list[Path]) -> None:
         for mode in ("on", "off"):
             argv = ["kquant_step", "memory", str(package)]
             code = (OFF_LOAD if mode == "off" else "") + f"import sys, runpy; sys.argv = {argv!r}; "
-            code += f"runpy.run_path({str(HERE / 'kquant_step.py')!r}, run_name='__main__')"
+            code += f"runpy.run_path({str(BENCHMARKS / 'kquant_step.py')!r}, run_name='__main__')"
             peak, wall, line = timed(code)
             print(f"{package.name} reclaiming {mode}: peak {peak:.2f} GB, wall {wall}; {line}", flush=True)
 

@@ -1,4 +1,4 @@
-"""edgelm in benchmarks/peers.py: export (the fused graph) and quantize through the CLI a user runs, then the
+"""edgelm in benchmarks/peers/peers.py: export (the fused graph) and quantize through the CLI a user runs, then the
 runtime's `generate(ignore_eos=True)`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""onnxruntime-genai on its own model builder's export, a peer for benchmarks/peers.py (Llama family).
+"""onnxruntime-genai on its own model builder's export, a peer for benchmarks/peers/peers.py (Llama family).
 
 `python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p fp32|int4 -e cpu` is what Microsoft ships
 these models with: its own fused graph (GroupQueryAttention, SkipSimplifiedLayerNormalization, RotaryEmbedding
@@ -9,7 +9,7 @@ the LM head. The builder has no GPT-2 family; for GPT-2, genai runs on the Optim
 The builder needs transformers 5 and a tokenizer in the input folder; it runs offline (HF_HUB_OFFLINE=1)
 on a local folder.
 
-    python benchmarks/genai_builder_peer.py FOLDER OUT --precision fp32|int4
+    python benchmarks/peers/genai_builder_peer.py FOLDER OUT --precision fp32|int4
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""A few systems of benchmarks/peers.py benched round-robin, for a ratio that holds on a busy machine.
+"""A few systems of benchmarks/peers/peers.py benched round-robin, for a ratio that holds on a busy machine.
 
 peers.py runs each system once, one after another: when other work comes and goes during the run, rows
 measured minutes apart are not comparable. Here each round runs every named system once (a child process
 each, peers.py's own children), so drift hits all of them alike; the ratio is the median over rounds of
-each round's ratio to the first system.
+each round's ratio to the first system (benchmarks/ab.py).
 
-    python benchmarks/alternate_peers.py --out out/peers/smollm2-135m --prompt-tokens 32 --rounds 3 \
+    python benchmarks/peers/alternate_peers.py --out out/peers/smollm2-135m --prompt-tokens 32 --rounds 3 \
         edgelm=edgelm-int4 onnxruntime-genai=genai-builder-int4 llamacpp=llamacpp/model-q4_0.gguf
 """
 
@@ -13,12 +13,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
-import llamacpp_peer
-import peer_runner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the A/B harness
+import ab  # noqa: E402
+import llamacpp_peer  # noqa: E402
+import peer_runner  # noqa: E402
+
+
+def bench(child: str, path: Path, prompt_file: Path, args, python: str) -> dict:
+    """One system once, in peers.py's own child; a failed child ends the run."""
+    row = peer_runner.bench_in_child(child, path, prompt_file, args, python=python)
+    if "error" in row:
+        raise SystemExit(f"{child} {path}: FAILED {row['error']}")
+    return row
+
+
+def progress(round_index: int, spec: str, row: dict) -> None:
+    print(
+        f"round {round_index + 1} {spec}: {row['decode_tokens_per_s']:.1f} tokens/s, first token "
+        f"{1000 * row['ttft_s']:.0f} ms, other processes {row['other_cpu_pct']:.0f}%",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -35,36 +52,24 @@ def main() -> int:
     prompt_file = args.out / f"prompt-{args.prompt_tokens}.json"
     if not prompt_file.is_file():
         parser.error(f"no {prompt_file}: run peers.py on this model first")
-    systems = [tuple(s.split("=", 1)) for s in args.systems]
-    rows: dict[str, list[dict]] = {s: [] for s in args.systems}
-    for round_ in range(args.rounds):
-        for spec, (child, path) in zip(args.systems, systems, strict=True):
-            python = str(args.llamacpp_python) if child == "llamacpp" else sys.executable
-            row = peer_runner.bench_in_child(child, args.out / path, prompt_file, args, python=python)
-            if "error" in row:
-                print(f"{spec}: FAILED {row['error']}", file=sys.stderr)
-                return 1
-            rows[spec].append(row)
-            print(
-                f"round {round_ + 1} {spec}: {row['decode_tokens_per_s']:.1f} tokens/s, first token "
-                f"{1000 * row['ttft_s']:.0f} ms, other processes {row['other_cpu_pct']:.0f}%",
-                flush=True,
-            )
-    base = args.systems[0]
+    variants = []
+    for spec in args.systems:
+        child, path = spec.split("=", 1)
+        python = str(args.llamacpp_python) if child == "llamacpp" else sys.executable
+        variants.append(ab.here(spec, bench, child, args.out / path, prompt_file, args, python))
+    result = ab.run(variants, rounds=args.rounds, progress=progress)
+    rows = result["runs"]
     print(
         f"\n{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} threads, "
         f"{args.rounds} rounds\n"
     )
     print("| system | decode tokens/s (median) | per-round ratio to the first (median) | first token ms | other CPU |")
     print("|---|---|---|---|---|")
-    for spec, runs in rows.items():
-        ratio = statistics.median(
-            r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(runs, rows[base], strict=True)
-        )
+    for spec, medians in result["medians"].items():
+        ratio = result["ratios"][spec]["decode_tokens_per_s"]["median"]
         print(
-            f"| {spec} | {statistics.median(r['decode_tokens_per_s'] for r in runs):.1f} | {ratio:.2f}x | "
-            f"{1000 * statistics.median(r['ttft_s'] for r in runs):.0f} | "
-            f"{statistics.median(r['other_cpu_pct'] for r in runs):.0f}% |"
+            f"| {spec} | {medians['decode_tokens_per_s']:.1f} | {ratio:.2f}x | "
+            f"{1000 * medians['ttft_s']:.0f} | {medians['other_cpu_pct']:.0f}% |"
         )
     (args.out / f"alternate-{args.prompt_tokens}.json").write_text(
         json.dumps({"args": args.systems, "rows": rows}, default=str)

@@ -2,22 +2,25 @@
 that differ by one quantization choice, benched alternately (round-robin, one child process per variant and
 round) so that drift on a shared machine hits all alike.
 
-    python benchmarks/session_levers.py BASE [--package NAME=FOLDER ...] [--options] [--rounds 3]
+    python benchmarks/experiments/session_levers.py BASE [--package NAME=FOLDER ...] [--options] [--rounds 3]
                                         [--prompt-tokens 32] [--new-tokens 128] [--threads 2]
 
 Variants: BASE with the runtime's own session (runtime/session.py), each --package folder with it, and with
 --options BASE under each of SESSION_VARIANTS. Packages are loaded without the sha256 check (a lever made
-by editing model.onnx no longer matches its manifest). Prints medians of decode tokens/s and first token.
+by editing model.onnx no longer matches its manifest). Prints medians of decode tokens/s and first token, and the
+median of each variant's per-round ratios to base (benchmarks/ab.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the A/B harness
+import ab  # noqa: E402
 
 SESSION_VARIANTS = {
     "same-options": {"session.intra_op.allow_spinning": "1"},  # ORT's default: a control for the session swap
@@ -75,24 +78,20 @@ def main() -> int:
     variants |= {name: (folder, {}) for name, folder in (p.split("=", 1) for p in args.package)}
     if args.options:
         variants |= {name: (args.base, options) for name, options in SESSION_VARIANTS.items()}
-    runs: dict[str, list[dict]] = {name: [] for name in variants}
     common = ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
     common += ["--threads", str(args.threads)]
+    children = [
+        ab.command(name, [sys.executable, __file__, args.base, *common, "--child", json.dumps(variant)])
+        for name, variant in variants.items()
+    ]
     started = time.perf_counter()
-    for round_ in range(args.rounds):
-        for name, variant in variants.items():
-            command = [sys.executable, __file__, args.base, *common, "--child", json.dumps(variant)]
-            done = subprocess.run(command, check=True, capture_output=True, text=True)
-            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {round_ + 1} {name}: {runs[name][-1]['decode_tokens_per_s']:.1f} tokens/s", flush=True)
+    result = ab.run(children, rounds=args.rounds, baseline="base")
     print(f"\n{args.base}: {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} threads,")
     print(f"medians of {args.rounds} alternating rounds ({time.perf_counter() - started:.0f} s)\n")
-    print("| variant | decode tokens/s | vs base | first token ms |\n|---|---|---|---|")
-    base = statistics.median(r["decode_tokens_per_s"] for r in runs["base"])
-    for name, rows in runs.items():
-        rate = statistics.median(r["decode_tokens_per_s"] for r in rows)
-        ttft = statistics.median(r["ttft_s"] for r in rows)
-        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {1000 * ttft:.1f} |")
+    print("| variant | decode tokens/s | vs base (median of per-round ratios) | first token ms |\n|---|---|---|---|")
+    for name, medians in result["medians"].items():
+        ratio = result["ratios"][name]["decode_tokens_per_s"]["median"]
+        print(f"| {name} | {medians['decode_tokens_per_s']:.1f} | {ratio:.2f}x | {1000 * medians['ttft_s']:.1f} |")
     return 0
 
 

@@ -1,8 +1,8 @@
-"""llama.cpp as a peer for benchmarks/peers.py, through llama-cpp-python.
+"""llama.cpp as a peer for benchmarks/peers/peers.py, through llama-cpp-python.
 
 GGUF files from the same Hugging Face folder as every other system's model: llama.cpp's own converter
 (convert_hf_to_gguf.py from llama-cpp-python's source distribution, unpacked by
-benchmarks/setup_llamacpp.sh) writes f32 and q8_0, and `llama_cpp.llama_model_quantize` makes q4_0 from
+benchmarks/peers/setup_llamacpp.sh) writes f32 and q8_0, and `llama_cpp.llama_model_quantize` makes q4_0 from
 the f32 file, as llama.cpp's `llama-quantize` does. The converter runs in this interpreter (it needs
 torch and transformers); quantizing and generating run in the llama-cpp-python interpreter
 (.venv-llamacpp), which needs nothing but llama_cpp and numpy from this file.
@@ -10,16 +10,16 @@ torch and transformers); quantizing and generating run in the llama-cpp-python i
 The converter names the tokenizer's pre-tokenizer by hashing how it splits a test string, and refuses
 one it does not know ("BPE pre-tokenizer was not recognized"). The GPT-2 benchmark folder carries a
 small byte-level BPE trained on Shakespeare, GPT-2's own pre-tokenizer with another vocabulary, so
-`convert` can be given the name to fall back on (`gpt-2`; benchmarks/peer_models.py names one per
+`convert` can be given the name to fall back on (`gpt-2`; benchmarks/peers/peer_models.py names one per
 model, `smollm` for SmolLM2's folder in case its rebuilt tokenizer.json hashes differently from the
 Hub's). A tokenizer the converter recognizes keeps its own name. The benchmark feeds token ids, never
 text, so the vocabulary in the GGUF does not enter the figures.
 
-    python benchmarks/llamacpp_peer.py convert FOLDER OUT.gguf --outtype f32|f16|q8_0 [--pre-tokenizer gpt-2]
-    .venv-llamacpp/bin/python benchmarks/llamacpp_peer.py quantize IN.gguf OUT.gguf --type q4_0|q4_k_m
+    python benchmarks/peers/llamacpp_peer.py convert FOLDER OUT.gguf --outtype f32|f16|q8_0 [--pre-tokenizer gpt-2]
+    .venv-llamacpp/bin/python benchmarks/peers/llamacpp_peer.py quantize IN.gguf OUT.gguf --type q4_0|q4_k_m
 
 The converter is looked for in $LLAMA_CPP (a llama.cpp source tree) when set, else where
-benchmarks/setup_llamacpp.sh unpacks it.
+benchmarks/peers/setup_llamacpp.sh unpacks it.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"  # made by benchmarks/setup_llamacpp.sh
+REPO = Path(__file__).resolve().parents[2]
+LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"  # made by benchmarks/peers/setup_llamacpp.sh
 LLAMA_CPP = Path(os.environ.get("LLAMA_CPP", REPO / "benchmarks" / ".llamacpp" / "llama.cpp"))
 CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
-SETUP = "run benchmarks/setup_llamacpp.sh to make it, or pass --llamacpp-python"
+SETUP = "run benchmarks/peers/setup_llamacpp.sh to make it, or pass --llamacpp-python"
 # benchmark precision -> (GGUF type, how it is made): peers.py's precision names, so that rows line up;
 # q8_0 sits with the dynamic int8 rows since ggml quantizes activations to 8 bits per block at run time
 GGUF_TYPES = {"fp32": ("f32", "converter"), "int8-dynamic": ("q8_0", "converter"), "int4": ("q4_0", "quantize")}
@@ -52,7 +52,7 @@ def convert(folder: Path, outfile: Path, *, outtype: str, pre_tokenizer: str | N
     """Runs llama.cpp's convert_hf_to_gguf.py on `folder`. With `pre_tokenizer`, an unrecognized BPE
     pre-tokenizer is written under that name instead of stopping the conversion."""
     if not CONVERTER.is_file():
-        raise FileNotFoundError(f"no llama.cpp converter at {CONVERTER}: run benchmarks/setup_llamacpp.sh")
+        raise FileNotFoundError(f"no llama.cpp converter at {CONVERTER}: run benchmarks/peers/setup_llamacpp.sh")
     sys.path[:0] = [str(CONVERTER.parent), str(CONVERTER.parent / "gguf-py")]
     if pre_tokenizer is not None:
         from conversion.base import TextModel

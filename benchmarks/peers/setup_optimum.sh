@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The second interpreter that benchmarks/peers.py runs Optimum with (--optimum-python, by default
+# The second interpreter that benchmarks/peers/peers.py runs Optimum with (--optimum-python, by default
 # .venv-optimum/bin/python). A venv of its own: optimum[onnxruntime] (optimum 2.1.0, optimum-onnx 0.1.0)
 # needs transformers<4.58, and the project's venv runs transformers 5, the transformers baseline.
 #
-#     bash benchmarks/setup_optimum.sh [VENV]          # default .venv-optimum, in the repository root
+#     bash benchmarks/peers/setup_optimum.sh [VENV]          # default .venv-optimum, in the repository root
 #
 # Pinned so that Optimum's rows differ from the others by the system only:
 # - torch 2.13.0 as in the project's venv (named explicitly: unpinned, pip pulls a multi-GB CUDA build);
@@ -14,7 +14,7 @@
 # - onnx-ir: onnxruntime 1.32's MatMulNBitsQuantizer imports it (the int4 of the Optimum export).
 # onnxruntime-genai is not needed here: peers.py runs it from the project's venv on every package.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 venv="${1:-.venv-optimum}"
 ort_version=1.32.0
 if [ -x .venv/bin/python ]; then

@@ -1,6 +1,6 @@
 """edgelm against the tools a user would pick instead, on one GPT-2 checkpoint, in one run.
 
-    python benchmarks/peers.py [--model gpt2-124m|gpt2-tiny|smollm2-135m|llama-tiny] [--checkpoint FOLDER]
+    python benchmarks/peers/peers.py [--model gpt2-124m|gpt2-tiny|smollm2-135m|llama-tiny] [--checkpoint FOLDER]
                                [--prompt-tokens 32,512] [--new-tokens 128] [--threads 2] [--repeats 3]
                                [--out out/peers] [--optimum-python PATH] [--llamacpp-python PATH]
                                [--shipped-gguf FILE]
@@ -9,7 +9,7 @@ The default checkpoint is Hugging Face's GPT-2 124M (`GPT2LMHeadModel(GPT2Config
 seed 0) written with `save_pretrained`: no download. Random weights say nothing about accuracy, only about
 speed and size. `--model gpt2-tiny` (2 layers, width 64; also `--config tiny`) checks the script in
 seconds. `--model smollm2-135m --checkpoint FOLDER` runs the Llama family on SmolLM2-135M's GGUF weights,
-dequantized into a Hugging Face folder (benchmarks/peer_models.py); `--model llama-tiny` checks the
+dequantized into a Hugging Face folder (benchmarks/peers/peer_models.py); `--model llama-tiny` checks the
 Llama-family peers in seconds on a random 2-layer Llama.
 
 Systems, batch 1, greedy, the same random prompt ids for all, every one made to produce exactly
@@ -31,17 +31,17 @@ Systems, batch 1, greedy, the same random prompt ids for all, every one made to 
   past EOS: it masks EOS instead, which is the same greedy output unless EOS itself is the argmax.
 - edgelm: export (the fused graph), then quantize (dynamic int8, static int8, int4 with its default
   8-bit LM head), runtime `generate(ignore_eos=True)`.
-- llama.cpp through llama-cpp-python (benchmarks/llamacpp_peer.py): GGUF files by llama.cpp's converter
+- llama.cpp through llama-cpp-python (benchmarks/peers/llamacpp_peer.py): GGUF files by llama.cpp's converter
   from the same folder (f32, q8_0) and `llama_model_quantize` (q4_0 from the f32 file), generated in a
-  child of its own interpreter (--llamacpp-python, .venv-llamacpp made by benchmarks/setup_llamacpp.sh);
+  child of its own interpreter (--llamacpp-python, .venv-llamacpp made by benchmarks/peers/setup_llamacpp.sh);
   q8_0 sits with the dynamic int8 rows (ggml quantizes activations per block at run time). With
   --shipped-gguf, also the GGUF file as shipped (SmolLM2's Q4_1), an int4 row.
 - Llama family only: onnxruntime-genai on its own model builder's export, fp32 and int4
-  (benchmarks/genai_builder_peer.py). Optimum's rows are GPT-2's only (the genai_config.json written for
+  (benchmarks/peers/genai_builder_peer.py). Optimum's rows are GPT-2's only (the genai_config.json written for
   its export is GPT-2's).
 
 Optimum runs in a second interpreter: optimum[onnxruntime] (optimum-onnx 0.1.0) needs
-transformers<4.58, and this environment's transformers baseline is 5.x. benchmarks/setup_optimum.sh
+transformers<4.58, and this environment's transformers baseline is 5.x. benchmarks/peers/setup_optimum.sh
 makes that venv (.venv-optimum: the same torch and onnxruntime, transformers 4.57); the Optimum
 export, its quantizations and the ORTModelForCausalLM runs are children of it (--optimum-python).
 onnxruntime-genai runs in this interpreter on every package, so its rows differ only by the package.
@@ -120,14 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimum-python",
         type=Path,
         default=optimum_peer.OPTIMUM_PYTHON,
-        help="the interpreter that runs Optimum (default: .venv-optimum/bin/python, see benchmarks/setup_optimum.sh)",
+        help="the interpreter that runs Optimum (default: .venv-optimum/bin/python, "
+        "see benchmarks/peers/setup_optimum.sh)",
     )
     parser.add_argument(
         "--llamacpp-python",
         type=Path,
         default=llamacpp_peer.LLAMACPP_PYTHON,
         help="the interpreter that runs llama-cpp-python (default: .venv-llamacpp/bin/python, "
-        "see benchmarks/setup_llamacpp.sh)",
+        "see benchmarks/peers/setup_llamacpp.sh)",
     )
     parser.add_argument("--shipped-gguf", type=Path, help="also run llama.cpp on this GGUF file as shipped (int4)")
     parser.add_argument("--child", choices=sorted(peer_runner.CHILDREN), help=argparse.SUPPRESS)

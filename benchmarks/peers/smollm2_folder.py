@@ -1,4 +1,4 @@
-"""SmolLM2-135M's GGUF weights, dequantized, as the Hugging Face folder benchmarks/peers.py starts from.
+"""SmolLM2-135M's GGUF weights, dequantized, as the Hugging Face folder benchmarks/peers/peers.py starts from.
 
 Every system in the SmolLM2 benchmark runs these same float32 weights (the Q4_1 blocks and the Q8_0
 embedding of the shipped file, dequantized by edgelm's GGUF reader, export/gguf.py): transformers
@@ -6,8 +6,8 @@ directly, llama.cpp after converting the folder back to GGUF, onnxruntime-genai 
 after `edgelm export`. Writes config.json, generation_config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json.
 
-    python benchmarks/smollm2_folder.py OUT [--gguf FILE]     # default: the file scripts/fetch_smollm2.py caches
-    python benchmarks/smollm2_folder.py OUT --check           # also: transformers loads it, greedy ids = edgelm's
+    python benchmarks/peers/smollm2_folder.py OUT [--gguf FILE]     # default: the file scripts/fetch_smollm2.py caches
+    python benchmarks/peers/smollm2_folder.py OUT --check           # also: transformers loads it, greedy ids = edgelm's
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 
