@@ -1,5 +1,6 @@
-"""The tiny transformers models every family row is tested on (tests/test_families.py), shared by the test files
-that need a family's folder, GGUF file or package (tests/test_llama_export.py, tests/test_qwen3_gemma3.py):
+"""The tiny transformers models every family row is tested on (tests/export/test_families.py), shared by the test
+files that need a family's folder, GGUF file or package (tests/export/test_llama_export.py,
+tests/export/test_qwen3_gemma3.py):
 each made once per session, when first asked for.
 
 A case is a random transformers model of one row's model_type, saved with save_pretrained; where the row reads
@@ -83,7 +84,7 @@ class Case:
 CASES = {
     "gpt2": Case("gpt2", ("GPT2Config", "GPT2LMHeadModel"), GPT2, gguf=True),
     # llama3 scaling with original context 32, not Llama 3's usual 8192: its GGUF holds the scaling as llama.cpp's
-    # converter writes it, rope_freqs.weight (more Llama GGUF files: tests/test_gguf_export.py)
+    # converter writes it, rope_freqs.weight (more Llama GGUF files: tests/export/test_gguf_export.py)
     "llama-llama3-tied": Case("llama", ("LlamaConfig", "LlamaForCausalLM"), SMALL | dict(rope_scaling=LLAMA3,
                               tie_word_embeddings=True), gguf=True),  # fmt: skip
     "qwen2-biases-untied": Case("qwen2", ("Qwen2Config", "Qwen2ForCausalLM"), SMALL | dict(tie_word_embeddings=False),
@@ -127,7 +128,7 @@ CASES = {
     ),
     # Phi-4-mini's parts: packed qkv_proj and gate_up_proj, rotary on 3/4 of each head, LongRoPE: an original
     # context of 64 (every test sequence within it: the short factors) or of 3 (every one past it: the long ones);
-    # tests/test_phi3.py goes past it while generating
+    # tests/export/test_phi3.py goes past it while generating
     "phi3-longrope-short": Case("phi3", ("Phi3Config", "Phi3ForCausalLM"), PHI3 | dict(
                                 original_max_position_embeddings=64), gguf=True),  # fmt: skip
     "phi3-longrope-long": Case("phi3", ("Phi3Config", "Phi3ForCausalLM"), PHI3 | dict(

@@ -15,7 +15,7 @@ import torch
 from edgelm.runtime import load
 from edgelm.runtime.kvcache import make_cache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from state_memory import array_bytes, formula  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from chat_package import IM_END, make_chat_package
 
-APP = Path(__file__).resolve().parent.parent / "examples" / "desktop" / "app.py"
+APP = Path(__file__).resolve().parents[2] / "examples" / "desktop" / "app.py"
 STEP_DELAY_S = 0.02  # see SlowSession below
 SCREENSHOTS = os.environ.get("EDGELM_SCREENSHOTS")
 
@@ -374,7 +374,7 @@ def test_tools_file_tool_call_line_and_piece_parts(tmp_path):
 @pytest.fixture(scope="module")
 def qwen3_package(tmp_path_factory) -> Path:
     """The tiny chat model with Qwen3's template: tools, <think> reasoning and enable_thinking."""
-    template = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"
+    template = Path(__file__).parents[1] / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"
     # context 1024: the tool spec alone is some 300 tokens of the Shakespeare tokenizer
     return make_chat_package(tmp_path_factory.mktemp("desktop-qwen3") / "fused", template=str(template), context=1024)
 

@@ -32,7 +32,7 @@ from edgelm.serve import Engine, Settings, create_app, serve_in_thread  # noqa: 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NAME = "tiny-chat"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the moon?"}]
-QWEN = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"  # a tool-use template
+QWEN = Path(__file__).parents[1] / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"  # a tool-use template
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "London"]}}, "required": ["city"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": CITY}}
 FORCED = {"type": "function", "function": {"name": "get_weather"}}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import quiet
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "models" / "shakespeare"
 DATA_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 

@@ -1,4 +1,4 @@
-"""Hugging Face config.json values checked like GGUF metadata (tests/test_gguf_metadata.py): every number the
+"""Hugging Face config.json values checked like GGUF metadata (tests/export/test_gguf_metadata.py): every number the
 loaders read is one number of its type, in range, before anything is built from it; `int(1.5)` no longer reads a
 broken config as a working one. The rotary tables export builds per position are bounded before they are built."""
 

@@ -22,7 +22,7 @@ from edgelm.export.gguf_tokenizer import build_tokenizer_json  # noqa: E402
 from edgelm.export.onnx_export import export_package  # noqa: E402
 from edgelm.runtime.text import Tokenizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BPE = json.loads((REPO / "models" / "shakespeare" / "tokenizer.json").read_text())
 TEXTS = [
     "Hello, world!",

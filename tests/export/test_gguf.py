@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from edgelm.export.gguf import GGUFError, read_gguf  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = json.loads((REPO / "models" / "shakespeare" / "tokenizer.json").read_text())
 VOCAB = len(TOKENIZER["model"]["vocab"])  # 2048
 HIDDEN, INNER, LAYERS, HEADS, KV_HEADS, CONTEXT = 64, 128, 2, 4, 2, 128
@@ -424,7 +424,8 @@ def test_fuzzed_files_fail_cleanly(valid_bytes, tmp_path):
     """Random byte mutations of a small valid file, through everything export does before it builds a graph
     (read, dequantize every tensor, build and check the reference model, make the Decoder with the kept blocks):
     either it all works or one documented one-line error (GGUFError, CheckpointError) comes, in bounded time.
-    Export's later steps read only what these made (the metadata values themselves: tests/test_gguf_metadata.py)."""
+    Export's later steps read only what these made (the metadata values themselves:
+    tests/export/test_gguf_metadata.py)."""
     hypothesis = pytest.importorskip("hypothesis")
     from edgelm.export.checkpoint import CheckpointError, check_finite
     from edgelm.export.source import open_source

@@ -28,7 +28,7 @@ from edgelm.export.onnx_export import export_package  # noqa: E402
 from edgelm.quantize.quantize import quantize_package  # noqa: E402
 from edgelm.runtime import PackageError, load  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parent / "data" / "kquants"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "kquants"
 VOCAB = len(TOKENIZER["model"]["vocab"])  # 2048
 HIDDEN, INNER, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS

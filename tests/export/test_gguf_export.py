@@ -1,4 +1,4 @@
-"""`edgelm export model.gguf OUT`: small GGUF files written with llama.cpp's own writer (tests/test_gguf.py),
+"""`edgelm export model.gguf OUT`: small GGUF files written with llama.cpp's own writer (tests/export/test_gguf.py),
 exported, and run with the runtime against transformers' GGUF loader; the kept
 MatMulNBits blocks against the GGUF's own weights; a hostile file at the command line."""
 

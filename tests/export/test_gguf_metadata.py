@@ -1,7 +1,7 @@
 """GGUF metadata trusted no further than it can be checked: every number export reads is of its type and in its
 range (a NaN rotary base, a zero epsilon, a context of 2**31), every token id an integer inside the vocabulary,
 the tokenizer no larger than the embedding, and a hostile SentencePiece vocabulary built in linear time. Each
-case is a tiny valid GGUF (tests/test_gguf.py) rewritten with one value changed by llama.cpp's own writer."""
+case is a tiny valid GGUF (tests/export/test_gguf.py) rewritten with one value changed by llama.cpp's own writer."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 beside gated attention) on both graphs against transformers, and their state as a cache kind
 (runtime/statecache.py StateCache, SharedStateCache): prompts shorter than the convolution's kernel, a padded batch,
 onnxruntime-genai, the manifest's layer record, snapshots and replayed rewinds, conversations with undo and a
-re-rendering template, and prompt lookup decoding, each equal to a fresh run. tests/test_families.py holds the
+re-rendering template, and prompt lookup decoding, each equal to a fresh run. tests/export/test_families.py holds the
 families' transformers and onnxruntime-genai checks on the longer prompts."""
 
 from __future__ import annotations

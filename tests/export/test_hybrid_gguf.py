@@ -1,7 +1,7 @@
 """Qwen3.5 and LFM2 from GGUF files. What a qwen35 file's metadata can say that export refuses, in one line. And
 llama.cpp itself: its converter's f32 and q8_0 files and its quantizer's Q4_K_M, exported and checked against
 transformers (f32), against the file's own dequantized weights (the blocks kept, MatMulNBits at accuracy level 0),
-and against llama.cpp's own greedy tokens on the same file (tests/test_families.py checks files of tests/
+and against llama.cpp's own greedy tokens on the same file (tests/export/test_families.py checks files of tests/
 family_cases.py's writer, which mirrors the converter, against transformers).
 
 The converter's models are 256 wide, so every linear takes K-quant super-blocks, and Qwen3.5's 8 value heads share
@@ -9,7 +9,7 @@ The converter's models are 256 wide, so every linear takes K-quant super-blocks,
 The Qwen3.5 folder carries a multi-token-prediction block, as published checkpoints do: the converter writes it
 after the last layer and export leaves it out. Each folder carries a real chat template, which the package keeps.
 
-The converter is the one tests/test_families_converter.py uses (fetched from llama-cpp-python's sdist, or
+The converter is the one tests/export/test_families_converter.py uses (fetched from llama-cpp-python's sdist, or
 $EDGELM_LLAMA_CPP); the quantizer and the greedy runs also need $EDGELM_LLAMA_CPP_PYTHON, a Python that imports
 llama_cpp (benchmarks/setup_llamacpp.sh builds one). Skipped otherwise."""
 
@@ -43,7 +43,7 @@ HYBRIDS = {
         | WIDE
         | dict(
             linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True
-        ),  # the small Qwen3.5s tie them; tests/test_families: untied
+        ),  # the small Qwen3.5s tie them; tests/export/test_families: untied
         "qwen35",
         "Qwen3.5-4B.jinja",
     ),

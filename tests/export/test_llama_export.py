@@ -1,4 +1,4 @@
-"""Llama-family packages beyond parity with transformers (tests/test_families.py, on the same tiny models of
+"""Llama-family packages beyond parity with transformers (tests/export/test_families.py, on the same tiny models of
 tests/family_cases.py: GQA ratio 3, rope_theta 1e5, llama3 rope scaling, tied and untied heads, Qwen2 biases):
 onnxruntime-genai runs the standard graph too; every quantization mode works on a Llama package and a tied
 embedding stays one table; a genai-only folder with fewer KV heads loads; a folder written by
@@ -23,11 +23,11 @@ from edgelm.export.checkpoint import CheckpointError
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime import load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 TOLERANCE = 1e-4
-LLAMA = "llama-llama3-tied"  # tests/family_cases.py; each row's parity with transformers: tests/test_families.py
+LLAMA = "llama-llama3-tied"  # tests/family_cases.py; each row's parity with transformers: tests/export/test_families.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

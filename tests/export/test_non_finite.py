@@ -25,7 +25,7 @@ from edgelm.quantize.quantize import quantize_package
 from edgelm.runtime import PackageError
 from edgelm.runtime.contract import MANIFEST_FILE
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 
 

@@ -1,4 +1,4 @@
-"""Qwen3 and Gemma 3 beyond parity with transformers (tests/test_families.py, on the same tiny models of
+"""Qwen3 and Gemma 3 beyond parity with transformers (tests/export/test_families.py, on the same tiny models of
 tests/family_cases.py): what their GGUF files say and what llama.cpp's loader assumes where they are silent,
 hostile metadata, Gemma's SentencePiece vocabulary, the genai type the manifest records, and the Gemma 3
 options edgelm refuses."""
@@ -17,7 +17,7 @@ from helpers import rewrite_gguf  # noqa: E402
 
 from edgelm.export.gguf import GGUFError, read_gguf  # noqa: E402
 
-CASES = ("qwen3", "gemma3_text")  # tests/family_cases.py; their parity with transformers: tests/test_families.py
+CASES = ("qwen3", "gemma3_text")  # tests/family_cases.py; their parity with transformers: tests/export/test_families.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

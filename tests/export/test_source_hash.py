@@ -16,7 +16,7 @@ from edgelm.export.checkpoint import combined_hash, source_files, source_hashes
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime.package import file_sha256
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from edgelm.export.gguf_header import read_header
 from edgelm.export.gguf_tokenizer import build_tokenizer_json
 from edgelm.runtime.text import Tokenizer
 
-CORPUS = Path(__file__).parent / "data" / "tokenizer_corpus" / "texts.json"
+CORPUS = Path(__file__).parents[1] / "data" / "tokenizer_corpus" / "texts.json"
 RECORDED = json.loads(CORPUS.with_name("llamacpp_ids.json").read_text(encoding="utf-8"))
 TEXTS = {item["name"]: item["text"] for item in json.loads(CORPUS.read_text(encoding="utf-8"))["texts"]}
 VOCABULARIES = sorted(RECORDED["vocabularies"])

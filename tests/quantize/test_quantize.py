@@ -14,7 +14,7 @@ import pytest
 from edgelm.package_writer import list_files
 from edgelm.runtime import PackageError, load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "models" / "shakespeare"
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"

@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 from edgelm.runtime import load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "models" / "shakespeare"
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"

@@ -28,7 +28,7 @@ from edgelm.runtime.template import ChatTemplate  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 PERPLEXITY_TOKENS = 1024  # the held-out text's first 1,024 scored tokens: one window of the 8,192 context
 NEW_TOKENS = 64

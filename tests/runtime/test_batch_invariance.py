@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from conftest import make_hf_checkpoint
 from edgelm.runtime import load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = REPO / "data" / "shakespeare-calibration.txt"
 NEW_TOKENS = 12
 LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 80, 100, 1, 7, 64, 99, 40]

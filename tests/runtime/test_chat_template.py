@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from edgelm.runtime import ChatTemplateError, EdgelmError
 from edgelm.runtime.template import ROLES, ChatTemplate
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 LLAMA_TOKENS = dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
 CHATML_TOKENS = dict(bos_token=None, eos_token="<|im_end|>")

@@ -1,7 +1,7 @@
 """Gemma 4's KV sharing through the package and the runtime: the manifest says which layer reads which layer's
 cache and each layer's cache shape, the graph has no cache inputs or outputs for the layers that read another's,
 the runtime's buffers are that much smaller, and a conversation kept across turns (undo and prompt lookup
-included) equals fresh runs, on both graphs. tests/test_families.py holds the transformers parity of the Gemma 4
+included) equals fresh runs, on both graphs. tests/export/test_families.py holds the transformers parity of the Gemma 4
 cases (tests/family_cases.py), batch 1 and padded, with and without sharing."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 what their request gets alone (greedy, sampled, streamed, speculative, a padded batch, a conversation); conversations
 after undo and reset and with a template that re-renders history equal fresh generations; a standard graph exported
 with --last-token-logits gives the last position's logits and the same tokens (speculative decoding plain, with a
-warning). tests/test_hybrid.py holds transformers' parity and LFM2's fused conversation."""
+warning). tests/export/test_hybrid.py holds transformers' parity and LFM2's fused conversation."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from helpers import copy_package, quiet
 from edgelm.cli import main
 from edgelm.runtime import PackageError, load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 LATIN1 = "Café, naïve façade.\n".encode("latin-1")
 UTF16 = "Hello, world.\n".encode("utf-16")  # with a byte-order mark, as Python and Windows editors write it

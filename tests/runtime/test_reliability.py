@@ -1,10 +1,10 @@
 """Reliability and security of the runtime and of the writers: integrity checks on load, paths that
 try to leave the package folder (JSON names, symlinks, ONNX external data), hostile inputs found by
-tests/test_fuzz.py, one model shared by eight threads, a thousand generations in a row, the full
+tests/runtime/test_fuzz.py, one model shared by eight threads, a thousand generations in a row, the full
 context, and export interrupted half-way.
 
 The pickle side of checkpoints (weights_only=True, a malicious pickle refused and never run) is in
-tests/test_checkpoint.py."""
+tests/export/test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -403,7 +403,7 @@ def test_the_walker_refuses_malformed_protobuf(package, tmp_path, damage):
         external_data_locations(path)
 
 
-# ---- 4 (regressions). hostile inputs found by tests/test_fuzz.py ------------------------------------
+# ---- 4 (regressions). hostile inputs found by tests/runtime/test_fuzz.py ------------------------------------
 
 
 @pytest.mark.parametrize("prompt", ["ROMEO \ud800", "\udfff", np.array(5), np.zeros((2, 2), dtype=np.int64)], ids=repr)

@@ -19,7 +19,7 @@ from edgelm.runtime import InvalidParameterError, load
 from edgelm.runtime.sampling import SamplingParams, TokenPicker, dense, distribution
 from edgelm.runtime.speculative import Lookup, check_guesses
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RNG = np.random.default_rng(7)
 # prompts with repeats (lookup's guesses get accepted) and random ones (they get rejected or there are none)
 PROMPTS = [list(RNG.integers(3, 2000, size=n)) * r for n, r in ((5, 3), (9, 2), (3, 6), (20, 1), (40, 1), (7, 4))]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from edgelm.runtime.tool_calls import CONVENTIONS, ReplyParser, convention_for, starts_in_reasoning
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 
 
 def convention(template: str):
@@ -223,7 +223,7 @@ def test_openai_messages_become_what_templates_read() -> None:
 
 
 def test_a_prompt_that_opens_think_starts_the_reply_in_reasoning(think_model) -> None:
-    source = (Path(__file__).parent / "data" / "chat_templates" / "think.jinja").read_text()
+    source = (Path(__file__).parents[1] / "data" / "chat_templates" / "think.jinja").read_text()
     opens = source.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
     assert opens != source
     free = think_model.conversation(template=opens).send("Why?", 6)

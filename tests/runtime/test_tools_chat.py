@@ -19,8 +19,8 @@ from edgelm.runtime.tools import tool_schema
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parent.parent
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 # the control tokens of every template below, added to the small Shakespeare BPE vocabulary
 SPECIAL = [
     "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import quiet
+from test_outputs import snapshot, write_fake_package
 
 from edgelm.package_writer import (
     OWNER_FILE,
@@ -30,9 +31,8 @@ from edgelm.package_writer import (
 )
 from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
 from edgelm.runtime.package import read_package
-from tests.test_outputs import snapshot, write_fake_package
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from edgelm.package_writer import STAGING_PREFIX, StagedOutput, check_output, li
 from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
 from edgelm.runtime.package import read_package
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"
 
 
