@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from helpers import hf_greedy, quiet, save_random_model
 
@@ -150,6 +151,16 @@ CASES = {
     # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
     "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35, gguf=True),
 }  # fmt: skip
+
+# The cases a quick run (pytest -m "not slow") exports in the every-case suites: GPT-2's parts, a Llama-family row
+# (per-head norms, its own head size) and a hybrid (a convolution state beside attention); every case runs in the full
+# suite.
+QUICK = frozenset({"gpt2", "qwen3", "lfm2"})
+
+
+def quick_or_slow(case: str, *rest) -> object:
+    """pytest.param(case, *rest), marked slow unless the case is one of QUICK."""
+    return pytest.param(case, *rest, marks=() if case in QUICK else pytest.mark.slow)
 
 
 @dataclass

@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 from chat_package import IM_END, make_chat_package
 
+pytestmark = pytest.mark.slow  # a desktop app on a virtual X display
+
+
 APP = Path(__file__).resolve().parents[2] / "examples" / "desktop" / "app.py"
 STEP_DELAY_S = 0.02  # see SlowSession below
 SCREENSHOTS = os.environ.get("EDGELM_SCREENSHOTS")

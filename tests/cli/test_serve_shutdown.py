@@ -23,7 +23,10 @@ from helpers import quiet
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a subprocess is POSIX's")
+pytestmark = [
+    pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a subprocess is POSIX's"),
+    pytest.mark.slow,  # a server in a subprocess, stopped with open streams
+]
 GRACE_S = 1.0
 EXIT_S = GRACE_S + 4.0  # the grace, then one decode step per generation and the interpreter's exit
 WAIT_S = 60  # the longest any step waits

@@ -11,14 +11,18 @@ import json
 import numpy as np
 import pytest
 import torch
-from family_cases import CASES, EOS, NEW_TOKENS, PROMPTS
+from family_cases import CASES, EOS, NEW_TOKENS, PROMPTS, quick_or_slow
 from helpers import genai_greedy
 
 from edgelm.export.families import FAMILIES
 from edgelm.runtime import load
 
 TOLERANCE = 1e-4
-RUNS = [(case, source) for case in sorted(CASES) for source in (*CASES[case].graphs, *(("gguf",) * CASES[case].gguf))]
+RUNS = [
+    quick_or_slow(case, source)
+    for case in sorted(CASES)
+    for source in (*CASES[case].graphs, *(("gguf",) * CASES[case].gguf))
+]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -71,7 +75,7 @@ def test_reference_model_equals_transformers(case, families):
         assert (source.model(ids)[0] - hf(ids).logits).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("case", sorted(c for c in CASES if FAMILIES[CASES[c].model_type].genai_type))
+@pytest.mark.parametrize("case", [quick_or_slow(c) for c in sorted(CASES) if FAMILIES[CASES[c].model_type].genai_type])
 def test_onnxruntime_genai_runs_the_package(case, families):
     package = families.package(case, CASES[case].graphs[0])
     genai = json.loads((package / "genai_config.json").read_text())

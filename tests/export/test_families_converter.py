@@ -27,7 +27,8 @@ from helpers import hf_greedy, quiet, save_random_model
 
 from edgelm.runtime import load
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# slow: llama.cpp's converter on every family case it reads
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 CASES = ("smollm3", "granite", "granitemoehybrid", "phi3-longrope-short", "gemma4_text-shared", "gemma4_text-k-eq-v")
 CONVERT = """

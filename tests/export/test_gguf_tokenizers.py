@@ -19,6 +19,9 @@ from edgelm.export.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer_json
 from edgelm.export.tokenizer_config import tokenizer_config
 from edgelm.runtime.contract import MANIFEST_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Manifest
 
+pytestmark = pytest.mark.slow  # every llama.cpp vocabulary file against llama.cpp's tokenizer tests
+
+
 SEPARATOR = "\n__ggml_vocab_test__\n"  # between texts in a .inp file (test-tokenizer-0.cpp's read_tests)
 # vocabulary -> whether llama.cpp adds BOS with add_special: the file's add_bos_token, else the default of its
 # tokenizer (SentencePiece and Llama 3's pre-tokenizer: yes; other BPE: no)

@@ -31,7 +31,8 @@ from test_families_converter import convert, llama_cpp  # noqa: F401 (a fixture)
 from edgelm.cli import main
 from edgelm.runtime import load
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# slow: llama.cpp's converter and llama.cpp itself on the hybrids
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 # the 64-wide cases' initializer_range over sqrt(4): logits about as large (at 0.15 this Qwen3.5's reach 18 and
 # float32 alone moves them by 2e-4)

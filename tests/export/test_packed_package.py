@@ -17,6 +17,9 @@ from edgelm.export.onnx_export import export_package
 from edgelm.runtime import load, native, packed
 from edgelm.runtime.onnx_external import operators
 
+pytestmark = pytest.mark.slow  # the real GGUF files, packed
+
+
 PROMPT = "The capital of France is"
 INT8_LOGIT_NOISE = 4.0  # two int8-activation roundings of SmolLM2 apart: each moves its logits by up to about 2
 

@@ -21,6 +21,9 @@ from edgelm.export.onnx_export import export_package
 from edgelm.export.source import open_source
 
 # one case of each row whose module does its own work on the state dict or its own reference model
+pytestmark = pytest.mark.slow  # every family case exported while its weights stream
+
+
 STREAMED = ["smollm3", "granite", "granitemoehybrid", "phi3-longrope-short", "lfm2", "qwen3_5_text", "gemma3_text"]
 LAYERS = 8  # many layers of wide MLPs: no single weight is a large part of the model
 

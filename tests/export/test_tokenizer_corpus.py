@@ -21,6 +21,9 @@ from edgelm.export.gguf_header import read_header
 from edgelm.export.gguf_tokenizer import build_tokenizer_json
 from edgelm.runtime.text import Tokenizer
 
+pytestmark = pytest.mark.slow  # every llama.cpp vocabulary against llama.cpp's recorded ids
+
+
 CORPUS = Path(__file__).parents[1] / "data" / "tokenizer_corpus" / "texts.json"
 RECORDED = json.loads(CORPUS.with_name("llamacpp_ids.json").read_text(encoding="utf-8"))
 TEXTS = {item["name"]: item["text"] for item in json.loads(CORPUS.read_text(encoding="utf-8"))["texts"]}

@@ -19,6 +19,8 @@ from mistakes import injected  # noqa: E402
 from edgelm.export.onnx_export import export_package  # noqa: E402
 from edgelm.runtime import load  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the two real GGUF files, exported and run
+
 RECORDED = json.loads((Path(__file__).parents[1] / "data" / "real_files_llamacpp.json").read_text(encoding="utf-8"))
 COMPARED = 16  # tokens compared where the recording agreed for at least this many
 

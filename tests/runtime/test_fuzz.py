@@ -35,6 +35,9 @@ from edgelm.runtime import (
     load,
 )
 
+pytestmark = pytest.mark.slow  # hypothesis runs hundreds of examples a property
+
+
 EXAMPLES = {"text": 300, "token_ids": 300, "sampling": 300, "load": 150, "genai_config": 300, "manifest": 300}
 HANG_SECONDS = 20
 ORT_INTERNALS = ("[ONNXRuntimeError]", "onnxruntime::", "onnxruntime_src")

@@ -17,6 +17,7 @@ BUILD = (
 )
 
 
+@pytest.mark.slow  # processes compiling the kernels at once
 def test_processes_racing_build_one_library(tmp_path):
     try:
         include = native.ort_include()  # the headers the normal cache holds (fetched once)

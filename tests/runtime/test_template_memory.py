@@ -244,6 +244,7 @@ def child_property(examples: int) -> None:
     print("ok")
 
 
+@pytest.mark.slow  # 150 random expressions in a child process
 def test_random_string_growing_expressions() -> None:
     child = subprocess.run(
         [sys.executable, __file__, "property", "150"], capture_output=True, text=True, timeout=600, check=False
