@@ -1,7 +1,7 @@
 """The GGUF files people download, made by llama.cpp's own quantizer: SmolLM2-135M-Instruct as Q4_K_M,
 Q5_K_M, Q6_K and Q8_0, from the shipped Q4_1 file (`llama_model_quantize` with allow_requantize, as
 `llama-quantize --allow-requantize` does). Each ends up in --out (a cache folder, not the repository);
-tests/test_gguf_blocks.py and docs/results.md read them from there.
+tests/export/test_gguf_blocks.py and docs/results.md read them from there.
 
     /work/llamacpp-venv/bin/python benchmarks/make_kquants.py [--source FILE] [--out ~/.cache/edgelm/kquants]
 

@@ -2,7 +2,7 @@
 figures and, for each mistake that applies, whether the proof refused it and its figure, so the margin between
 the worst correct case and the best wrong one is read off one table (docs/export.md, "The proof").
 
-Models: the tiny family cases of tests/test_proof.py (float path and the realistic int8 files) and the two real
+Models: the tiny family cases of tests/export/test_proof.py (float path and the realistic int8 files) and the two real
 files (scripts/fetch_real_models.py), whose kept blocks take the int8-activation path.
 
     python benchmarks/proof_mistakes.py --out benchmarks/results/proof_mistakes.json            # everything
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "scripts")]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "export"), str(REPO / "scripts")]
 
 from fetch_real_models import fetch  # noqa: E402
 from mistakes import MISTAKES, NotApplicable, injected  # noqa: E402

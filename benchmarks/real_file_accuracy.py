@@ -164,7 +164,7 @@ def main() -> None:
         args.out.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n")
     if args.record:
         record = {
-            "about": "llama.cpp's greedy ids on each real file (tests/test_real_files.py), made by "
+            "about": "llama.cpp's greedy ids on each real file (tests/real/test_real_files.py), made by "
             "`python benchmarks/real_file_accuracy.py --record tests/data/real_files_llamacpp.json` with "
             f"llama-cpp-python {table['smollm2']['llama_cpp_python']}; `agreed`: how many tokens edgelm's equalled "
             "when recorded (its first difference a near tie)",

@@ -10,7 +10,7 @@ size and sha256, and only `vendor/llama.cpp/models/ggml-vocab-*` is kept, in `$E
 The same archive carries llama.cpp's own HF-to-GGUF converter (`convert_hf_to_gguf.py`, `conversion/`, `gguf-py/`:
 pure Python, nothing to build) and real chat templates (`models/templates/`). They are kept in
 `$EDGELM_CACHE/llamacpp-converter/`, so the tests that run the converter on tiny models
-(tests/test_families_converter.py and the family tests that use it) run wherever the archive can be had.
+(tests/export/test_families_converter.py and the family tests that use it) run wherever the archive can be had.
 
     python scripts/fetch_llamacpp_vocab.py              # prints the cached vocab folder's path
     python scripts/fetch_llamacpp_vocab.py --converter  # prints the cached converter folder's path

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "export")]  # family_cases.py imports test_gguf
 
 QUANTIZED = ("int4", "dynamic", "fp16")
 

@@ -1,4 +1,4 @@
-"""Record llama.cpp's token ids for the tokenizer corpus, the expectations tests/test_tokenizer_corpus.py checks.
+"""Record llama.cpp's token ids for the tokenizer corpus, the expectations tests/export/test_tokenizer_corpus.py checks.
 
 For every vocabulary edgelm builds a tokenizer from (tokenizer.ggml.model gpt2, llama or gemma4): llama.cpp's
 vocabulary-only GGUFs that come with tokenizer tests (`ggml-vocab-*.gguf` with a `.inp` file, fetched by
@@ -126,7 +126,8 @@ def main() -> None:
     texts = json.loads(CORPUS.read_text(encoding="utf-8"))["texts"]
     document = {
         "about": "llama.cpp's ids for tests/data/tokenizer_corpus/texts.json, made by scripts/record_llamacpp_ids.py "
-        "(read its docstring for what each field is); tests/test_tokenizer_corpus.py compares edgelm's with them",
+        "(read its docstring for what each field is); tests/export/test_tokenizer_corpus.py compares edgelm's with "
+        "them",
         "command": "python scripts/record_llamacpp_ids.py  (in a venv with llama-cpp-python)",
         "llama_cpp_python": llama_cpp.__version__,
         # the native library that ran: the package's own, or one named by LLAMA_CPP_LIB_PATH (built apart from

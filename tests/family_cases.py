@@ -1,5 +1,6 @@
-"""The tiny transformers models every family row is tested on (tests/test_families.py), shared by the test files
-that need a family's folder, GGUF file or package (tests/test_llama_export.py, tests/test_qwen3_gemma3.py):
+"""The tiny transformers models every family row is tested on (tests/export/test_families.py), shared by the test
+files that need a family's folder, GGUF file or package (tests/export/test_llama_export.py,
+tests/export/test_qwen3_gemma3.py):
 each made once per session, when first asked for.
 
 A case is a random transformers model of one row's model_type, saved with save_pretrained; where the row reads
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from helpers import hf_greedy, quiet, save_random_model
 
@@ -78,12 +80,16 @@ class Case:
     gguf: bool = False  # also exported from a GGUF file of the same weights
     image_text_of: str | None = None  # Gemma 3's image-and-text folder holding this case's text model
     graphs: tuple[str, ...] = ("fused", "standard")  # the graphs its row builds
+    # what the feature suites run it for (cases_with): "lora" (tests/export/test_lora_families.py adapts it),
+    # "hybrid-state" (convolution or recurrent states beside attention), "kv-sharing" (layers reading another's
+    # cache), "per-layer-inputs" (Gemma 4's per-layer input embeddings)
+    tags: frozenset[str] = frozenset()
 
 
 CASES = {
     "gpt2": Case("gpt2", ("GPT2Config", "GPT2LMHeadModel"), GPT2, gguf=True),
     # llama3 scaling with original context 32, not Llama 3's usual 8192: its GGUF holds the scaling as llama.cpp's
-    # converter writes it, rope_freqs.weight (more Llama GGUF files: tests/test_gguf_export.py)
+    # converter writes it, rope_freqs.weight (more Llama GGUF files: tests/export/test_gguf_export.py)
     "llama-llama3-tied": Case("llama", ("LlamaConfig", "LlamaForCausalLM"), SMALL | dict(rope_scaling=LLAMA3,
                               tie_word_embeddings=True), gguf=True),  # fmt: skip
     "qwen2-biases-untied": Case("qwen2", ("Qwen2Config", "Qwen2ForCausalLM"), SMALL | dict(tie_word_embeddings=False),
@@ -110,11 +116,11 @@ CASES = {
     ),
     # four layers: the fourth takes no positions (NoPE), as llama.cpp's fixed interval says
     "smollm3": Case("smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM"), SMALL | dict(num_hidden_layers=4,
-                    tie_word_embeddings=True), gguf=True),  # fmt: skip
+                    tie_word_embeddings=True), gguf=True, tags=frozenset({"lora"})),  # fmt: skip
     # multipliers away from 1 (Granite 3's own values but the attention scale, which is head_dim ** -0.5 there)
     "granite": Case("granite", ("GraniteConfig", "GraniteForCausalLM"), SMALL | dict(tie_word_embeddings=False,
                     embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
-                    logits_scaling=2.5, initializer_range=0.05), gguf=True),  # fmt: skip
+                    logits_scaling=2.5, initializer_range=0.05), gguf=True, tags=frozenset({"lora"})),  # fmt: skip
     # the dense Granite 4.0's layout: attention layers only, no experts, the MLP as shared_mlp
     "granitemoehybrid": Case(
         "granitemoehybrid",
@@ -127,9 +133,9 @@ CASES = {
     ),
     # Phi-4-mini's parts: packed qkv_proj and gate_up_proj, rotary on 3/4 of each head, LongRoPE: an original
     # context of 64 (every test sequence within it: the short factors) or of 3 (every one past it: the long ones);
-    # tests/test_phi3.py goes past it while generating
+    # tests/export/test_phi3.py goes past it while generating
     "phi3-longrope-short": Case("phi3", ("Phi3Config", "Phi3ForCausalLM"), PHI3 | dict(
-                                original_max_position_embeddings=64), gguf=True),  # fmt: skip
+                                original_max_position_embeddings=64), gguf=True, tags=frozenset({"lora"})),  # fmt: skip
     "phi3-longrope-long": Case("phi3", ("Phi3Config", "Phi3ForCausalLM"), PHI3 | dict(
                                original_max_position_embeddings=3), gguf=True),  # fmt: skip
     # model_type gemma3: config.json's text_config and the weights under model.language_model (transformers 5's
@@ -137,18 +143,35 @@ CASES = {
     "gemma3": Case("gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM"), {}, image_text_of="gemma3_text"),
     # Gemma 4 with its last 2 layers reading layers 3 (sliding) and 2 (full)'s caches, their MLPs double-wide
     "gemma4_text-shared": Case("gemma4_text", ("Gemma4TextConfig", "Gemma4ForCausalLM"), GEMMA4 | dict(
-                               num_kv_shared_layers=2, use_double_wide_mlp=True, tie_word_embeddings=True), gguf=True),
+                               num_kv_shared_layers=2, use_double_wide_mlp=True, tie_word_embeddings=True), gguf=True,
+                               tags=frozenset({"lora", "kv-sharing", "per-layer-inputs"})),
     # no sharing; full layers taking V from K's projection (attention_k_eq_v) with 1 KV head of their own; untied
     "gemma4_text-k-eq-v": Case("gemma4_text", ("Gemma4TextConfig", "Gemma4ForCausalLM"), GEMMA4 | dict(
                                attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False),
-                               gguf=True),
+                               gguf=True, tags=frozenset({"per-layer-inputs"})),
     # model_type gemma4: the text model under model.language_model, a vision tower beside it left out
     "gemma4": Case("gemma4", ("Gemma4TextConfig", "Gemma4ForCausalLM"), {}, image_text_of="gemma4_text-shared"),
     # short convolutions (kernel 3: a state of 2 columns) and attention layers
-    "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True),
+    "lfm2": Case("lfm2", ("Lfm2Config", "Lfm2ForCausalLM"), LFM2, gguf=True, tags=frozenset({"lora", "hybrid-state"})),
     # Gated DeltaNet (conv kernel 4, a recurrent state) and gated attention with partial rotary
-    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35, gguf=True),
+    "qwen3_5_text": Case("qwen3_5_text", ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), QWEN35, gguf=True,
+                         tags=frozenset({"lora", "hybrid-state"})),
 }  # fmt: skip
+
+# The cases a quick run (pytest -m "not slow") exports in the every-case suites: GPT-2's parts, a Llama-family row
+# (per-head norms, its own head size) and a hybrid (a convolution state beside attention); every case runs in the full
+# suite.
+QUICK = frozenset({"gpt2", "qwen3", "lfm2"})
+
+
+def cases_with(*tags: str) -> list[str]:
+    """The names of the cases that have every one of `tags`, sorted."""
+    return sorted(name for name, case in CASES.items() if set(tags) <= case.tags)
+
+
+def quick_or_slow(case: str, *rest) -> object:
+    """pytest.param(case, *rest), marked slow unless the case is one of QUICK."""
+    return pytest.param(case, *rest, marks=() if case in QUICK else pytest.mark.slow)
 
 
 @dataclass

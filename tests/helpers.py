@@ -150,7 +150,7 @@ def rewrite_gguf(
     return target
 
 
-# ---- LoRA: tiny bases and random PEFT adapters (tests/test_lora_*.py) ----------------------------------
+# ---- LoRA: tiny bases and random PEFT adapters (tests/export/test_lora_*.py) ----------------------------------
 
 LORA_BASES = {  # name: (transformers classes, config)
     "llama": (("LlamaConfig", "LlamaForCausalLM"), dict(

@@ -1,4 +1,4 @@
-"""Deliberate mistakes in the fused graph, for proving that export's proof catches them (tests/test_proof.py,
+"""Deliberate mistakes in the fused graph, for proving that export's proof catches them (tests/export/test_proof.py,
 benchmarks/proof_mistakes.py). Each is a function that edits the `Decoder` the graph is built from, as a family
 module with that bug would have built it, while the reference model stays right; it returns False where the
 model has nothing it could get wrong (no sliding window, no softcap, ...).

@@ -1,6 +1,6 @@
 """Regenerate the GGUF fixtures in this folder: a tiny random Llama (hidden 256, so every K-quant fits; one
 layer; the first 512 tokens of models/shakespeare's tokenizer) written in F32 with gguf-py, then quantized
-by llama.cpp's own `llama_model_quantize` to the presets people download. tests/test_gguf_blocks.py reads
+by llama.cpp's own `llama_model_quantize` to the presets people download. tests/export/test_gguf_blocks.py reads
 them, so llama.cpp's real block layouts and type choices are tested without llama.cpp installed.
 
     .venv/bin/python tests/data/kquants/make_fixtures.py [--llamacpp-python /work/llamacpp-venv/bin/python]
