@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .chat_inputs import TURN_VARIABLES, new_messages, template_variables
-from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options
+from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options, with_text
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError, InvalidParameterError
 from .kvcache import Cache, make_cache
 from .replies import Reply
@@ -356,10 +356,7 @@ class Conversation:
         last, last_calls = None, []
         try:
             decoding = decode(self.model, [ids], state, options, cache=cache, feed=ids[turn.reused :])
-            for _, token in decoding:
-                piece = assembler.add(token)
-                if assembler.stopped:
-                    state.finish[0] = "stop"
+            for _, token, piece in with_text(decoding, [assembler], state):
                 update = reply.add(token, assembler)
                 if piece or update is not None:
                     yield reply.piece(piece, update)
