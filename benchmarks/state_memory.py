@@ -24,7 +24,7 @@ import numpy as np
 
 from edgelm.runtime import model as runtime_model
 from edgelm.runtime.kvcache import kv_cache_bytes, make_cache
-from edgelm.runtime.kvdrivers import STATE_KINDS
+from edgelm.runtime.state_layout import STATE_KINDS
 
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -79,7 +79,7 @@ def measure(package: Path, lengths: list[int], turn: int, threads: int | None) -
     runner = model.runner(None)
     spec = model.spec
     arch = spec.arch
-    layer_types = arch.layer_types or ["full_attention"] * arch.n_layer
+    layer_types = arch.states.layer_types or ["full_attention"] * arch.n_layer
     counts = {kind: layer_types.count(kind) for kind in dict.fromkeys(layer_types)}
     rng = np.random.default_rng(0)
     cache = make_cache(runner, [[0]], capacity=turn)  # as Conversation._prepare_cache makes it

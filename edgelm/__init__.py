@@ -1,5 +1,6 @@
-"""edgelm: GPT-2 and Llama-family models from a Hugging Face folder or a GGUF file to a small, fast ONNX
-package, and a thin runtime.
+"""edgelm: a decoder language model (GPT-2; Llama, Qwen, Mistral, Granite, Phi-3, SmolLM3; Gemma 3 and 4; the
+hybrids LFM2 and Qwen3.5: one module each in export/families/) from a Hugging Face folder or a GGUF file to a
+small, fast ONNX package with its cache, quantized if asked, and a thin onnxruntime runtime that knows no family.
 
     import edgelm
     model = edgelm.load("SmolLM2-135M-Instruct.Q4_1.gguf")  # a package, a GGUF file or a model folder

@@ -38,6 +38,7 @@ from ..runtime.contract import (
     IONames,
     Manifest,
     Tokens,
+    cache_records,
     genai_config,
 )
 from ..runtime.errors import PackageError
@@ -173,7 +174,7 @@ def build_manifest(
         head_dim=config.head_dim,
         details=source.family.details(source.model),
         genai_type=source.family.genai_type,
-        **state_layout(source.model),
+        **cache_records(state_layout(source.model)),
     )
     tokens = Tokens(
         file=TOKENIZER_FILE if TOKENIZER_FILE in {*source.files, *source.texts} else None,

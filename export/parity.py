@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 
 from ..runtime import packed
-from ..runtime.contract import Architecture, IONames
+from ..runtime.contract import Architecture, IONames, cache_records
 from ..runtime.session import reclaiming_read_pages
 from .checkpoint import CheckpointError
 from .lazy_weights import float64_stream
@@ -385,7 +385,7 @@ def _run_session(
     binding.bind_output(io.logits)  # first, so it is get_outputs()[0]; allocated by each run
     arch = Architecture(
         type="", vocab_size=config.vocab_size, context_length=config.n_positions, n_layer=config.n_layer,
-        n_head=config.n_head, n_kv_head=config.n_kv_head, head_dim=config.head_dim, **layout,
+        n_head=config.n_head, n_kv_head=config.n_kv_head, head_dim=config.head_dim, **cache_records(layout),
     )  # fmt: skip
     past, present = arch.past_names(io), arch.present_names(io)
     states = []  # a hybrid's states: [past name, present name, past value, present value], swapped after a run

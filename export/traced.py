@@ -21,7 +21,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ..runtime.contract import MODEL_FILE, Architecture, IONames
+from ..runtime.contract import MODEL_FILE, Architecture, IONames, cache_records
 
 
 def state_layout(model: torch.nn.Module) -> dict:
@@ -37,7 +37,7 @@ def cache_architecture(model: torch.nn.Module) -> Architecture:
     c = model.config
     return Architecture(
         type="", vocab_size=c.vocab_size, context_length=c.n_positions, n_layer=c.n_layer,
-        n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, **state_layout(model),
+        n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, **cache_records(state_layout(model)),
     )  # fmt: skip
 
 

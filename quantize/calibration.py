@@ -130,7 +130,7 @@ def _runs(session: ort.InferenceSession, tensors: list[str], reader: DecoderCali
     """`tensors`' values on each of the reader's feeds, run once each: the run's present keys/values go back to
     the reader for its next feed."""
     spec = reader.model.spec
-    present = spec.io.present_names(spec.arch.n_layer, spec.arch.layer_types)
+    present = spec.io.present_names(spec.arch.n_layer, spec.arch.states.layer_types)
     feeds = reader.feeds()
     feed = next(feeds, None)
     while feed is not None:

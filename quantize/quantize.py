@@ -187,7 +187,7 @@ def quantize_package(
     package, out_dir = Path(package), Path(out_dir)
     staged = StagedOutput(out_dir, inputs=[package, calibration_text, eval_text], overwrite=overwrite)
     spec, weights = _read_source(package)
-    if mode == "fp16" and spec.arch.kv_source is not None:  # seen on Gemma 4's fused graph with KV sharing
+    if mode == "fp16" and spec.arch.kv.kv_source is not None:  # seen on Gemma 4's fused graph with KV sharing
         raise ValueError(
             "fp16 of a package whose layers share a cache (edgelm.json architecture.kv_source) is refused: ONNX "
             "Runtime 1.32 crashes optimizing that graph in fp16; use int4, int8-weight-only or dynamic"

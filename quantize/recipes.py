@@ -69,12 +69,6 @@ def _linear_matmuls(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers]
 
 
-def _overridable_matmuls(model: onnx.ModelProto) -> list[str]:
-    """MatMuls whose weight a run may override (LoRA slots): never quantized."""
-    inputs = {i.name for i in model.graph.input}
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inputs]
-
-
 def _with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model with ONNX's inferred types and shapes (value_info, which onnxruntime's quantizers read), as
     their own loaders would add them. Inference runs on a skeleton whose initializers carry type and dims only

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .chat_inputs import TURN_VARIABLES, new_messages, template_variables
-from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options
+from .decode import TURN_OPTIONS, DecodeState, GenerationOptions, decode, generation_options, with_text
 from .errors import ChatTemplateError, ContextLengthError, InvalidInputError, InvalidParameterError
 from .kvcache import Cache, make_cache
 from .replies import Reply
@@ -177,23 +177,40 @@ class Conversation:
             pass
         return stream.result
 
-    def stream_reply(self, messages: list[dict], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any):
-        """reply_to as a Stream (Model.chat_stream)."""
+    def stream_reply(
+        self,
+        messages: list[dict],
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        *,
+        prompt_ids: list[int] | None = None,
+        **options: Any,
+    ):
+        """reply_to as a Stream (Model.chat_stream). prompt_ids: what ids_of(messages, **options) gave for them,
+        so the messages are not rendered again (a server renders a request once, to pick the conversation)."""
         self._close_pending()
         messages = validate_messages(messages)
         if messages and messages[0]["role"] == "system":
             self.system, messages = messages[0]["content"], messages[1:]
-        return self._start(messages, max_new_tokens, options, drop_oldest=False)
+        return self._start(messages, max_new_tokens, options, drop_oldest=False, prompt_ids=prompt_ids)
 
     @property
     def cached_ids(self) -> list[int]:
         """A copy of the ids whose keys/values the cache holds (what a next turn can reuse)."""
         return list(self._ids)
 
-    def ids_of(self, messages: list[dict], **variables: Any) -> list[int]:
-        """The ids this conversation's template renders for a whole message list and template variables, with the
-        generation prompt (what stream_reply feeds when `system` is None); nothing changes."""
-        return chat_prompt_ids(self.template, self.model.tokenizer, validate_messages(messages), **variables)
+    def ids_of(self, messages: list[dict], **options: Any) -> list[int]:
+        """The ids stream_reply(messages, **options) feeds a conversation whose `system` is None: the whole message
+        list rendered with the generation prompt and the template variables among options (checked; the other
+        options are ignored); nothing changes. ChatTemplateError when the template fails on them."""
+        messages = validate_messages(messages)
+        system = None
+        if messages and messages[0]["role"] == "system":
+            system, messages = messages[0]["content"], messages[1:]
+        return self._render(messages, self._variables(dict(options)), system)
+
+    def shared_prefix(self, ids: list[int]) -> int:
+        """How many of ids the cache holds already: their common prefix with cached_ids."""
+        return common_prefix(self._ids, ids)
 
     def prompt_ids(self, text: str) -> list[int]:
         """The ids the template renders for the history plus a user message `text`, with the generation prompt;
@@ -231,6 +248,13 @@ class Conversation:
     def _head(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system is not None else []
 
+    def _render(self, history: list[dict], variables: dict, system: str | None) -> list[int]:
+        """A history's ids after the system prompt, with the generation prompt (a template that renders nothing:
+        BOS)."""
+        head = [{"role": "system", "content": system}] if system is not None else []
+        ids = chat_prompt_ids(self.template, self.model.tokenizer, head + history, **variables)
+        return ids or self.model.encode("")
+
     def _rewind(self, length: int) -> None:
         if self._cache is not None:
             self._cache.rewind(length)
@@ -242,19 +266,27 @@ class Conversation:
             self._pending = None
 
     def _fit(
-        self, history: list[dict], max_new_tokens: int, drop_oldest: bool, variables: dict
+        self,
+        history: list[dict],
+        max_new_tokens: int,
+        drop_oldest: bool,
+        variables: dict,
+        rendered: list[int] | None = None,
     ) -> tuple[list[dict], list[int], int]:
-        """Render and tokenize; drop the oldest exchanges until the prompt and max_new_tokens fit the context."""
+        """Render and tokenize (unless `rendered` holds the history's ids already: ids_of's); drop the oldest
+        exchanges until the prompt and max_new_tokens fit the context."""
         limit, dropped = self.model.context_length, 0
         if max_new_tokens >= limit:
             raise ContextLengthError(f"max_new_tokens ({max_new_tokens}) must be below the context length {limit}")
         while True:
-            try:
-                ids = chat_prompt_ids(self.template, self.model.tokenizer, self._head() + history, **variables)
-            except ChatTemplateError:  # a message of megabytes stops the sandbox: blame the message
-                self._check_each_fits(history, max_new_tokens, drop_oldest)
-                raise
-            ids = ids or self.model.encode("")  # a template that renders nothing: start from BOS
+            if rendered is not None:
+                ids, rendered = list(rendered), None
+            else:
+                try:
+                    ids = self._render(history, variables, self.system)
+                except ChatTemplateError:  # a message of megabytes stops the sandbox: blame the message
+                    self._check_each_fits(history, max_new_tokens, drop_oldest)
+                    raise
             if len(ids) + max_new_tokens <= limit:
                 return history, ids, dropped
             users = [i for i, message in enumerate(history) if message["role"] == "user"]
@@ -296,7 +328,15 @@ class Conversation:
                 f"length {limit}; {advice}"
             )
 
-    def _start(self, history: list[dict], max_new_tokens: Any, options: dict, *, drop_oldest: bool) -> Stream:
+    def _start(
+        self,
+        history: list[dict],
+        max_new_tokens: Any,
+        options: dict,
+        *,
+        drop_oldest: bool,
+        prompt_ids: list[int] | None = None,
+    ) -> Stream:
         """Check everything and plan the turn (which ids the cache already holds); the stream then runs it."""
         started = time.perf_counter()
         variables = self._variables(options)
@@ -320,7 +360,7 @@ class Conversation:
             caller="a chat turn",
             runner=self._base,  # the Model, which loads a draft package (an adapter's runner does not)
         )
-        history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest, variables)
+        history, ids, dropped = self._fit(history, checked.max_new_tokens, drop_oldest, variables, prompt_ids)
         switched = adapter != self.adapter
         if switched:  # the cache holds another adapter's keys and values: start it afresh
             self.model, self.adapter, self._cache, self._ids = runner, adapter, None, []
@@ -356,10 +396,7 @@ class Conversation:
         last, last_calls = None, []
         try:
             decoding = decode(self.model, [ids], state, options, cache=cache, feed=ids[turn.reused :])
-            for _, token in decoding:
-                piece = assembler.add(token)
-                if assembler.stopped:
-                    state.finish[0] = "stop"
+            for _, token, piece in with_text(decoding, [assembler], state):
                 update = reply.add(token, assembler)
                 if piece or update is not None:
                     yield reply.piece(piece, update)

@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .errors import InvalidParameterError, PackageError
 from .fields import choice, heads, integer, io_name, optional_id, optional_name, token_list
+from .kv_layout import KV_KINDS, KVLayout
 from .lora_contract import parse_slots
 from .sampling import check_params
+from .state_layout import LAYER_STATES, StateLayout
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -30,11 +32,6 @@ GENAI_CONFIG_FILE = "genai_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # special tokens and chat template for transformers and genai
 KV_CACHE_KINDS = ("concat", "shared_buffer")
-# what a layer keeps between steps (architecture.layer_types, onnxruntime-genai's words): attention layers a KV
-# cache, convolution layers a convolution state, linear-attention layers a convolution and a recurrent state
-ATTENTION_LAYERS = ("full_attention", "sliding_attention")
-LAYER_STATES = {"full_attention": ("key", "value"), "sliding_attention": ("key", "value"), "conv": ("conv",),
-                "linear_attention": ("conv", "recurrent")}  # fmt: skip
 KV_DTYPES = ("float32", "float16")
 LOGITS_TO_KEEP = "num_logits_to_keep"  # the fused graph's optional input name (IONames.logits_to_keep)
 
@@ -85,8 +82,8 @@ class IONames:
 def _layer_states(
     n_layer: int, layer_types: list[str] | None, kv_source: list[int] | None = None
 ) -> list[tuple[int, str]]:
-    """(layer, "key" / "value" / "conv" / "recurrent") for every cache tensor, in the graph's order; a layer whose
-    kv_source is another layer keeps none."""
+    """(layer, "key" / "value" / "conv" / "recurrent") for every cache tensor, in the graph's order (what each
+    layer type keeps: runtime/state_layout.py LAYER_STATES); a layer whose kv_source is another layer keeps none."""
     kinds = layer_types or ["full_attention"] * n_layer
     return [
         (i, state)
@@ -99,7 +96,10 @@ def _layer_states(
 @dataclass
 class Architecture:
     """What the runtime needs of the network's shape; `details` holds family facts for people (width,
-    positions, rope_theta, parameter count), which the runtime never reads."""
+    positions, rope_theta, parameter count), which the runtime never reads. Each kind of state beyond one key and
+    value of one shape per layer brings its own record, in its own module with its driver: `states` a hybrid
+    model's convolution and recurrent states (runtime/state_layout.py), `kv` KV sharing and per-layer shapes
+    (runtime/kv_layout.py). The manifest holds their keys flat, beside the others (to_json, Manifest.parse)."""
 
     type: str  # where the package came from: "gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma3_text"
     vocab_size: int
@@ -110,49 +110,54 @@ class Architecture:
     head_dim: int
     details: dict = field(default_factory=dict)
     genai_type: str | None = None  # onnxruntime-genai's model type (the family's); None in packages before it
-    # hybrid models: per layer, a key of LAYER_STATES (None: every layer attention); a row's state shapes
-    layer_types: list[str] | None = None
-    conv_state: list[int] | None = None  # (channels, kernel - 1) of a convolution state
-    recurrent_state: list[int] | None = None  # (value heads, key head size, value head size)
-    # KV sharing (Gemma 4): per layer, the layer whose keys and values its attention reads: itself (it keeps a
-    # cache) or an earlier layer (it has no past/present of its own). None: every layer its own.
-    kv_source: list[int] | None = None
-    # per layer, its cache's head size and KV heads where layers differ (Gemma 4's full layers); None: head_dim,
-    # n_kv_head for every layer
-    layer_head_dim: list[int] | None = None
-    layer_n_kv_head: list[int] | None = None
+    states: StateLayout = field(default_factory=StateLayout)  # hybrid models: which layer keeps what state
+    kv: KVLayout = field(default_factory=KVLayout)  # where layers' keys and values differ (Gemma 4)
 
     @property
     def has_state(self) -> bool:
         """Whether some layer keeps a state that folds tokens in (it cannot be cut back to any length)."""
-        return any(kind not in ATTENTION_LAYERS for kind in self.layer_types or ())
+        return self.states.has_state
 
     def kv_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head size) of a layer's keys and values."""
-        heads = self.n_kv_head if self.layer_n_kv_head is None else self.layer_n_kv_head[layer]
-        return heads, self.head_dim if self.layer_head_dim is None else self.layer_head_dim[layer]
+        return self.kv.shape(layer, n_kv_head=self.n_kv_head, head_dim=self.head_dim)
 
     def cache_shape(self, kind: str, batch: int, layer: int = 0, length: int = 0) -> tuple[int, ...]:
         """A cache tensor of one kind ("key", "value", "conv", "recurrent") of `layer` for `batch` rows, keys and
         values `length` positions long."""
-        if kind in ("key", "value"):
+        if kind in KV_KINDS:
             heads, head_dim = self.kv_shape(layer)
             return (batch, heads, length, head_dim)
-        return (batch, *(self.conv_state if kind == "conv" else self.recurrent_state))
+        return (batch, *self.states.shape(kind))
 
     def cache_layers(self) -> list[tuple[int, str]]:
         """(layer, kind) of every cache tensor, in past_names order."""
-        return _layer_states(self.n_layer, self.layer_types, self.kv_source)
+        return _layer_states(self.n_layer, self.states.layer_types, self.kv.kv_source)
 
     def cache_kinds(self) -> list[str]:
         """The kind of every cache tensor, in past_names order."""
         return [kind for _, kind in self.cache_layers()]
 
     def past_names(self, io: IONames) -> list[str]:
-        return io.past_names(self.n_layer, self.layer_types, self.kv_source)
+        return io.past_names(self.n_layer, self.states.layer_types, self.kv.kv_source)
 
     def present_names(self, io: IONames) -> list[str]:
-        return io.present_names(self.n_layer, self.layer_types, self.kv_source)
+        return io.present_names(self.n_layer, self.states.layer_types, self.kv.kv_source)
+
+    def to_json(self) -> dict:
+        """The manifest's architecture object: the fields, then each state record's keys (those it has), flat."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("states", "kv")}
+        return copy.deepcopy(data) | self.states.to_json() | self.kv.to_json()
+
+
+def cache_records(layout: dict) -> dict:
+    """Architecture's state records from a flat layout (the manifest's keys: a reference model's state_layout(),
+    layer_types, conv_state, kv_source ...): each kind takes its own keys; a key no kind has is refused."""
+    names = {record: {f.name for f in fields(record)} for record in (StateLayout, KVLayout)}
+    unknown = set(layout) - set().union(*names.values())
+    assert not unknown, f"no state kind has the key(s) {sorted(unknown)}"
+    states, kv = ({k: v for k, v in layout.items() if k in names[record]} for record in (StateLayout, KVLayout))
+    return {"states": StateLayout(**states), "kv": KVLayout(**kv)}
 
 
 @dataclass
@@ -229,13 +234,11 @@ class Manifest:
 
     def to_json(self) -> dict:
         data = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, **asdict(self)}
+        data["architecture"] = self.architecture.to_json()
         for key in ("lora", "sampling"):  # packages without them keep the manifest they always had
             if data[key] is None:
                 del data[key]
-        for key in ("layer_types", "conv_state", "recurrent_state", "kv_source", "layer_head_dim", "layer_n_kv_head"):
-            if data["architecture"][key] is None:
-                del data["architecture"][key]
-        if self.architecture.layer_types is None:  # the state names only in hybrid packages' manifests
+        if self.architecture.states.layer_types is None:  # the state names only in hybrid packages' manifests
             for name in ("past_conv", "present_conv", "past_recurrent", "present_recurrent"):
                 del data["io"][name]
         return data
@@ -305,58 +308,9 @@ def _parse_architecture(arch: dict, where: str) -> Architecture:
         head_dim=integer(arch, "head_dim", where, minimum=1),
         details=arch.get("details") if isinstance(arch.get("details"), dict) else {},
         genai_type=arch.get("genai_type") if isinstance(arch.get("genai_type"), str) else None,
-        **_parse_layers(arch, where),
-        **_parse_sharing(arch, where),
+        states=StateLayout.parse(arch, where),
+        kv=KVLayout.parse(arch, where),
     )
-
-
-def _parse_sharing(arch: dict, where: str) -> dict:
-    """kv_source (each layer's source: itself or an earlier layer that keeps its own cache) and the per-layer
-    cache shapes, where the manifest has them."""
-    n_layer, parsed = arch["n_layer"], {}
-    for key in ("kv_source", "layer_head_dim", "layer_n_kv_head"):
-        values = arch.get(key)
-        if values is None:
-            continue
-        if not isinstance(values, list) or len(values) != n_layer:
-            raise PackageError(f"{where}: {key} must list {n_layer} integers, got {values!r:.60}")
-        parsed[key] = [integer({key: v}, key, where, minimum=0 if key == "kv_source" else 1) for v in values]
-    for kv_heads in parsed.get("layer_n_kv_head", []):
-        if arch["n_head"] % kv_heads:
-            raise PackageError(f"{where}: n_head ({arch['n_head']}) must be a multiple of every layer_n_kv_head")
-    source = parsed.get("kv_source")
-    if source is not None:
-        for i, s in enumerate(source):
-            if s > i or source[s] != s:
-                raise PackageError(
-                    f"{where}: kv_source[{i}] is {s}: a layer reads its own cache or that of an earlier layer "
-                    "which keeps its own"
-                )
-    return parsed
-
-
-def _parse_layers(arch: dict, where: str) -> dict:
-    """A hybrid model's layer_types and the state shapes its state layers need."""
-    kinds = arch.get("layer_types")
-    if kinds is None:
-        return {}
-    n_layer = arch["n_layer"]
-    if not isinstance(kinds, list) or len(kinds) != n_layer or not all(kind in LAYER_STATES for kind in kinds):
-        raise PackageError(f"{where}: layer_types must list {n_layer} of {', '.join(LAYER_STATES)}, got {kinds!r:.80}")
-    shapes = {}
-    for key, size, needed in (
-        ("conv_state", 2, {"conv", "linear_attention"}),
-        ("recurrent_state", 3, {"linear_attention"}),
-    ):
-        shape = arch.get(key)
-        if shape is None and not needed & set(kinds):
-            continue
-        if not isinstance(shape, list) or len(shape) != size:
-            raise PackageError(f"{where}: {key} must list {size} sizes, got {shape!r:.60}")
-        shapes[key] = [integer({key: n}, key, where, minimum=1) for n in shape]
-    if not any(kind in ATTENTION_LAYERS for kind in kinds):
-        raise PackageError(f"{where}: layer_types has no attention layer")
-    return {"layer_types": kinds, **shapes}
 
 
 def _parse_tokens(tok: dict, where: str) -> Tokens:
@@ -441,9 +395,7 @@ def _genai_decoder(manifest: Manifest) -> dict:
         if kind in states:
             inputs[f"past_{kind}_names"] = getattr(io, f"past_{kind}")
             outputs[f"present_{kind}_names"] = getattr(io, f"present_{kind}")
-    hybrid = {"layer_types": arch.layer_types} if arch.layer_types else {}
-    if arch.conv_state:
-        hybrid["conv_cache_size"] = arch.conv_state[1]
+    hybrid = arch.states.genai_decoder()
     return {
         "filename": manifest.model_file,
         "session_options": {

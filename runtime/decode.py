@@ -32,7 +32,15 @@ if TYPE_CHECKING:
     from .runner import Runner
     from .text import Tokenizer
 
-__all__ = ["OPTION_NAMES", "TURN_OPTIONS", "DecodeState", "GenerationOptions", "decode", "generation_options"]
+__all__ = [
+    "OPTION_NAMES",
+    "TURN_OPTIONS",
+    "DecodeState",
+    "GenerationOptions",
+    "decode",
+    "generation_options",
+    "with_text",
+]
 
 
 def generation_options(
@@ -125,15 +133,27 @@ def decode(
 # ---- text and stop strings ----------------------------------------------------------------------------
 
 
+def with_text(
+    decoding: Iterator[tuple[int, int]], assemblers: list[TextAssembler | None], state: DecodeState
+) -> Iterator[tuple[int, int, str]]:
+    """decode()'s (row, token) pairs with the text each token made final in its row's assembler ("" for a row
+    without one). The one place a stop string ends a row: when the row's assembler finds one, state.finish[row]
+    becomes "stop" before the pair is yielded, so the loop feeds that row nothing more. The caller flushes the
+    assemblers at the end."""
+    for row, token in decoding:
+        assembler, piece = assemblers[row], ""
+        if assembler is not None:
+            piece = assembler.add(token)
+            if assembler.stopped:
+                state.finish[row] = "stop"
+        yield row, token, piece
+
+
 def text_pieces(decoding: Iterator[tuple[int, int]], assembler: TextAssembler, state: DecodeState) -> Iterator[str]:
-    """The final text pieces of a batch-1 decode (decode()'s (row, token) pairs); a stop string ends the row
-    (state.finish[0] = "stop"). The caller flushes the assembler at the end."""
-    for _, token in decoding:
-        piece = assembler.add(token)
+    """The final text pieces of a batch-1 decode (decode()'s (row, token) pairs), cut at a stop string."""
+    for _, _, piece in with_text(decoding, [assembler], state):
         if piece:
             yield piece
-        if assembler.stopped:
-            state.finish[0] = "stop"
 
 
 def decode_texts(
@@ -148,12 +168,8 @@ def decode_texts(
     watch = tokenizer is not None and bool(options.stops)
     assemblers = [TextAssembler(tokenizer, options.stops) if watch else None for _ in prompts]
     generated: list[list[int]] = [[] for _ in prompts]
-    for row, token in decode(runner, prompts, state, options):
+    for row, token, _ in with_text(decode(runner, prompts, state, options), assemblers, state):
         generated[row].append(token)
-        if assemblers[row] is not None:
-            assemblers[row].add(token)
-            if assemblers[row].stopped:
-                state.finish[row] = "stop"
     if watch:
         return generated, [assembler.text for assembler in assemblers]
     return generated, [tokenizer.decode(ids) if tokenizer else "" for ids in generated]

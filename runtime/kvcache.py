@@ -1,7 +1,9 @@
-"""The KV cache: how past keys and values move between decode steps, for the two kinds of graph
-(runtime/kvdrivers.py ConcatCache, SharedCache); and, for hybrid models (LFM2, Qwen3.5), the convolution and
-recurrent states beside them (runtime/statecache.py StateCache, SharedStateCache). This module is their contract
-and what comes before them: the Cache protocol, make_cache (the driver a package wants) and the memory check.
+"""The model's cache, whatever kinds of state it holds: the Cache protocol every driver implements, make_cache (the
+driver a package wants) and the memory check. Each kind of state is a pair of modules, its manifest record (parsed
+and validated there; runtime/contract.py's Architecture holds one of each) and its drivers: attention's keys and
+values (runtime/kv_layout.py KVLayout; runtime/kvdrivers.py ConcatCache, SharedCache for the two kinds of graph),
+and a hybrid model's convolution and recurrent states (runtime/state_layout.py StateLayout; runtime/statecache.py
+StateCache, SharedStateCache beside the KV drivers: LFM2, Qwen3.5).
 
 Every driver implements the `Cache` protocol that the decode loops drive (gpt-fast's KVCache has one job too):
 
@@ -98,7 +100,7 @@ def kv_cache_bytes(spec: PackageSpec, *, batch: int, capacity: int, itemsize: in
     (a layer reading another's cache keeps none; heads and head sizes per layer), plus a hybrid model's
     fixed-size states (which do not grow with the context)."""
     arch = spec.arch
-    if arch.layer_types is None and arch.kv_source is None and arch.layer_head_dim is None:
+    if arch.states.layer_types is None and arch.kv.uniform:
         return 2 * arch.n_layer * batch * arch.n_kv_head * capacity * arch.head_dim * itemsize
     shapes = [arch.cache_shape(kind, batch, layer, capacity) for layer, kind in arch.cache_layers()]
     return sum(int(np.prod(shape)) for shape in shapes) * itemsize

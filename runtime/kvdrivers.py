@@ -1,8 +1,9 @@
 """The two KV cache drivers, one per kind of graph, each implementing runtime/kvcache.py's Cache protocol (make_cache
 there picks one): ConcatCache for the standard graph (past keys and values in, past + new out as new OrtValues,
 left padding) and SharedCache for the fused graph (one buffer per cache tensor bound as both past and present and
-written in place, right padding). The cache never goes through numpy between steps and, with CUDA, stays on the
-device. runtime/statecache.py adds a hybrid model's convolution and recurrent states to each.
+written in place, right padding). What the manifest says of keys and values is runtime/kv_layout.py's. The cache
+never goes through numpy between steps and, with CUDA, stays on the device. runtime/statecache.py adds a hybrid
+model's convolution and recurrent states to each.
 
 A prompt or a turn longer than PREFILL_CHUNK tokens is fed in runs of that many (chunked prefill, llama.cpp's
 n_ubatch): a run's logits are (batch, tokens, vocab) and its attention scores tokens x cache, so one run of a long
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnxruntime as ort
 
+from .kv_layout import KV_KINDS
+
 if TYPE_CHECKING:
     from .runner import Runner
 
-STATE_KINDS = ("conv", "recurrent")  # cache tensors that hold a state, not keys or values
 PREFILL_CHUNK = 512  # the most tokens one run of a prompt or a turn feeds
 
 
@@ -148,7 +150,7 @@ class SharedCache:
         past, present = arch.past_names(io), arch.present_names(io)
         self.buffers, self.state_names, pairs = [], [], []
         for past_name, present_name, (layer, kind) in zip(past, present, arch.cache_layers(), strict=True):
-            if kind in STATE_KINDS:  # fixed size: kept as they are when the buffers grow
+            if kind not in KV_KINDS:  # a state, fixed size: kept as they are when the buffers grow
                 state_shape = arch.cache_shape(kind, batch)
                 new = [ort.OrtValue.ortvalue_from_numpy(np.zeros(state_shape, model.kv_dtype), model.device)]
                 new.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(state_shape, model.kv_dtype), model.device))

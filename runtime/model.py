@@ -37,6 +37,7 @@ from .text import TextAssembler, Tokenizer
 
 if TYPE_CHECKING:
     from .chat import Conversation
+    from .runner import Runner
 
 __all__ = ["GenerationResult", "Model", "Stream", "Timings", "load", "resolve_providers"]
 
@@ -239,11 +240,12 @@ class Model(AdapterMixin):
             ids = [self.spec.tokens.bos_token_id]
         return ids
 
-    def _fit_context(self, ids: list[int], max_new_tokens: int, truncate_prompt: bool) -> list[int]:
-        limit = self.spec.arch.context_length
+    def _fit_context(self, ids: list[int], options: GenerationOptions) -> list[int]:
+        """ids, or their newest part with options.truncate_prompt, so that they and max_new_tokens fit the context."""
+        limit, max_new_tokens = self.spec.arch.context_length, options.max_new_tokens
         if len(ids) + max_new_tokens <= limit:
             return ids
-        if not truncate_prompt:
+        if not options.truncate_prompt:
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
                 f"exceeds the context length {limit}; shorten the prompt, lower max_new_tokens, "
@@ -269,14 +271,20 @@ class Model(AdapterMixin):
         """Validate generation options once (TypeError for an unknown name, InvalidParameterError for a bad value)."""
         return generation_options(max_new_tokens, options, tokenizer=self.tokenizer, runner=self)
 
-    def _encode_all(
-        self, prompts: Sequence[str | Sequence[int]], options: GenerationOptions, add_special_tokens: bool
-    ) -> list[list[int]]:
-        return [
-            self._fit_context(self.encode(p, add_special_tokens=add_special_tokens), options.max_new_tokens,
-                              options.truncate_prompt)
-            for p in prompts
-        ]  # fmt: skip
+    def _prepare(
+        self, prompts: Sequence[str | Sequence[int]], max_new_tokens: Any, options: dict, *, caller: str, batch: bool
+    ) -> tuple[Runner, list[list[int]], GenerationOptions]:
+        """Everything a generation is given, checked once and before anything runs: the adapter's runner, the
+        options (runtime/decode.py generation_options; a batch may give a constraint per row) and each prompt
+        encoded and fitted to the context with them."""
+        runner = self.runner(options.pop("adapter", None))
+        add_special_tokens = options.pop("add_special_tokens", True)
+        checked = generation_options(
+            max_new_tokens, options, tokenizer=self.tokenizer, caller=caller, runner=self,
+            rows=len(prompts) if batch else None,
+        )  # fmt: skip
+        encoded = [self._fit_context(self.encode(p, add_special_tokens=add_special_tokens), checked) for p in prompts]
+        return runner, encoded, checked
 
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64, **options: Any
@@ -291,12 +299,8 @@ class Model(AdapterMixin):
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise InvalidInputError("prompts must be a non-empty list of strings or token-id lists")
         started = time.perf_counter()
-        runner = self.runner(options.pop("adapter", None))
-        add_special_tokens = options.pop("add_special_tokens", True)
-        checked = generation_options(
-            max_new_tokens, options, tokenizer=self.tokenizer, caller="generate_batch()", runner=self, rows=len(prompts)
-        )
-        encoded = self._encode_all(prompts, checked, add_special_tokens)
+        caller = "generate_batch()"
+        runner, encoded, checked = self._prepare(prompts, max_new_tokens, options, caller=caller, batch=True)
         state = DecodeState.start(len(encoded))
         generated, texts = decode_texts(runner, encoded, state, checked, self.tokenizer)
         ended = time.perf_counter()
@@ -321,10 +325,7 @@ class Model(AdapterMixin):
         (never half a character, never part of a stop string); its .result is set at the end.
         Options are validated here, before the first piece is asked for."""
         started = time.perf_counter()
-        runner = self.runner(options.pop("adapter", None))
-        add_special_tokens = options.pop("add_special_tokens", True)
-        checked = generation_options(max_new_tokens, options, tokenizer=self.tokenizer, caller="stream()", runner=self)
-        (ids,) = self._encode_all([prompt], checked, add_special_tokens)
+        runner, (ids,), checked = self._prepare([prompt], max_new_tokens, options, caller="stream()", batch=False)
         if self.tokenizer is None:
             raise InvalidInputError("streaming text needs a tokenizer, and this package has none")
         stream: Stream

@@ -227,8 +227,9 @@ def check_io(spec: PackageSpec, session: ort.InferenceSession) -> GraphFacts:
     described = {"edgelm": MANIFEST_FILE, "genai": GENAI_CONFIG_FILE}.get(spec.kind, HF_CONFIG_FILE)  # the JSON
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
-    # before building 2 * n_layer names: n_layer may be huge (a hybrid's layer_types is a list the JSON holds)
-    listed = arch.layer_types is not None or arch.kv_source is not None  # lists the manifest holds, of n_layer
+    # before building 2 * n_layer names: n_layer may be huge (a hybrid's layer_types is a list the JSON holds);
+    # listed: the manifest holds lists of n_layer
+    listed = arch.states.layer_types is not None or arch.kv.kv_source is not None
     if (len(arch.cache_kinds()) if listed else 2 * arch.n_layer) > len(inputs):
         raise PackageError(f"{described} says {arch.n_layer} layers, but {name} has only {len(inputs)} inputs")
     past, present = arch.past_names(io), arch.present_names(io)

@@ -1,8 +1,9 @@
 """A hybrid model's cache (LFM2, Qwen3.5): a KV driver (runtime/kvdrivers.py) for the attention layers, and for
-the convolution and recurrent layers a fixed-size state that folds every token in. Such a state cannot be cut back
-to an earlier length, so _Snapshots keeps copies of it at turn boundaries and before a speculative step, and
-rewinding restores one and feeds the ids after it again. StateCache is the standard graph's, SharedStateCache the
-fused graph's; runtime/kvcache.py's make_cache picks them for a package whose architecture has states.
+the convolution and recurrent layers a fixed-size state that folds every token in (what the manifest says of them
+is runtime/state_layout.py's). Such a state cannot be cut back to an earlier length, so _Snapshots keeps copies of
+it at turn boundaries and before a speculative step, and rewinding restores one and feeds the ids after it again.
+StateCache is the standard graph's, SharedStateCache the fused graph's; runtime/kvcache.py's make_cache picks them
+for a package whose architecture has states.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnxruntime as ort
 
-from .kvdrivers import STATE_KINDS, ConcatCache, SharedCache
+from .kvdrivers import ConcatCache, SharedCache
+from .state_layout import STATE_KINDS
 
 if TYPE_CHECKING:
     from .runner import Runner

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgelm.runtime import Conversation, EdgelmError, GenerationResult, Model
-from edgelm.runtime.chat import common_prefix, template_variables
 
 from .errors import APIError
 
@@ -52,7 +51,7 @@ class PromptCache:
             best, best_length = None, 0
             for conversation in self._idle:
                 if conversation.adapter == adapter:
-                    length = common_prefix(conversation.cached_ids, ids)
+                    length = conversation.shared_prefix(ids)
                     if length > best_length:
                         best, best_length = conversation, length
             if best is not None:
@@ -184,15 +183,13 @@ class Engine:
     # ---- jobs (on a worker thread) ------------------------------------------------------------------
 
     def chat_ids(self, messages: list[dict], options: dict) -> list[int]:
-        """The request's prompt ids, to pick the kept conversation sharing most of them (the template variables
-        as the template sees them: docs/apps.md)."""
-        names = ("tools", "documents", "enable_thinking", "template_vars")
-        variables = template_variables(**{name: options[name] for name in names if name in options})  # checked
+        """The request's prompt ids (its template variables among options: docs/apps.md), rendered once: they pick
+        the kept conversation sharing most of them, and that conversation feeds them (stream_reply's prompt_ids)."""
         with self._render_lock:
             if self._renderer is None:
                 # ChatTemplateError without a chat template
                 self._renderer = self.model.conversation(template=self.settings.chat_template)
-            return self._renderer.ids_of(messages, **variables)
+            return self._renderer.ids_of(messages, **options)
 
     def chat_job(
         self, messages: list[dict], *, adapter, max_tokens: int | None, options: dict, cancel, emit: Emit
@@ -210,7 +207,7 @@ class Engine:
             return self._fail(emit, error)
         try:
             conversation.system = None  # the request's messages are the whole history, its system message included
-            stream = conversation.stream_reply(messages, max_new, cancel=cancel, **options)
+            stream = conversation.stream_reply(messages, max_new, prompt_ids=ids, cancel=cancel, **options)
             self._stream(stream, emit, lambda: conversation.last_turn.reused_tokens)
         except Exception as error:
             self._fail(emit, error)

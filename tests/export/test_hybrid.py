@@ -65,21 +65,21 @@ def test_short_prompts_alone_and_in_a_padded_batch_equal_transformers(hybrid):
 def test_the_manifest_says_which_layer_holds_what(families):
     package = families.package("lfm2", "standard")
     arch = load(package, provider="cpu").spec.arch
-    assert arch.layer_types == ["conv", "full_attention", "conv", "full_attention"]
-    assert arch.conv_state == [64, 2] and arch.has_state  # (hidden, kernel - 1), as genai keeps it
-    assert arch.recurrent_state is None
+    assert arch.states.layer_types == ["conv", "full_attention", "conv", "full_attention"]
+    assert arch.states.conv_state == [64, 2] and arch.has_state  # (hidden, kernel - 1), as genai keeps it
+    assert arch.states.recurrent_state is None
     decoder = json.loads((package / "genai_config.json").read_text())["model"]["decoder"]
-    assert decoder["layer_types"] == arch.layer_types and decoder["conv_cache_size"] == 2
+    assert decoder["layer_types"] == arch.states.layer_types and decoder["conv_cache_size"] == 2
     assert decoder["inputs"]["past_conv_names"] == "past.%d.conv" and "past_recurrent_names" not in decoder["inputs"]
     qwen = load(families.package("qwen3_5_text", "standard"), provider="cpu")
     # conv over q, k and v (2 * 2 * 16 + 4 * 8 channels, kernel 4); the recurrent state value-major (4, 8, 16)
-    assert qwen.spec.arch.conv_state == [96, 3] and qwen.spec.arch.recurrent_state == [4, 8, 16]
-    assert qwen.spec.io.past_names(4, qwen.spec.arch.layer_types) == [
+    assert qwen.spec.arch.states.conv_state == [96, 3] and qwen.spec.arch.states.recurrent_state == [4, 8, 16]
+    assert qwen.spec.io.past_names(4, qwen.spec.arch.states.layer_types) == [
         "past.0.conv", "past.0.recurrent", "past_key_values.1.key", "past_key_values.1.value", "past.2.conv",
         "past.2.recurrent", "past_key_values.3.key", "past_key_values.3.value",
     ]  # fmt: skip
     data = json.loads((package / "edgelm.json").read_text())
-    assert Manifest.parse(data).architecture.layer_types == arch.layer_types
+    assert Manifest.parse(data).architecture.states.layer_types == arch.states.layer_types
     for bad in (["conv"] * 4, ["conv", "mamba", "conv", "full_attention"], ["conv"]):
         broken = json.loads(json.dumps(data))
         broken["architecture"]["layer_types"] = bad

@@ -52,7 +52,7 @@ def test_the_runtime_keeps_only_the_cache_keeping_layers(graph, families):
     length = 64 if graph == "fused" else len(PROMPTS[0])
     assert held_bytes == kv_cache_bytes(model.spec, batch=1, capacity=length)
     unshared = copy.deepcopy(model.spec)
-    unshared.arch.kv_source = None
+    unshared.arch.kv.kv_source = None
     # per position: 2 x (3 sliding x 2 heads x 16 + 1 full x 2 x 32) floats shared, (4 x 2 x 16 + 2 x 2 x 32) not
     assert (
         kv_cache_bytes(model.spec, batch=1, capacity=100) * 512 == kv_cache_bytes(unshared, batch=1, capacity=100) * 320
