@@ -1,7 +1,7 @@
 """A decoder-only transformer as the ONNX graph builder sees it: the differences between model families
 stated as data (fields named after what they do), and the weights in MatMul layout.
 
-    part              GPT-2 (export/gpt2.py)           Llama family (export/llama.py)
+    part              GPT-2 (export/models/gpt2.py)           Llama family (export/models/llama.py)
     normalization     LayerNorm (weight + bias)        RMSNorm (weight only; Gemma's 1 + w folded in)
     positions         learned table added to tokens    rotary, applied to Q and K inside attention
     attention heads   n_kv_head == n_head              n_kv_head <= n_head (grouped-query)
