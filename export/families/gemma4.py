@@ -37,9 +37,10 @@ from ..checkpoint import (
     renamed,
     token_ids,
 )
-from ..decoder import Decoder, Layer, PerLayerInput, Rotary
+from ..decoder import Decoder, Layer, Rotary
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
+from ..mechanisms.per_layer_input import PerLayerInput
 from ..models.gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_inv_freq
 from . import gemma3, llama
 from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed

@@ -25,9 +25,10 @@ from ..checkpoint import (
     read_config,
     read_safetensors_folder,
 )
-from ..decoder import Decoder, Layer, NBits, Rotary, ShortConv
+from ..decoder import Decoder, Layer, NBits, Rotary
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
+from ..mechanisms.short_conv import ShortConv
 from ..models.lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
 from . import llama
 from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed

@@ -32,11 +32,12 @@ from ..checkpoint import (
     read_config,
     read_safetensors_folder,
 )
-from ..decoder import Decoder, DeltaNet, Layer, Linear, NBits, Rotary
+from ..decoder import Decoder, Layer, Linear, NBits, Rotary
 from ..gguf_blocks import LazyRuns, Runs, by_rows
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..lazy_weights import LazyArray, read
 from ..limits import MAX_NORM_EPSILON
+from ..mechanisms.delta_net import DeltaNet
 from ..models.qwen35 import ATTENTION, LINEAR, Qwen35, Qwen35Config, rope_inv_freq
 from . import llama
 from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
