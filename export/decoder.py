@@ -1,7 +1,7 @@
 """A decoder-only transformer as the ONNX graph builder sees it: the differences between model families
-stated as data (fields named after what they do), and the weights in MatMul layout.
+stated as data (fields named after what they do), and the weights in MatMul layout (export/linear.py).
 
-    part              GPT-2 (export/models/gpt2.py)           Llama family (export/models/llama.py)
+    part              GPT-2 (export/models/gpt2.py)    Llama family (export/models/llama.py)
     normalization     LayerNorm (weight + bias)        RMSNorm (weight only; Gemma's 1 + w folded in)
     positions         learned table added to tokens    rotary, applied to Q and K inside attention
     attention heads   n_kv_head == n_head              n_kv_head <= n_head (grouped-query)
@@ -19,10 +19,18 @@ stated as data (fields named after what they do), and the weights in MatMul layo
                                                        earlier layer's keys and values, per-layer input
                                                        embeddings, layer output scales, logit softcapping
 
+    mixers and parts  module (export/mechanisms/)      Layer / Decoder field
+    attention         attention.py                     qkv, attention_out and the fields after them
+    short convolution short_conv.py                    Layer.conv: ShortConv (LFM2)
+    Gated DeltaNet    delta_net.py                     Layer.delta_net: DeltaNet (Qwen3.5)
+    per-layer inputs  per_layer_input.py               Layer.per_layer: PerLayerInput, Decoder.per_layer_* (Gemma 4)
+
 Each family module (export/families/) turns its reference model into a Decoder; export/graph.py builds the
 graph from a Decoder alone and never asks which family it has. A family made of mechanisms the Decoder has
-touches neither file; one that needs a new mechanism adds it here as a field named after what it does and to
-graph.py as one step that reads it (Qwen3's head norms and Gemma 3's parts came so).
+touches neither file. A small new part (a norm, a scale) is a field here named after what it does and one step
+of graph.py that reads it (Qwen3's head norms and Gemma 3's parts came so); a new kind of mixer or layer part is a
+module of export/mechanisms/ (its config part, graph step and traced placeholder) and its field here
+(docs/architecture.md, "Adding a model family").
 """
 
 from __future__ import annotations
