@@ -109,8 +109,14 @@ class Layer:
         assert not self.attention_gate or self.q_norm is not None, "the gate is split beside the head norms"
 
     @property
+    def state_mixer(self) -> ShortConv | DeltaNet | None:
+        """The mixer in place of attention (export/mechanisms/: its `step`, `states` and `LINEARS`); None:
+        attention."""
+        return next((part for part in (self.conv, self.delta_net) if part is not None), None)
+
+    @property
     def linears(self) -> list[Linear]:
-        mixer = next((part for part in (self.conv, self.delta_net) if part is not None), None)
+        mixer = self.state_mixer
         own = [self.qkv, self.attention_out] if mixer is None else mixer.linears
         extra = [] if self.per_layer is None else self.per_layer.linears
         return [*own, self.up, self.down, *extra]

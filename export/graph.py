@@ -47,7 +47,7 @@ from .decoder import Decoder, Linear, Norm, Rotary
 from .graph_blocks import _BlockNodes, _gather_blocks, _gather_embedding_blocks
 from .graph_nodes import MS_DOMAIN
 from .limits import check_table_memory
-from .mechanisms import attention, delta_net, per_layer_input, short_conv
+from .mechanisms import attention, per_layer_input
 from .mechanisms.attention import RotaryCaches
 
 
@@ -184,10 +184,8 @@ def build_fused_graph(
     h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
         p = f"layers.{i}"
-        if layer.conv is not None:
-            out = short_conv.step(g, h, p, layer.conv, io, i)
-        elif layer.delta_net is not None:
-            out = delta_net.step(g, h, p, layer.delta_net, io, i, eps=d.norm_eps)
+        if layer.state_mixer is not None:  # a short convolution, a Gated DeltaNet (export/mechanisms/)
+            out = layer.state_mixer.step(g, h, p, io, i, eps=d.norm_eps)
         else:
             caches = (local_rotary if layer.sliding_window is not None else rotary) if layer.rotary else None
             cache = (io.past(i), io.present(i))
@@ -382,11 +380,7 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
         helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, ["batch_size", "logits_length", d.vocab_size])
     ]
     for i, layer in enumerate(d.layers):
-        states = []  # a state layer's (past name, present name, shape)
-        if layer.conv is not None:
-            states = short_conv.states(layer.conv, io, i)
-        elif layer.delta_net is not None:
-            states = delta_net.states(layer.delta_net, io, i)
+        states = [] if layer.state_mixer is None else layer.state_mixer.states(io, i)  # (past, present, shape)
         for past_name, present_name, shape in states:
             inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, shape))
             outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, shape))

@@ -56,9 +56,17 @@ class DeltaNet:
     def channels(self) -> int:
         return self.conv_weight.shape[0]
 
+    LINEARS = ("in_proj", "z", "b", "a", "out_proj")  # its Linear fields
+
     @property
     def linears(self) -> list[Linear]:
-        return [self.in_proj, self.z, self.b, self.a, self.out_proj]
+        return [getattr(self, name) for name in self.LINEARS]
+
+    def states(self, io: IONames, i: int) -> list[tuple[str, str, list]]:
+        return states(self, io, i)
+
+    def step(self, g: GraphSteps, h: str, prefix: str, io: IONames, i: int, *, eps: float) -> str:
+        return step(g, h, prefix, self, io, i, eps=eps)
 
 
 def states(net: DeltaNet, io: IONames, i: int) -> list[tuple[str, str, list]]:

@@ -34,9 +34,18 @@ class ShortConv:
     def channels(self) -> int:
         return self.weight.shape[0]
 
+    LINEARS = ("in_proj", "out_proj")  # its Linear fields
+
     @property
     def linears(self) -> list[Linear]:
-        return [self.in_proj, self.out_proj]
+        return [getattr(self, name) for name in self.LINEARS]
+
+    def states(self, io: IONames, i: int) -> list[tuple[str, str, list]]:
+        return states(self, io, i)
+
+    def step(self, g: GraphSteps, h: str, prefix: str, io: IONames, i: int, *, eps: float) -> str:
+        """The step every state mixer has (eps: the Decoder's norm epsilon, which this one does not use)."""
+        return step(g, h, prefix, self, io, i)
 
 
 def states(conv: ShortConv, io: IONames, i: int) -> list[tuple[str, str, list]]:
