@@ -26,7 +26,7 @@ def make_checkpoint(folder: Path) -> None:
     import torch
 
     from edgelm.export.families.gpt2 import save_checkpoint
-    from edgelm.export.gpt2 import GPT, PRESETS, GPTConfig
+    from edgelm.export.models.gpt2 import GPT, PRESETS, GPTConfig
 
     torch.manual_seed(0)
     save_checkpoint(GPT(GPTConfig(**PRESETS["gpt2"])).eval(), folder)

@@ -32,8 +32,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from onnx import TensorProto
 
-from .decoder import NBits
 from .gguf_blocks import BLOCK_TYPES, Runs, pack
+from .linear import NBits
 
 # a value's bits -> its planes' widths, low bits first (a width divides 8, so a plane packs whole bytes)
 PLANES = {row.value_bits: row.planes for row in BLOCK_TYPES.values()}

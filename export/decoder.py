@@ -1,7 +1,7 @@
 """A decoder-only transformer as the ONNX graph builder sees it: the differences between model families
-stated as data (fields named after what they do), and the weights in MatMul layout.
+stated as data (fields named after what they do), and the weights in MatMul layout (export/linear.py).
 
-    part              GPT-2 (export/gpt2.py)           Llama family (export/llama.py)
+    part              GPT-2 (export/models/gpt2.py)    Llama family (export/models/llama.py)
     normalization     LayerNorm (weight + bias)        RMSNorm (weight only; Gemma's 1 + w folded in)
     positions         learned table added to tokens    rotary, applied to Q and K inside attention
     attention heads   n_kv_head == n_head              n_kv_head <= n_head (grouped-query)
@@ -19,172 +19,33 @@ stated as data (fields named after what they do), and the weights in MatMul layo
                                                        earlier layer's keys and values, per-layer input
                                                        embeddings, layer output scales, logit softcapping
 
+    mixers and parts  module (export/mechanisms/)      Layer / Decoder field
+    attention         attention.py                     qkv, attention_out and the fields after them
+    short convolution short_conv.py                    Layer.conv: ShortConv (LFM2)
+    Gated DeltaNet    delta_net.py                     Layer.delta_net: DeltaNet (Qwen3.5)
+    per-layer inputs  per_layer_input.py               Layer.per_layer: PerLayerInput, Decoder.per_layer_* (Gemma 4)
+
 Each family module (export/families/) turns its reference model into a Decoder; export/graph.py builds the
 graph from a Decoder alone and never asks which family it has. A family made of mechanisms the Decoder has
-touches neither file; one that needs a new mechanism adds it here as a field named after what it does and to
-graph.py as one step that reads it (Qwen3's head norms and Gemma 3's parts came so).
+touches neither file. A small new part (a norm, a scale) is a field here named after what it does and one step
+of graph.py that reads it (Qwen3's head norms and Gemma 3's parts came so); a new kind of mixer or layer part is a
+module of export/mechanisms/ (its config part, graph step and traced placeholder) and its field here
+(docs/architecture.md, "Adding a model family").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_blocks import LazyRuns, Runs, load_runs, pack, runs_have_offsets, runs_shape, widen
+from .linear import Linear, NBits, Norm
+from .mechanisms.delta_net import DeltaNet
+from .mechanisms.per_layer_input import PerLayerInput
+from .mechanisms.short_conv import ShortConv
 
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu_new", "gelu", "silu")
-
-
-@dataclass
-class NBits:
-    """A weight kept in ONNX Runtime's MatMulNBits blocks (com.microsoft): W[k, n] = (q - 2^(bits - 1)) * scale +
-    offset for the block of `block_size` consecutive k in column n, from a GGUF file's own quantized blocks
-    (export/gguf_blocks.py), part after part along the outputs (Q, K and V of a packed linear), unpacked only
-    when the graph writes them (export/gguf_blocks.py LazyRuns). The graph
-    writes them compactly (export/compact_blocks.py) or as the arrays below, and adds the offsets as (block
-    sums of x) @ block_offsets beside the MatMulNBits node."""
-
-    bits: int  # 4 or 8
-    block_size: int  # 16 or 32
-    sources: list[Runs | LazyRuns]  # along the outputs; a LazyRuns is unpacked from its file when `parts` is read
-
-    @property
-    def parts(self) -> list[Runs]:
-        """The parts in these bits and block size, unpacked now (each read makes them anew: the graph reads
-        them once, when it writes this linear, and lets them go)."""
-        return [widen(load_runs(part), self.bits, self.block_size) for part in self.sources]
-
-    @property
-    def by_rows(self) -> bool:
-        """Whether `rows` can unpack some output rows alone: one part, from a file whose rows are the weight's."""
-        return len(self.sources) == 1 and isinstance(self.sources[0], LazyRuns) and self.sources[0].rows is not None
-
-    def rows(self, start: int, stop: int) -> NBits:
-        """Output rows [start, stop) alone (by_rows must hold): what writes a large table a slice at a time."""
-        return NBits(self.bits, self.block_size, [self.sources[0].rows(start, stop)])
-
-    def raw_parts(self, kinds: tuple[int, ...]) -> list[tuple[int, int, Callable[[], np.ndarray]]] | None:
-        """The file's own blocks along the outputs as (ggml type, rows, read: uint8 (rows, row bytes)), neighbouring
-        parts of one type joined; None unless every part has them, of a type in `kinds` (runtime/packed.py)."""
-        if not all(isinstance(p, LazyRuns) and p.raw is not None and p.kind in kinds for p in self.sources):
-            return None
-        groups: list[tuple[int, list[LazyRuns]]] = []
-        for part in self.sources:
-            if groups and groups[-1][0] == part.kind:
-                groups[-1][1].append(part)
-            else:
-                groups.append((part.kind, [part]))
-
-        def read(parts: list[LazyRuns]) -> Callable[[], np.ndarray]:
-            return parts[0].raw if len(parts) == 1 else lambda: np.concatenate([p.raw() for p in parts])
-
-        return [(kind, sum(p.shape[0] for p in parts), read(parts)) for kind, parts in groups]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(in, out), as a Linear's weight."""
-        shapes = [runs_shape(part) for part in self.sources]
-        return shapes[0][1], sum(n for n, _ in shapes)
-
-    @property
-    def has_offsets(self) -> bool:
-        return any(runs_have_offsets(part) for part in self.sources)
-
-    @property
-    def packed(self) -> np.ndarray:
-        """MatMulNBits' B: uint8 (N, K / block_size, block_size * bits / 8), out features first."""
-        return pack(np.concatenate([part.values for part in self.parts]), self.bits, self.block_size)
-
-    @property
-    def scales(self) -> np.ndarray:
-        """float32 (N, K / block_size)."""
-        return np.concatenate([part.scales for part in self.parts])
-
-    @property
-    def block_offsets(self) -> np.ndarray | None:
-        """float32 (K / block_size, N): the types' minimums (0 for a part without them); None: all 0."""
-        if not self.has_offsets:
-            return None
-        pieces = [part.offsets if part.offsets is not None else np.zeros_like(part.scales) for part in self.parts]
-        return np.ascontiguousarray(np.concatenate(pieces).T)
-
-
-@dataclass
-class Linear:
-    weight: np.ndarray | None  # (in, out): MatMul's layout, the transpose of nn.Linear's; None when nbits is set
-    bias: np.ndarray | None = None  # (out,)
-    nbits: NBits | None = None  # set: the graph multiplies by these blocks (MatMulNBits), not a float weight
-    lora: tuple[str, str] | None = None  # a LoRA slot: the graph adds x @ A @ B, A and B inputs named so
-
-    def __post_init__(self) -> None:
-        assert (self.weight is None) != (self.nbits is None), "a Linear has a float weight or nbits blocks"
-
-
-@dataclass
-class Norm:
-    weight: np.ndarray  # (C,)
-    bias: np.ndarray | None = None  # (C,); None for RMSNorm
-
-
-@dataclass
-class ShortConv:
-    """A short gated convolution in place of attention (LFM2): B, C, x = in_proj(h) split in three (channels
-    first), y = depthwise causal conv of B * x with a state of the last kernel - 1 inputs, out = out_proj(C * y)."""
-
-    in_proj: Linear  # out = 3 * n_embd: B, C, x
-    weight: np.ndarray  # (n_embd, 1, kernel): the depthwise kernel
-    bias: np.ndarray | None
-    out_proj: Linear
-
-    @property
-    def kernel(self) -> int:
-        return self.weight.shape[-1]
-
-
-@dataclass
-class DeltaNet:
-    """A Gated DeltaNet layer in place of attention (Qwen3.5): q, k, v from a depthwise causal conv (+ SiLU) over
-    in_proj(h), q and k L2-normalized, beta = sigmoid(h W_b), g = -exp(A_log) softplus(h W_a + dt_bias), the gated
-    delta rule (com.microsoft GatedDeltaNet, state (B, v_heads, v_dim, k_dim)), RMSNorm(out) * silu(h W_z),
-    out_proj."""
-
-    in_proj: Linear  # out = 2 * k_heads * k_dim + v_heads * v_dim: q, k, v
-    z: Linear  # out = v_heads * v_dim
-    b: Linear  # out = v_heads
-    a: Linear  # out = v_heads
-    conv_weight: np.ndarray  # (conv channels, 1, kernel)
-    a_log: np.ndarray  # (v_heads,)
-    dt_bias: np.ndarray  # (v_heads,)
-    norm: Norm  # (v_dim,)
-    out_proj: Linear
-    k_heads: int
-    v_heads: int
-    k_dim: int
-    v_dim: int
-    # the value heads in the order out_proj takes them (int64 (v_heads,)): a GGUF file's kept blocks keep
-    # llama.cpp's tiled order; None: as the rule gives them
-    out_heads: np.ndarray | None = None
-
-    @property
-    def kernel(self) -> int:
-        return self.conv_weight.shape[-1]
-
-    @property
-    def channels(self) -> int:
-        return self.conv_weight.shape[0]
-
-
-@dataclass
-class PerLayerInput:
-    """A layer's share of the per-layer input embeddings (Gemma 4), after its MLP's residual Add:
-    x + norm(proj(act(x W_gate) * its (B, T, D) input))."""
-
-    gate: Linear  # (n_embd, D)
-    projection: Linear  # (D, n_embd)
-    norm: Norm  # (n_embd,)
 
 
 @dataclass
@@ -248,16 +109,17 @@ class Layer:
         assert not self.attention_gate or self.q_norm is not None, "the gate is split beside the head norms"
 
     @property
+    def state_mixer(self) -> ShortConv | DeltaNet | None:
+        """The mixer in place of attention (export/mechanisms/: its `step`, `states` and `LINEARS`); None:
+        attention."""
+        return next((part for part in (self.conv, self.delta_net) if part is not None), None)
+
+    @property
     def linears(self) -> list[Linear]:
-        if self.conv is not None:
-            mixer = [self.conv.in_proj, self.conv.out_proj]
-        elif self.delta_net is not None:
-            n = self.delta_net
-            mixer = [n.in_proj, n.z, n.b, n.a, n.out_proj]
-        else:
-            mixer = [self.qkv, self.attention_out]
-        extra = [] if self.per_layer is None else [self.per_layer.gate, self.per_layer.projection]
-        return [*mixer, self.up, self.down, *extra]
+        mixer = self.state_mixer
+        own = [self.qkv, self.attention_out] if mixer is None else mixer.linears
+        extra = [] if self.per_layer is None else self.per_layer.linears
+        return [*own, self.up, self.down, *extra]
 
 
 @dataclass

@@ -27,7 +27,7 @@ them; a tied embedding is one (C, V) matrix read by both the LM head and a Gathe
 that carries MatMulNBits blocks (a GGUF file's own quantization, export/decoder.py NBits) becomes a
 com.microsoft MatMulNBits node on them instead (plus a MatMul of x's block sums by the blocks' offsets for
 Q4_1's w = d * q + m), and a tied embedding then gathers from the head's blocks (export/graph_blocks.py).
-The token mixers (attention, LFM2's convolution, Qwen3.5's Gated DeltaNet) are export/graph_mixers.py's.
+The mechanisms (attention, a short convolution, Gated DeltaNet, per-layer inputs) are export/mechanisms/'s.
 
 The weights are not copied into the graph: its initializers are placeholders and the arrays travel beside
 it, for edgelm.onnxfile.save_model to write one at a time.
@@ -43,16 +43,18 @@ from edgelm.float16 import KEEP_FLOAT32
 
 from ..runtime.contract import IONames
 from ..runtime.packed import DOMAIN as PACKED_DOMAIN
-from .decoder import Decoder, Layer, Linear, Norm, Rotary
+from .decoder import Decoder, Linear, Norm, Rotary
 from .graph_blocks import _BlockNodes, _gather_blocks, _gather_embedding_blocks
-from .graph_mixers import _Mixers, _Rotary
 from .graph_nodes import MS_DOMAIN
 from .limits import check_table_memory
+from .mechanisms import attention, per_layer_input
+from .mechanisms.attention import RotaryCaches
 
 
-class _GraphBuilder(_BlockNodes, _Mixers):
+class _GraphBuilder(_BlockNodes):
     """The fused graph's builder: its primitives (export/graph_nodes.py), kept-block linears
-    (export/graph_blocks.py), token mixers (export/graph_mixers.py), and here the linears, norms and MLPs."""
+    (export/graph_blocks.py), and here the linears, norms and MLPs; the mechanisms' steps (export/mechanisms/) are
+    functions given it."""
 
     def __init__(self, *, accuracy_level: int, compact: bool):
         super().__init__()
@@ -142,44 +144,6 @@ class _GraphBuilder(_BlockNodes, _Mixers):
             act = self.float_output(self.op(gelu, [gate], f"{prefix}/{gelu}", domain=MS_DOMAIN), shape)
         return self.op("Mul", [act, h], f"{prefix}/gated") if decoder.gated_mlp else act
 
-    def per_layer_inputs(self, x: str, d: Decoder, io: IONames) -> str:
-        """(B, T, n_layer, D): the per-layer table's rows for each token (times sqrt(D)) plus the token
-        embeddings x projected (times n_embd ** -0.5) and RMS-normed over D, times 2 ** -0.5 (Gemma 4)."""
-        dim = d.per_layer_dim
-        scalar = lambda name, value: self.small_constant(name, np.array(value, dtype=np.float32))  # noqa: E731
-        if d.per_layer_embedding_nbits is not None:  # a stand-in table, rewired to read the blocks
-            self.nbits_weights("per_layer.embed", d.per_layer_embedding_nbits)
-            columns = self.op("Gather", ["per_layer.embed.weight_T", io.input_ids], "per_layer/Gather", axis=1)
-            rows = self.op("Transpose", [columns], "per_layer/Transpose", perm=[1, 2, 0])  # (B, T, n_layer * D)
-        else:
-            table = self.constant("per_layer.embedding", d.per_layer_embedding)
-            rows = self.op("Gather", [table, io.input_ids], "per_layer/Gather", axis=0)  # (B, T, n_layer * D)
-        rows = self.op("Mul", [rows, scalar("per_layer/row_scale", dim**0.5)], "per_layer/rows")
-        projected = self.linear(x, "per_layer.projection", d.per_layer_projection)
-        projected = self.op(
-            "Mul", [projected, scalar("per_layer/projection_scale", d.n_embd**-0.5)], "per_layer/scaled"
-        )
-        shape = self.small_constant("per_layer/shape", np.array([0, 0, d.n_layer, dim], dtype=np.int64))
-        projected = self.op("Reshape", [projected, shape], "per_layer/projected")  # (B, T, n_layer, D)
-        inputs = [projected, self.constant("per_layer.norm.weight", d.per_layer_norm.weight)]
-        normed = self.op("SimplifiedLayerNormalization", inputs, "per_layer/norm", axis=-1, epsilon=d.norm_eps)
-        self.float_output(normed, ["batch_size", "sequence_length", d.n_layer, dim])
-        total = self.op("Add", [normed, self.op("Reshape", [rows, shape], "per_layer/rows_4d")], "per_layer/sum")
-        return self.op("Mul", [total, scalar("per_layer/mean_scale", 2.0**-0.5)], "per_layer/inputs")
-
-    def per_layer_step(self, x: str, prefix: str, layer: Layer, d: Decoder, inputs: str, index: int) -> str:
-        """x + norm(proj(act(x W_gate) * layer `index`'s (B, T, D) per-layer input))."""
-        part = layer.per_layer
-        mine = self.op("Gather", [inputs, self.small_constant(f"{prefix}/per_layer_index", np.array(index))],
-                       f"{prefix}/per_layer_input", axis=2)  # fmt: skip
-        gate = self.linear(x, f"{prefix}.per_layer.gate", part.gate)  # (B, T, D)
-        shape = ["batch_size", "sequence_length", d.per_layer_dim]
-        act = self.float_output(self.op("FastGelu", [gate], f"{prefix}/per_layer/FastGelu", domain=MS_DOMAIN), shape)
-        out = self.linear(self.op("Mul", [act, mine], f"{prefix}/per_layer/gated"), f"{prefix}.per_layer.projection",
-                          part.projection)  # fmt: skip
-        out = self.norm(out, f"{prefix}.per_layer.norm", part.norm, d)
-        return self.op("Add", [x, out], f"{prefix}/per_layer_residual")
-
 
 def build_fused_graph(
     decoder: Decoder,
@@ -213,24 +177,22 @@ def build_fused_graph(
     total = g.op("Gather", [mask_shape, one], "mask/Gather", axis=0)
     lengths = [seqlens_k, g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)]
     rotary, local_rotary = _rotary_caches(g, d, io, seqlens_k)
-    per_layer = g.per_layer_inputs(x, d, io) if d.per_layer_dim else None
+    per_layer = per_layer_input.inputs(g, x, d, io) if d.per_layer_dim else None
     if any(layer.kv_source is not None for layer in d.layers):
         g.kv_inputs = {}
 
     h = g.norm(x, "layers.0.attention_norm", d.layers[0].attention_norm, d)
     for i, layer in enumerate(d.layers):
         p = f"layers.{i}"
-        if layer.conv is not None:
-            out = g.short_conv(h, p, layer.conv, d, io.past_conv % i, io.present_conv % i)
-        elif layer.delta_net is not None:
-            out = g.delta_net(h, p, layer.delta_net, d, io, i)
+        if layer.state_mixer is not None:  # a short convolution, a Gated DeltaNet (export/mechanisms/)
+            out = layer.state_mixer.step(g, h, p, io, i, eps=d.norm_eps)
         else:
             caches = (local_rotary if layer.sliding_window is not None else rotary) if layer.rotary else None
             cache = (io.past(i), io.present(i))
             if layer.kv_source is not None:  # the source's present in, a present of its own that nothing reads out
                 cache = (io.present(layer.kv_source), (f"{p}/present_key", f"{p}/present_value"))
-            attention = g.attention(h, p, layer, d, cache, lengths, caches)
-            out = g.linear(attention, f"{p}.attention_out", layer.attention_out)
+            out = g.linear(attention.step(g, h, p, layer, d, cache, lengths, caches), f"{p}.attention_out",
+                           layer.attention_out)  # fmt: skip
         if layer.attention_post_norm is not None:
             out = g.norm(out, f"{p}.attention_post_norm", layer.attention_post_norm, d)
         out = _scaled(g, out, d.residual_scale, f"{p}/attention_scaled")
@@ -242,7 +204,7 @@ def build_fused_graph(
         if layer.per_layer is not None or layer.output_scale is not None:  # steps after the residual sum
             x = g.op("Add", [x, down], f"{p}/mlp_residual")
             if layer.per_layer is not None:
-                x = g.per_layer_step(x, p, layer, d, per_layer, i)
+                x = per_layer_input.step(g, x, p, layer.per_layer, d, per_layer, i)
             x, down = _scaled(g, x, layer.output_scale, f"{p}/layer_scaled"), None
             if i + 1 < d.n_layer:
                 h = g.norm(x, f"layers.{i + 1}.attention_norm", d.layers[i + 1].attention_norm, d)
@@ -295,7 +257,9 @@ def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | N
     return x, head
 
 
-def _rotary_caches(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) -> tuple[_Rotary | None, _Rotary | None]:
+def _rotary_caches(
+    g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str
+) -> tuple[RotaryCaches | None, RotaryCaches | None]:
     """The full layers' and the sliding layers' rotary caches (None where none). GroupQueryAttention rotates by
     them itself where it can: one table for every row, of a width that is a multiple of 8 (ONNX Runtime 1.32's
     rule). Otherwise Q and K rotate before it, by positions computed here as it computes them (0 .. T - 1 in a
@@ -303,12 +267,12 @@ def _rotary_caches(g: _GraphBuilder, d: Decoder, io: IONames, seqlens_k: str) ->
     stacked after the short ones."""
     rotary = local_rotary = None
     if d.rotary is not None:
-        rotary = _Rotary(_rotary_tables(g, d.rotary, d.context_length, "rotary"), d.rotary.width)
+        rotary = RotaryCaches(_rotary_tables(g, d.rotary, d.context_length, "rotary"), d.rotary.width)
         if d.rotary.long_inv_freq is not None or d.rotary.width // 2 % 8:
             rotary.positions = _row_positions(g, d, io, seqlens_k)
     if d.rotary_local is not None:
         local = d.rotary_local
-        local_rotary = _Rotary(_rotary_tables(g, local, d.context_length, "rotary_local"), local.width)
+        local_rotary = RotaryCaches(_rotary_tables(g, local, d.context_length, "rotary_local"), local.width)
     return rotary, local_rotary
 
 
@@ -416,19 +380,11 @@ def _graph_io(d: Decoder, io: IONames) -> tuple[list[onnx.ValueInfoProto], list[
         helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, ["batch_size", "logits_length", d.vocab_size])
     ]
     for i, layer in enumerate(d.layers):
-        if layer.conv is not None:  # a convolution layer's state, (B, n_embd, kernel - 1)
-            state = ["batch_size", d.n_embd, layer.conv.kernel - 1]
-            inputs.append(helper.make_tensor_value_info(io.past_conv % i, TensorProto.FLOAT, state))
-            outputs.append(helper.make_tensor_value_info(io.present_conv % i, TensorProto.FLOAT, state))
-            continue
-        if layer.delta_net is not None:  # (B, channels, kernel - 1) and (B, v_heads, v_dim, k_dim)
-            n = layer.delta_net
-            for kind, state in (("conv", ["batch_size", n.channels, n.kernel - 1]),
-                                ("recurrent", ["batch_size", n.v_heads, n.v_dim, n.k_dim])):  # fmt: skip
-                inputs.append(helper.make_tensor_value_info(getattr(io, f"past_{kind}") % i, TensorProto.FLOAT, state))
-                outputs.append(
-                    helper.make_tensor_value_info(getattr(io, f"present_{kind}") % i, TensorProto.FLOAT, state)
-                )
+        states = [] if layer.state_mixer is None else layer.state_mixer.states(io, i)  # (past, present, shape)
+        for past_name, present_name, shape in states:
+            inputs.append(helper.make_tensor_value_info(past_name, TensorProto.FLOAT, shape))
+            outputs.append(helper.make_tensor_value_info(present_name, TensorProto.FLOAT, shape))
+        if states:
             continue
         if layer.kv_source is not None:  # reads another layer's cache: none of its own
             continue

@@ -20,9 +20,10 @@ from edgelm.runtime.block_types import row_bytes
 from edgelm.runtime.packed import DOMAIN, PACKED_TYPES
 
 from .compact_blocks import write_blocks
-from .decoder import Decoder, NBits
+from .decoder import Decoder
 from .graph_nodes import MS_DOMAIN, _Nodes
 from .lazy_weights import LazyArray
+from .linear import NBits
 
 
 def _nbits_names(prefix: str, nbits: NBits) -> tuple[str, str, str | None]:

@@ -7,6 +7,8 @@ declared with their type, which ONNX shape inference cannot give them.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -14,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgelm.onnxfile import placeholder
 
 from .lazy_weights import LazyArray
+from .linear import Linear, Norm
 
 MS_DOMAIN = "com.microsoft"
 
@@ -55,3 +58,20 @@ class _Nodes:
         """A node of constants only, which ONNX Runtime folds at load (export/compact_blocks.py)."""
         self.weight_nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attributes))
         return output
+
+
+class GraphSteps(Protocol):
+    """What a mechanism's graph step (export/mechanisms/) is given: the builder of export/graph.py, whose node
+    helpers are _Nodes' and whose `linear` and `norm` write a Linear and a Norm (export/linear.py) as the graph
+    writes every other (float weights or kept blocks, LoRA slots, the Decoder's kind of norm)."""
+
+    nodes: list[onnx.NodeProto]
+    kv_inputs: dict[str, list[str]] | None
+
+    def float_output(self, name: str, shape: list) -> str: ...
+    def constant(self, name: str, array: np.ndarray) -> str: ...
+    def small_constant(self, name: str, array: np.ndarray) -> str: ...
+    def op(self, op_type: str, inputs: list[str], output: str, *, domain: str = "", **attributes) -> str: ...
+    def linear(self, x: str, prefix: str, layer: Linear) -> str: ...
+    def nbits_weights(self, prefix: str, nbits: Any) -> tuple[str, str, str | None]: ...  # export/graph_blocks.py
+    def norm(self, x: str, prefix: str, norm: Norm, decoder: Any) -> str: ...  # an export/decoder.py Decoder

@@ -22,12 +22,13 @@ import torch
 from onnx import helper, numpy_helper
 
 from ..runtime.contract import MODEL_FILE, Architecture, IONames, cache_records
+from .mechanisms import delta_net
 
 
 def state_layout(model: torch.nn.Module) -> dict:
     """The manifest's cache fields a reference model has beyond heads and head size: a hybrid's layer_types,
-    conv_state and recurrent_state (export/lfm2.py), Gemma 4's kv_source and per-layer shapes (export/gemma4.py);
-    {} for the others, whose every layer holds a key and a value of one shape."""
+    conv_state and recurrent_state (export/models/lfm2.py), Gemma 4's kv_source and per-layer shapes
+    (export/models/gemma4.py); {} for the others, whose every layer holds a key and a value of one shape."""
     return model.state_layout() if hasattr(model, "state_layout") else {}
 
 
@@ -100,8 +101,8 @@ def _share_tied_embedding(model: onnx.ModelProto) -> None:
 
 # Placeholder nodes a reference model's torch.autograd.Function emits (its `symbolic`, domain "edgelm") for what
 # has no practical standard form, and ONNX Runtime's contrib op each becomes: op name -> (its attributes, the
-# positions of the optional inputs the placeholder leaves out). export/qwen35.py's gated delta rule.
-MICROSOFT_OPS = {"GatedDeltaNet": ({"update_rule": "gated_delta"}, (3,))}  # 3: cu_seqlens (uniform batches)
+# positions of the optional inputs the placeholder leaves out), from the mechanisms that have one (export/mechanisms/).
+MICROSOFT_OPS = {delta_net.PLACEHOLDER: delta_net.CONTRIB}
 
 
 def _microsoft_ops(model: onnx.ModelProto) -> None:

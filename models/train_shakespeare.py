@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from edgelm.export.families.gpt2 import check_checkpoint_output, save_checkpoint
-from edgelm.export.gpt2 import GPT, GPTConfig
+from edgelm.export.models.gpt2 import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_FILES = ("tokenizer.json", "tokenizer_config.json", "training.json")  # beside config.json, model.safetensors

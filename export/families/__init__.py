@@ -1,4 +1,4 @@
-"""Model families: one module each (gpt2.py; llama.py for Llama, Mistral, Qwen2 and Qwen3; gemma.py for
+"""Model families: one module each (gpt2.py; llama.py for Llama, Mistral, Qwen2 and Qwen3; gemma3.py for
 Gemma 3; gemma4.py for Gemma 4's text model;
 smollm3.py; granite.py; phi3.py; lfm2.py and qwen35.py, the hybrids with layer states), holding how its
 Hugging Face folders and GGUF files load into its reference model, the Decoder (export/decoder.py) that model
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from ..checkpoint import CheckpointError
 from ..gguf_metadata import GGUFError
-from . import gemma, gemma4, gpt2, granite, lfm2, llama, phi3, qwen35, smollm3
+from . import gemma3, gemma4, gpt2, granite, lfm2, llama, phi3, qwen35, smollm3
 from .family import Blocks, Family, GGUFLayout, checked_tokens, kept_blocks
 
 __all__ = ["FAMILIES", "Blocks", "Family", "GGUFLayout", "checked_tokens", "family_for", "gguf_family", "kept_blocks"]
 
-MODULES = (gpt2, llama, gemma, gemma4, smollm3, granite, phi3, lfm2, qwen35)
+MODULES = (gpt2, llama, gemma3, gemma4, smollm3, granite, phi3, lfm2, qwen35)
 FAMILIES: dict[str, Family] = {row.model_type: row for module in MODULES for row in module.ROWS}
 GGUF_FAMILIES: dict[str, Family] = {row.gguf.architecture: row for row in FAMILIES.values() if row.gguf}
 # families read and refused, with what is missing (config.json model_type or GGUF architecture -> why)

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError
-from ..decoder import Decoder, Linear, NBits, Norm
+from ..decoder import Decoder
 from ..gguf_blocks import LazyRuns, Runs
 from ..gguf_metadata import Entry
 from ..lazy_weights import LazyArray, concatenated, float32_array
+from ..linear import Linear, NBits, Norm
 
 # checkpoint tensor name -> its MatMulNBits runs (export/gguf_blocks.py), or None where the tensor has none
 # (export/gguf.py GGUFModel.matmul_nbits)

@@ -1,5 +1,5 @@
 """Gemma 4 (model_type gemma4_text, and the text model inside gemma4's image-audio-and-text checkpoints): how its
-folders load into the reference model (export/gemma4.py), the Decoder it makes, and its rows.
+folders load into the reference model (export/models/gemma4.py), the Decoder it makes, and its rows.
 
 config.json names a full layer's head size either as `global_head_dim` (and `num_global_key_value_heads`, which
 transformers applies only with attention_k_eq_v) or, as transformers 5 saves it, as `per_layer_config` entries
@@ -37,11 +37,12 @@ from ..checkpoint import (
     renamed,
     token_ids,
 )
-from ..decoder import Decoder, Layer, PerLayerInput, Rotary
-from ..gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_inv_freq
+from ..decoder import Decoder, Layer, Rotary
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
-from . import gemma, llama
+from ..mechanisms.per_layer_input import PerLayerInput
+from ..models.gemma4 import LAYER_TYPES, Gemma4, Gemma4Config, rope_inv_freq
+from . import gemma3, llama
 from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
 
 FULL_EVERY = 6  # without layer_types, every 6th layer is full (and the last always is: transformers' rule)
@@ -435,7 +436,7 @@ def gguf_config(meta: dict, stored: dict, vocab: int) -> dict:
 
 
 # GGUF block tensor -> HF name (`model.layers.N.` + this)
-GGUF_BLOCK = gemma.GGUF_BLOCK | {  # Gemma 3's block, and the per-layer input and the layer scalar
+GGUF_BLOCK = gemma3.GGUF_BLOCK | {  # Gemma 3's block, and the per-layer input and the layer scalar
     "inp_gate.weight": "per_layer_input_gate.weight",
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",

@@ -1,5 +1,5 @@
 """GPT-2 (model_type gpt2: gpt2, distilgpt2, gpt2-medium and their fine-tunes): how its folder and its GGUF
-file load into the reference model (export/gpt2.py), the Decoder that model makes, and its row.
+file load into the reference model (export/models/gpt2.py), the Decoder that model makes, and its row.
 
 A folder holds `config.json` (GPT-2's config keys) and `model.safetensors` (or a `pytorch_model.bin`,
 export/checkpoint.py read_pickle), plus the tokenizer files when there are any. Hugging Face's GPT-2 stores
@@ -32,8 +32,8 @@ from ..checkpoint import (
 )
 from ..decoder import Decoder, Layer
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
-from ..gpt2 import GPT, GPTConfig, sinusoidal_table
 from ..limits import MAX_NORM_EPSILON
+from ..models.gpt2 import GPT, GPTConfig, sinusoidal_table
 from .family import Blocks, Family, GGUFLayout, array, checked_tokens, head_blocks, kept_blocks, linear, norm
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -2,7 +2,7 @@
 experts (the dense Granite 4.0, granite-4.0-micro among them). A Llama with four multipliers: token embeddings
 times embedding_multiplier, attention scores times attention_multiplier (its whole scale), attention and MLP
 outputs times residual_multiplier before each residual Add, and logits divided by logits_scaling. How its
-folders and GGUF files load into the reference model (export/llama.py's Llama with a GraniteConfig), and its
+folders and GGUF files load into the reference model (export/models/llama.py's Llama with a GraniteConfig), and its
 rows; the Decoder is the Llama family's, which carries the multipliers.
 
 llama.cpp's converter (Llama's, so Q/K rows permuted) writes them as granite.embedding_scale,
@@ -32,7 +32,7 @@ from ..checkpoint import (
     renamed,
 )
 from ..gguf_metadata import Entry, GGUFError, number
-from ..llama import Llama, LlamaConfig
+from ..models.llama import Llama, LlamaConfig
 from . import llama
 from .family import Family, GGUFLayout
 

@@ -1,5 +1,5 @@
 """LFM2 / LFM2.5 (model_type lfm2): short gated convolutions and grouped-query attention layers, its folder read
-into the reference model (export/lfm2.py), and its row.
+into the reference model (export/models/lfm2.py), and its row.
 
 Its convolution layers keep a state, not a KV cache, so its package's manifest says which layer holds what
 (architecture.layer_types, architecture.conv_state) and names the state `past.%d.conv` / `present.%d.conv` as
@@ -25,10 +25,11 @@ from ..checkpoint import (
     read_config,
     read_safetensors_folder,
 )
-from ..decoder import Decoder, Layer, NBits, Rotary, ShortConv
+from ..decoder import Decoder, Layer, NBits, Rotary
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
-from ..lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
 from ..limits import MAX_NORM_EPSILON
+from ..mechanisms.short_conv import ShortConv
+from ..models.lfm2 import ATTENTION, CONV, Lfm2, Lfm2Config, rope_inv_freq
 from . import llama
 from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
 

@@ -1,5 +1,5 @@
 """The Llama family (model_type llama, mistral, qwen2, qwen3: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/2.5,
-Qwen3): how its folders and GGUF files load into the reference model (export/llama.py), the Decoder that model
+Qwen3): how its folders and GGUF files load into the reference model (export/models/llama.py), the Decoder that model
 makes, and a row per model_type. The four differ in data only: `VARIANTS`, and how llama.cpp writes them.
 
 Config keys are those transformers writes, in both the 4.x form (`rope_theta`, `rope_scaling`) and the 5.x form
@@ -38,7 +38,7 @@ from ..checkpoint import (
 from ..decoder import Decoder, Layer, Rotary
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON
-from ..llama import ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq, rotary_factor
+from ..models.llama import ROPE_SCALING_KEYS, Llama, LlamaConfig, rope_inv_freq, rotary_factor
 from .family import Blocks, Family, GGUFLayout, array, checked_tokens, head_blocks, kept_blocks, linear, norm, packed
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved; recomputed from the config

@@ -2,7 +2,7 @@
 (qkv_proj) and gate and up from another (gate_up_proj), split here into the reference model's parts (the
 Decoder packs them again, in the same order), with partial rotary (the first int(head_dim *
 partial_rotary_factor) values of each head rotate) and LongRoPE. How its folders and GGUF files load into the
-reference model (export/llama.py's Llama with a Phi3Config), and its row.
+reference model (export/models/llama.py's Llama with a Phi3Config), and its row.
 
 LongRoPE (transformers' `longrope`, which also reads 4.x's `su` and `yarn` as it): frequencies divided by
 per-frequency short factors, or long ones once the sequence is longer than original_max_position_embeddings,
@@ -35,7 +35,7 @@ from ..checkpoint import (
 )
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..limits import MAX_NORM_EPSILON, context_length_problem
-from ..llama import Llama, LlamaConfig
+from ..models.llama import Llama, LlamaConfig
 from . import llama
 from .family import Family, GGUFLayout
 

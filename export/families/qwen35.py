@@ -1,5 +1,5 @@
 """Qwen3.5 text (model_type qwen3_5_text): Gated DeltaNet linear-attention layers beside gated full-attention
-layers, its folder read into the reference model (export/qwen35.py), and its row.
+layers, its folder read into the reference model (export/models/qwen35.py), and its row.
 
 Like LFM2 (families/lfm2.py) its package's manifest says which layer holds what (architecture.layer_types,
 conv_state, recurrent_state) under onnxruntime-genai's names. Both graphs run the recurrence with ONNX Runtime's
@@ -32,12 +32,13 @@ from ..checkpoint import (
     read_config,
     read_safetensors_folder,
 )
-from ..decoder import Decoder, DeltaNet, Layer, Linear, NBits, Rotary
+from ..decoder import Decoder, Layer, Linear, NBits, Rotary
 from ..gguf_blocks import LazyRuns, Runs, by_rows
 from ..gguf_metadata import Entry, GGUFError, context_length, number, with_head
 from ..lazy_weights import LazyArray, read
 from ..limits import MAX_NORM_EPSILON
-from ..qwen35 import ATTENTION, LINEAR, Qwen35, Qwen35Config, rope_inv_freq
+from ..mechanisms.delta_net import DeltaNet
+from ..models.qwen35 import ATTENTION, LINEAR, Qwen35, Qwen35Config, rope_inv_freq
 from . import llama
 from .family import Blocks, Family, GGUFLayout, array, head_blocks, kept_blocks, linear, norm, packed
 

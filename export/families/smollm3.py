@@ -1,5 +1,5 @@
 """SmolLM3 (model_type smollm3): a Llama whose every fourth layer takes no positions (NoPE: Q and K are not
-rotated). How its folders and GGUF files load into the reference model (export/llama.py's Llama with a
+rotated). How its folders and GGUF files load into the reference model (export/models/llama.py's Llama with a
 SmolLM3Config), and its row; the Decoder is the Llama family's, whose layers say which rotate.
 
 config.json names the layers by `no_rope_layers` (1: rotary, 0: NoPE), else by `no_rope_layer_interval` (every
@@ -14,7 +14,7 @@ from functools import partial
 
 from ..checkpoint import CheckpointError, config_errors, config_number, renamed
 from ..gguf_metadata import Entry
-from ..llama import Llama, LlamaConfig
+from ..models.llama import Llama, LlamaConfig
 from . import llama
 from .family import Family, GGUFLayout
 

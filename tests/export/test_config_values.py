@@ -11,10 +11,10 @@ import pytest
 from conftest import make_hf_checkpoint, make_tokenizer
 from edgelm.cli import main
 from edgelm.export.checkpoint import CheckpointError
-from edgelm.export.families.gemma import config_from_hf as gemma3_config_from_hf
+from edgelm.export.families.gemma3 import config_from_hf as gemma3_config_from_hf
 from edgelm.export.families.gpt2 import config_from_hf
 from edgelm.export.families.llama import config_from_hf as llama_config_from_hf
-from edgelm.export.llama import LlamaConfig, rope_cos_sin
+from edgelm.export.models.llama import LlamaConfig, rope_cos_sin
 
 NAN = float("nan")
 LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=48, num_attention_heads=6, num_key_value_heads=2,

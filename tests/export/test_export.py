@@ -19,7 +19,7 @@ from helpers import edgelm, genai_greedy, quiet
 from conftest import TINY, make_hf_checkpoint
 from edgelm.export.checkpoint import CheckpointError, combined_hash, source_hashes
 from edgelm.export.families.gpt2 import load_checkpoint, save_checkpoint
-from edgelm.export.gpt2 import GPT, GPTConfig
+from edgelm.export.models.gpt2 import GPT, GPTConfig
 from edgelm.export.onnx_export import export_package
 from edgelm.runtime.package import file_sha256, read_package
 

@@ -15,7 +15,7 @@ import torch
 from edgelm.export.checkpoint import CheckpointError, read_extras, read_safetensors_folder
 from edgelm.export.families.llama import config_from_hf as llama_config_from_hf
 from edgelm.export.families.llama import load_llama
-from edgelm.export.llama import Llama, LlamaConfig, rope_cos_sin
+from edgelm.export.models.llama import Llama, LlamaConfig, rope_cos_sin
 
 TOLERANCE = 1e-4
 DECODE_STEPS = 4

@@ -1,6 +1,6 @@
 """The rotary cos and sin tables as the fused graph computes them (export/graph.py `_rotary_tables`, folded by ONNX
-Runtime at session start) against the tables export stored before (export/llama.py `rope_cos_sin`), in float32 and
-through the float16 conversion; and a long-context package that holds no table of its positions."""
+Runtime at session start) against the tables export stored before (export/models/llama.py `rope_cos_sin`), in float32
+and through the float16 conversion; and a long-context package that holds no table of its positions."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from edgelm.export.decoder import Rotary
 from edgelm.export.families.llama import decoder
 from edgelm.export.graph import _GraphBuilder, _rotary_tables, build_fused_graph
-from edgelm.export.llama import PRESETS, Llama, LlamaConfig, rope_cos_sin, rope_inv_freq, rotary_factor
+from edgelm.export.models.llama import PRESETS, Llama, LlamaConfig, rope_cos_sin, rope_inv_freq, rotary_factor
 from edgelm.float16 import half_graph
 from edgelm.onnxfile import save_model
 from edgelm.runtime.contract import LOGITS_TO_KEEP, IONames

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .limits import check_table_memory
+from ..limits import check_table_memory
 from .reference import Past, ReferenceModel, attention_bias, forward_inputs
 
 

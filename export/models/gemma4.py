@@ -1,9 +1,9 @@
 """The reference Gemma 4 text decoder (transformers' Gemma4TextModel, model_type gemma4_text), with the call every
-reference model has (export/reference.py):
+reference model has (export/models/reference.py):
 
     logits, present = model(input_ids, attention_mask, position_ids, past_key_values)
 
-What Gemma 4 adds to Gemma 3 (export/llama.py's Gemma3Config), in one place:
+What Gemma 4 adds to Gemma 3 (export/models/llama.py's Gemma3Config), in one place:
 - two kinds of layer with their own shapes: sliding-window layers (`head_dim`, `n_kv_head`, default rotary at
   `rope_local_theta`) and full layers (`global_head_dim`, and `global_kv_head` KV heads where the config has
   them), whose "proportional" rotary rotates the first partial_rotary_factor * global_head_dim / 2 pairs of

@@ -1,5 +1,5 @@
 """Gemma 3 (model_type gemma3_text, and gemma3's text part): how its folders and GGUF files load into the
-reference model (export/llama.py's Llama with a Gemma3Config), and its rows. The Decoder is the Llama
+reference model (export/models/llama.py's Llama with a Gemma3Config), and its rows. The Decoder is the Llama
 family's (export/families/llama.py), which reads the parts Gemma3Config turns on.
 
 Gemma 3 interleaves sliding-window layers with full-attention ones: every FULL_EVERY-th layer is full where
@@ -23,7 +23,7 @@ from ..checkpoint import (
 )
 from ..gguf_metadata import Entry, GGUFError, number
 from ..limits import MAX_NORM_EPSILON
-from ..llama import Gemma3Config, Llama
+from ..models.llama import Gemma3Config, Llama
 from . import llama
 from .family import Family, GGUFLayout
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..mechanisms.delta_net import PLACEHOLDER
 from .llama import RMSNorm
 from .reference import StateReferenceModel
 
@@ -85,9 +86,9 @@ def gated_delta_rule(q, k, v, g, beta, state):
 
 
 class GatedDeltaNet(torch.autograd.Function):
-    """gated_delta_rule, exported as one placeholder node that export/traced.py turns into ONNX Runtime's
-    com.microsoft GatedDeltaNet (q, k: (B, T, Hk, dk) unrepeated; the op shares each key head among
-    Hv / Hk value heads, as repeat_interleave does)."""
+    """gated_delta_rule, exported as one placeholder node (export/mechanisms/delta_net.py) that export/traced.py
+    turns into ONNX Runtime's com.microsoft GatedDeltaNet (q, k: (B, T, Hk, dk) unrepeated; the op shares each key
+    head among Hv / Hk value heads, as repeat_interleave does)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state):
@@ -97,7 +98,7 @@ class GatedDeltaNet(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, q, k, v, decay, beta, state):
-        output, final = g.op("edgelm::GatedDeltaNet", q, k, v, decay, beta, state, outputs=2)
+        output, final = g.op(f"edgelm::{PLACEHOLDER}", q, k, v, decay, beta, state, outputs=2)
         output.setType(v.type())
         final.setType(state.type())
         return output, final

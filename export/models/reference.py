@@ -1,4 +1,4 @@
-"""What the reference models (export/gpt2.py, export/llama.py; the hybrids lfm2.py and qwen35.py) share: one call,
+"""What the reference models (export/models/: gpt2.py, llama.py; the hybrids lfm2.py and qwen35.py) share: one call,
 
     logits, present = model(input_ids, attention_mask, position_ids, past_key_values)
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .lazy_weights import weights_stream
+from ..lazy_weights import weights_stream
 
 Past = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -93,7 +93,7 @@ State = list[tuple[torch.Tensor, ...]]  # per layer: (key, value) for attention,
 
 
 class StateReferenceModel(ReferenceModel):
-    """The forward of the hybrid reference models (export/lfm2.py, export/qwen35.py), whose layers keep either
+    """The forward of the hybrid reference models (export/models/lfm2.py, qwen35.py), whose layers keep either
     keys and values or a fixed state: each defines config.layer_types, empty_state(batch), inv_freq (rotary
     frequencies), model.embed_tokens, model.layers (blocks called as block(x, bias, cos, sin, mask, past)),
     final_norm and lm_head."""
