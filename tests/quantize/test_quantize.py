@@ -378,8 +378,10 @@ def test_a_hybrids_linears_are_blocks_and_its_state_parts_stay_float(hybrid, mod
 def test_a_hybrids_quantized_packages_follow_its_fp32_package(hybrid):
     base = load(hybrid["root"] / "fp32", provider="cpu", threads=1)
     # (mode, least top-1 agreement, largest error relative to the logits' spread): int4's bounds only catch a
-    # broken layout (relative error 1 or more), its top token flips where this random model's margins are thin
-    for mode, agreement, error in (("int8-weight-only", 0.9, 0.05), ("int4", 0.4, 0.5)):
+    # broken layout (relative error 1 or more), its top token flips where this random model's margins are thin;
+    # int8's agreement is 0.89 on an AVX2-only AMD EPYC (MLAS's AVX2 int8 path) at a relative error of 0.033, 0.9 or
+    # more with AVX-512, so the error bound is what catches a wrong int8 layout
+    for mode, agreement, error in (("int8-weight-only", 0.85, 0.05), ("int4", 0.4, 0.5)):
         model = load(hybrid["root"] / mode, provider="cpu", threads=1)
         same, relative = [], []
         for prompt in HYBRID_PROMPTS:
@@ -389,7 +391,7 @@ def test_a_hybrids_quantized_packages_follow_its_fp32_package(hybrid):
             centred = expected - expected.mean(-1, keepdims=True)
             relative.append(np.linalg.norm(logits - expected) / np.linalg.norm(centred))
             assert len(model.generate(prompt, 8, ignore_eos=True).token_ids) == 8
-        assert np.mean(same) >= agreement and max(relative) < error, mode
+        assert np.mean(same) >= agreement and max(relative) < error, (mode, np.mean(same), max(relative))
 
 
 @pytest.mark.usefixtures("one_torch_thread")
