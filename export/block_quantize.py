@@ -14,7 +14,7 @@ weight of the reference is replaced by its blocks' values (quantized and dequant
 file's kept blocks, so the check is the graph's, not the rounding's (the rounding's cost is what `quantize
 --eval-text` measures).
 
-fp16 is `quantize --mode fp16`'s conversion (edgelm/float16.py: onnxruntime's convert_float_to_float16) run on
+fp16 is `quantize --mode fp16`'s conversion (writers/float16.py: onnxruntime's convert_float_to_float16) run on
 the fused graph before its weights are written, each float weight converted to float16 as it is written; its
 proof runs ONNX Runtime on the half-precision graph (float16 weights, activations, KV cache and logits) against
 the float64 reference on the checkpoint's weights.
@@ -27,8 +27,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from edgelm.float16 import FP16_FACTS, half_graph, to_half
-from edgelm.nbits_gather import head_block_size
+from edgelm.writers.float16 import FP16_FACTS, half_graph, to_half
+from edgelm.writers.nbits_gather import head_block_size
 
 from .decoder import Decoder, Linear, NBits
 from .gguf_blocks import LazyRuns, Runs, dequantized

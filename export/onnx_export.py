@@ -22,9 +22,9 @@ import onnx
 import torch
 from tqdm import tqdm
 
-from edgelm.onnxfile import save_model, stored_bytes
-from edgelm.package_writer import StagedOutput, list_files, write_json
-from edgelm.version import __version__
+from edgelm.writers.onnxfile import save_model, stored_bytes
+from edgelm.writers.package_writer import StagedOutput, list_files, write_json
+from edgelm.writers.version import __version__
 
 from ..runtime.contract import (
     CHAT_TEMPLATE_FILE,

@@ -12,9 +12,9 @@ from typing import NoReturn
 
 import numpy as np
 
-from edgelm import __version__
+from edgelm.writers.package_writer import StagedOutput, list_files, write_json
+from edgelm.writers.version import __version__
 
-from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime import PackageError, load
 from ..runtime.contract import MANIFEST_FILE
 from ..runtime.files import read_text

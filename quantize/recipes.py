@@ -30,9 +30,9 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from edgelm.float16 import FP16_FACTS, half_graph, to_half
-from edgelm.nbits_gather import gather_from_nbits, head_block_size
-from edgelm.onnxfile import placeholder
+from edgelm.writers.float16 import FP16_FACTS, half_graph, to_half
+from edgelm.writers.nbits_gather import gather_from_nbits, head_block_size
+from edgelm.writers.onnxfile import placeholder
 
 from .calibration import calibrated_ranges
 from .tied_embedding import drop_unused_initializers, share_int8_embedding, tied_gathers
@@ -428,7 +428,7 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
 
 def convert_fp16(src: Path, dst: Path) -> dict:
     """onnxruntime's convert_float_to_float16 on the graph; the float weights it converts (in its graph, a
-    type change) are converted as they are written (edgelm/float16.py, shared with export --quantize fp16)."""
+    type change) are converted as they are written (writers/float16.py, shared with export --quantize fp16)."""
     source = SourceModel(src)
     converted, names = half_graph(source.model)
     weights = {}

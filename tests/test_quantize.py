@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from edgelm.package_writer import list_files
 from edgelm.runtime import PackageError, load
+from edgelm.writers.package_writer import list_files
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "models" / "shakespeare"
@@ -103,8 +103,8 @@ def test_quantized_package_keeps_its_own_weights_in_model_onnx_data(mode, quanti
     and the source folder is left as it was (nothing written beside its model)."""
     import onnx
 
-    from edgelm.onnxfile import ALIGNMENT, INLINE_LIMIT
     from edgelm.runtime.onnx_external import external_data_locations
+    from edgelm.writers.onnxfile import ALIGNMENT, INLINE_LIMIT
 
     package = quantized[mode]
     assert set(external_data_locations(package / "model.onnx")) == {"model.onnx.data"}

@@ -20,7 +20,7 @@ import textwrap
 import threading
 import warnings
 
-from edgelm.version import __version__
+from edgelm.writers.version import __version__
 
 from . import adapter, cache, chat, export, generate, info, quantize, serve
 from .options import HELP_WIDTH, Parser
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return _import_error(command, e)
     except (ValueError, OSError, RuntimeError) as e:  # EdgelmError subclasses ValueError/FileNotFoundError
         _error(command, str(e) or type(e).__name__)
-    except SystemExit as e:  # SIGTERM while a package was being written (edgelm/package_writer.py), or argparse
+    except SystemExit as e:  # SIGTERM while a package was being written (writers/package_writer.py), or argparse
         if isinstance(e.code, int) and e.code > 128:
             _error(command, "terminated; the partial package was removed")
         raise
