@@ -24,11 +24,10 @@ from edgelm.writers.version import __version__
 
 from . import adapter, cache, chat, export, generate, info, quantize, serve
 from .options import HELP_WIDTH, Parser
-from .quantize import QUANTIZE_MODES
 from .text import printable
 from .words import in_flags
 
-__all__ = ["QUANTIZE_MODES", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 EXAMPLES = """examples:
   edgelm chat SmolLM2-135M-Instruct.Q4_K_M.gguf      (exported into the cache once: edgelm list, edgelm rm)
