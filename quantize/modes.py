@@ -30,7 +30,7 @@ MODES: dict[str, Mode] = {
 WEIGHT_ONLY = tuple(name for name, mode in MODES.items() if mode.bits is not None)
 EXPORTED = tuple(name for name, mode in MODES.items() if mode.exported)  # what export --quantize writes
 LM_HEADS = ("int8", "int4")  # int4 mode: the precision of the LM head and the embedding
-CALIBRATION_METHODS = ("percentile", "entropy", "minmax")  # static mode's range estimate
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")  # static mode's range estimate
 
 
 def mode_summaries(names: tuple[str, ...] = tuple(MODES)) -> str:
