@@ -12,7 +12,7 @@ and loads that; `edgelm.runtime.load` loads packages only, and needs no PyTorch.
 
 from __future__ import annotations
 
-from .version import __version__  # noqa: F401 (edgelm.__version__)
+from edgelm.writers.version import __version__  # noqa: F401 (edgelm.__version__)
 
 
 def load(source, provider: str = "auto", threads: int | None = None, **options):

@@ -10,7 +10,7 @@ by name), the export options and the edgelm version, so an edited or replaced so
 edgelm export again, while a renamed or copied file does not. Hashing a large file takes a while, so each file's
 sha256 is remembered under `.hashes/` with its size, mtime and inode, and hashed again only when those change.
 
-Exporting writes through edgelm/package_writer.py (staged beside the entry, swapped in complete), and a lock per key
+Exporting writes through writers/package_writer.py (staged beside the entry, swapped in complete), and a lock per key
 (`.locks/`, where the OS has fcntl) makes a second process wait for the first and load what it wrote; a source that
 is already a package is loaded as it is. The runtime never imports this module: export is needed only on a miss.
 """
@@ -29,12 +29,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgelm.writers.version import __version__
+
 from .runtime import untrusted
 from .runtime.contract import GENAI_CONFIG_FILE, MANIFEST_FILE, MODEL_FILE
 from .runtime.errors import PackageError, PackageNotFoundError
 from .runtime.files import kind_of
 from .runtime.package import file_sha256
-from .version import __version__
 
 CACHE_ENV = "EDGELM_CACHE"  # the cache root (scripts/fetch_smollm2.py keeps the SmolLM2 GGUF there too)
 PACKAGES = "packages"

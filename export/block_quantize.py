@@ -1,20 +1,19 @@
 """`export --quantize int4 | int8-weight-only | fp16`: a Hugging Face folder straight to a weight-only quantized (or
 half-precision) package, block by block, with no fp32 package in between (on disk or in memory).
 
-The recipe is quantize/recipes.py's quantize_weight_only: every linear layer of the blocks in symmetric
-`bits`-bit blocks of `block_size` inputs, rounded to nearest, by the same ONNX Runtime kernels its
-MatMulNBitsQuantizer calls (quantize_matmul_4bits / quantize_matmul_8bits), the LM head (and the tied embedding,
-which gathers its rows from the head's blocks; an untied embedding in blocks of its own, its rows gathered from
-them) in 8-bit blocks unless lm_head is "int4", MatMulNBits at
-accuracy level 4. Each weight is quantized when the graph writes it (gguf_blocks.LazyRuns), one at a time, so
-the package holds the same bytes as `export` then `quantize` would write.
+The recipe is quantize/weight_only.py's, the one `quantize --mode int4 / int8-weight-only` runs: every linear layer
+of the blocks in symmetric `bits`-bit blocks of `block_size` inputs, rounded to nearest by ONNX Runtime's kernels,
+the LM head (and the tied embedding, which gathers its rows from the head's blocks; an untied embedding in blocks
+of its own, its rows gathered from them) in 8-bit blocks unless lm_head is "int4", MatMulNBits at accuracy level
+4. Each weight is quantized when the graph writes it (gguf_blocks.LazyRuns), one at a time, so the package holds
+the same bytes as `export` then `quantize` would write.
 
 The proof compares the graph with the reference model computing on what the blocks hold: each quantized
 weight of the reference is replaced by its blocks' values (quantized and dequantized when read), as for a GGUF
 file's kept blocks, so the check is the graph's, not the rounding's (the rounding's cost is what `quantize
 --eval-text` measures).
 
-fp16 is `quantize --mode fp16`'s conversion (edgelm/float16.py: onnxruntime's convert_float_to_float16) run on
+fp16 is `quantize --mode fp16`'s conversion (writers/float16.py: onnxruntime's convert_float_to_float16) run on
 the fused graph before its weights are written, each float weight converted to float16 as it is written; its
 proof runs ONNX Runtime on the half-precision graph (float16 weights, activations, KV cache and logits) against
 the float64 reference on the checkpoint's weights.
@@ -27,33 +26,21 @@ from functools import partial
 import numpy as np
 import torch
 
-from edgelm.float16 import FP16_FACTS, half_graph, to_half
-from edgelm.nbits_gather import head_block_size
+from edgelm.quantize.weight_only import WeightOnly, quantize_blocks
+from edgelm.writers.float16 import FP16_FACTS, half_graph, to_half
 
 from .decoder import Decoder, Linear, NBits
 from .gguf_blocks import LazyRuns, Runs, dequantized
 from .lazy_weights import SLICE_BYTES, LazyArray, TensorLoader, is_lazy, lazy_parameter, read
 
-WEIGHT_ONLY = ("int4", "int8-weight-only")
-QUANTIZE_MODES = (*WEIGHT_ONLY, "fp16")  # what export --quantize writes
-LM_HEADS = ("int8", "int4")  # quantize/recipes.py INT4_LM_HEADS
 TOKEN_EMBEDDINGS = ("embed_tokens", "wte")  # the reference models' token tables (not GPT-2's positions, wpe)
 
 
 def block_quantized(weight: np.ndarray, *, bits: int, block_size: int) -> Runs:
-    """A (K, N) float weight (MatMul's layout) as symmetric `bits`-bit blocks of `block_size` consecutive k per
-    column n, by ONNX Runtime's own kernel (MatMulNBitsQuantizer's): Runs of centred values (N, K)."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
-
-    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    """A (K, N) float weight (MatMul's layout) as quantize/weight_only.py's blocks: Runs of centred values (N, K)."""
     k, n = weight.shape
     assert k % block_size == 0, f"{k} inputs are not whole blocks of {block_size}"
-    blocks, per_byte = k // block_size, 8 // bits
-    packed = np.zeros((n, blocks, block_size // per_byte), dtype=np.uint8)
-    zero_points = np.zeros((n, -(-blocks // per_byte)), dtype=np.uint8)  # symmetric: unused
-    scales = np.zeros((n, blocks), dtype=np.float32)
-    kernel = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
-    kernel(packed, weight, scales, zero_points, block_size, n, k, True)
+    packed, scales = quantize_blocks(weight, bits=bits, block_size=block_size)  # (N, blocks, blob), (N, blocks)
     if bits == 4:  # element 2i in the low nibble of byte i (gguf_blocks.pack's layout)
         stored = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)
     else:
@@ -120,9 +107,7 @@ def _reference_on_blocks(parameter: torch.nn.Parameter, *, bits: int, block_size
 
 
 def check_block_size(decoder: Decoder, block_size: int) -> None:
-    """ValueError unless `block_size` is a power of two >= 16 dividing every linear's inputs."""
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
+    """ValueError unless `block_size` divides every linear's inputs (a power of two >= 16 is WeightOnly.of's)."""
     widths = [decoder.n_embd, decoder.inner_dim, decoder.n_head * decoder.head_dim]
     widths += [decoder.per_layer_dim] if decoder.per_layer_dim else []  # Gemma 4's per-layer projections
     widths += [decoder.n_head * decoder.heads(layer)[2] for layer in decoder.layers]  # its full layers' heads
@@ -138,14 +123,11 @@ def quantize_decoder(
 ) -> dict:
     """Every float linear of `decoder` as weight-only blocks and the LM head as `lm_head` blocks (the tied embedding
     gathering from them); the reference model's weights replaced by what the blocks hold. Returns the recipe
-    (quantize/recipes.py quantize_weight_only's facts)."""
-    if mode not in WEIGHT_ONLY:
-        raise ValueError(f"unknown weight-only quantization {mode!r}; valid: {', '.join(WEIGHT_ONLY)}")
-    if lm_head not in LM_HEADS:
-        raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(LM_HEADS)}")
+    (quantize/weight_only.py WeightOnly.recipe)."""
+    head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
+    plan = WeightOnly.of(mode, block_size=block_size, lm_head=lm_head, head_width=head.shape[0])
     check_block_size(decoder, block_size)
-    bits = 4 if mode == "int4" else 8
-    head_bits = 8 if lm_head == "int8" or bits == 8 else 4
+    bits, head_bits, head_block = plan.bits, plan.head_bits, plan.head_block
     for layer in decoder.layers:
         for owner, name in _linear_fields(layer):
             linear: Linear = getattr(owner, name)
@@ -155,8 +137,6 @@ def quantize_decoder(
     projection = decoder.per_layer_projection  # Gemma 4's, quantized in the reference model too
     if projection is not None and projection.nbits is None:
         decoder.per_layer_projection = Linear(None, None, _nbits(projection.weight, bits=bits, block_size=block_size))
-    head = decoder.embedding.T if decoder.tied else decoder.lm_head  # (C, V)
-    head_block = head_block_size(head_bits, block_size, head.shape[0])
     decoder.head_nbits = _nbits(head, bits=head_bits, block_size=head_block)
     own_table = not decoder.tied and decoder.embedding_nbits is None  # untied and float: blocks like the head's
     if own_table:
@@ -164,20 +144,9 @@ def quantize_decoder(
     _quantize_reference(
         model, bits=bits, head_bits=head_bits, block_size=block_size, head_block=head_block, embedding=own_table
     )
-    untied = {} if decoder.tied else {"embedding": f"int{decoder.embedding_nbits.bits}"}
-    return untied | {
-        "mode": mode,
-        "bits": bits,
-        "op": "MatMulNBits",
-        "algorithm": "round to nearest",
-        "block_size": block_size,
-        "lm_head_block_size": head_block,
-        "symmetric": True,
-        "accuracy_level": 4,
-        "lm_head": "int8" if head_bits == 8 else "int4",
-        "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, and the embedding (the head's "
-        "blocks when tied, its own when not)",
-        "written_by": "export --quantize (block by block, no fp32 package)",
+    embedding_bits = None if decoder.tied else decoder.embedding_nbits.bits
+    return plan.recipe(embedding_bits=embedding_bits) | {
+        "written_by": "export --quantize (block by block, no fp32 package)"
     }
 
 

@@ -11,7 +11,7 @@ and the graph computes B, the float32 scales and the offsets from them: uint8 Bi
 Reshape; float Cast, Mul and Sub. Every input of those nodes is constant, so ONNX Runtime's constant
 folding (graph optimization level "basic" and above) replaces each chain by the one initializer it computes,
 before MatMulNBits prepacks it: the session runs the same graph as a package with plain blocks, bit for bit
-(tests/test_compact_blocks.py). The float arithmetic is gguf_blocks.scales_offsets', in its order.
+(tests/export/test_compact_blocks.py). The float arithmetic is gguf_blocks.scales_offsets', in its order.
 
 Plane layout. A value u = c + 2^(value_bits-1), made unsigned, is stored in B as u + 2^(bits-1) -
 2^(value_bits-1). A plane holds `width` bits of u from bit `offset` on, 8 / width values a byte in row-major

@@ -30,7 +30,7 @@ Q4_1's w = d * q + m), and a tied embedding then gathers from the head's blocks 
 The mechanisms (attention, a short convolution, Gated DeltaNet, per-layer inputs) are export/mechanisms/'s.
 
 The weights are not copied into the graph: its initializers are placeholders and the arrays travel beside
-it, for edgelm.onnxfile.save_model to write one at a time.
+it, for edgelm.writers.onnxfile.save_model to write one at a time.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from edgelm.float16 import KEEP_FLOAT32
+from edgelm.writers.float16 import KEEP_FLOAT32
 
 from ..runtime.contract import IONames
 from ..runtime.packed import DOMAIN as PACKED_DOMAIN
@@ -156,7 +156,7 @@ def build_fused_graph(
     fallback_plan: dict | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The decoder as an ONNX graph with fused attention and a shared KV buffer, and its weights: initializer
-    name -> array, for edgelm.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only);
+    name -> array, for edgelm.writers.onnxfile.save_model. accuracy_level: MatMulNBits' (blocks kept from a GGUF only);
     compact: kept blocks as bit planes and the file's factors, unpacked at load (export/compact_blocks.py),
     else as MatMulNBits' own arrays. packed: the file's own rows under ai.edgelm ops (runtime/packed.py); a
     fallback_plan dict: the plain graph whose block arrays it records as made from those rows (never written).
@@ -234,7 +234,7 @@ def _embeddings(g: _GraphBuilder, d: Decoder, io: IONames) -> tuple[str, str | N
     its columns."""
     head = None
     if d.tied or d.embedding_nbits is not None:
-        # with blocks the Gather's table is a stand-in, rewired to read them (edgelm/nbits_gather.py): the
+        # with blocks the Gather's table is a stand-in, rewired to read them (writers/nbits_gather.py): the
         # head's when tied, the embedding's own (V, C / block, blob) when not
         if d.tied:
             table = "lm_head.weight_T" if d.head_nbits is not None else g.constant("lm_head.weight_T", d.embedding.T)
@@ -281,7 +281,7 @@ def _rotary_tables(g: _GraphBuilder, rotary: Rotary, positions: int, name: str) 
     ones, (2 positions, r / 2)), computed from the frequencies by nodes of constants only, which ONNX Runtime folds
     once at session start: cos(p * inv_freq) * factor, p a float32 position and the product float32, as the
     reference's torch.arange(P, dtype=float32)[:, None] * inv_freq. The nodes keep float32 under the float16
-    conversion (edgelm/float16.py: positions past 2048 are not exact in float16, past 65504 not finite); the last
+    conversion (writers/float16.py: positions past 2048 are not exact in float16, past 65504 not finite); the last
     node, a Cast to float32 that the conversion turns into one to float16, gives them in the graph's float type."""
     sets = 1 if rotary.long_inv_freq is None else 2  # LongRoPE: short and long
     check_table_memory(positions, sets * rotary.width, "the rotary cos and sin tables, (positions, r / 2) each,")

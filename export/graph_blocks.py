@@ -2,7 +2,7 @@
 carries them becomes a com.microsoft MatMulNBits node on them (plus a MatMul of x's block sums by the blocks'
 offsets for Q4_1's w = d * q + m), its arrays written as MatMulNBits' own or, compact, as bit planes and factors
 unpacked at load (export/compact_blocks.py); and an embedding table kept as blocks (the head's, when tied; Gemma
-4's per-layer table) is a stand-in Gather rewired to gather rows of them (edgelm/nbits_gather.py), through
+4's per-layer table) is a stand-in Gather rewired to gather rows of them (writers/nbits_gather.py), through
 initializers of its own naming the head's bytes (SameBytes) where the head's pages should not stay resident.
 Packed (runtime/packed.py): the file's rows as they are, an ai.edgelm MatMulPacked node on them (GatherPacked for the
 embedding); the fallback graph beside it is the plain form with its block arrays named for the runtime to compute.
@@ -14,10 +14,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from edgelm.nbits_gather import gather_from_nbits
-from edgelm.onnxfile import SameBytes, placeholder
 from edgelm.runtime.block_types import row_bytes
 from edgelm.runtime.packed import DOMAIN, PACKED_TYPES
+from edgelm.writers.nbits_gather import gather_from_nbits
+from edgelm.writers.onnxfile import SameBytes, placeholder
 
 from .compact_blocks import write_blocks
 from .decoder import Decoder

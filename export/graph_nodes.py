@@ -1,6 +1,6 @@
 """The fused graph builder's primitives (export/graph.py): a list of nodes and of initializers that every other
 part of the builder appends to, each node named after its output. Initializers are placeholders: the arrays stay
-in `weights` (a LazyArray is read only when written) for edgelm.onnxfile.save_model to write one at a time. Small
+in `weights` (a LazyArray is read only when written) for writers/onnxfile.py save_model to write one at a time. Small
 values that shape inference needs (axes, Slice bounds) are Constant nodes instead, and com.microsoft outputs are
 declared with their type, which ONNX shape inference cannot give them.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgelm.onnxfile import placeholder
+from edgelm.writers.onnxfile import placeholder
 
 from .lazy_weights import LazyArray
 from .linear import Linear, Norm

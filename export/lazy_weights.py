@@ -6,7 +6,7 @@ safetensors or GGUF file in its own dtype); the reference model is built on the 
 parameter carrying its loader (`lazy_parameter`). Export then reads each weight when it needs it:
 
 - the graph's initializers are `LazyArray`s, read, converted to float32 and written one at a time
-  (edgelm/onnxfile.py save_model);
+  (writers/onnxfile.py save_model);
 - the proof runs the reference model in float64 module by module (`float64_stream`): each module's weights are
   read and widened just before its forward and let go after it, a Linear's in slices of its output rows, an
   Embedding's rows gathered, so no float64 (or float32) copy of the whole model is ever held;

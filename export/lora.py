@@ -25,7 +25,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from ..package_writer import StagedFiles, write_json
+from edgelm.writers.package_writer import StagedFiles, write_json
+
 from ..runtime.contract import MANIFEST_FILE, Manifest
 from ..runtime.errors import AdapterError
 from ..runtime.lora_contract import (
@@ -334,7 +335,7 @@ def convert_adapter(
     adapter_dir: str | Path, package: str | Path, out: str | Path, *, scale: float = 1.0, overwrite: bool = False
 ) -> Path:
     """A PEFT adapter folder -> OUT (an .onnx_adapter file) and OUT.json, bound to `package`'s base, written
-    through edgelm/package_writer.py's StagedFiles (no symlink written through, nothing replaced without
+    through writers/package_writer.py's StagedFiles (no symlink written through, nothing replaced without
     overwrite, nothing inside an input). AdapterError for a package without slots or an adapter that does
     not fit them."""
     out = Path(out)

@@ -22,9 +22,11 @@ import onnx
 import torch
 from tqdm import tqdm
 
-from edgelm.onnxfile import save_model, stored_bytes
-from edgelm.package_writer import StagedOutput, list_files, write_json
-from edgelm.version import __version__
+from edgelm.quantize.modes import EXPORTED, MODES
+from edgelm.quantize.weight_only import ACCURACY_LEVEL
+from edgelm.writers.onnxfile import save_model, stored_bytes
+from edgelm.writers.package_writer import StagedOutput, list_files, write_json
+from edgelm.writers.version import __version__
 
 from ..runtime.contract import (
     CHAT_TEMPLATE_FILE,
@@ -45,7 +47,7 @@ from ..runtime.errors import PackageError
 from ..runtime.model import package_tokenizer
 from ..runtime.package import read_package
 from ..runtime.packed import FALLBACK_MODEL, uses_packed
-from .block_quantize import QUANTIZE_MODES, half_precision, quantize_decoder
+from .block_quantize import half_precision, quantize_decoder
 from .checkpoint import check_finite
 from .decoder import Decoder
 from .defaults import (
@@ -330,13 +332,13 @@ def _plan(
         source, attention=attention, opset=opset, last_token_logits=last_token_logits, position_ids=position_ids
     )
     if quantize is not None and quantize["mode"] == "fp16":
-        manifest.precision = "fp16"
+        manifest.precision = MODES["fp16"].precision
         progress("      converting to float16 as written (quantize --mode fp16's conversion)")
         tolerance = FP16_TOLERANCE if tolerance is None else tolerance
         return _Plan(manifest=manifest, decoder=decoder, keep=False, tolerance=tolerance, half=True)
     if quantize is not None:
         manifest.recipe = quantize_decoder(decoder, source.model, **quantize)
-        manifest.precision = quantize["mode"]
+        manifest.precision = MODES[quantize["mode"]].precision
         progress(f"      quantizing as written: {manifest.recipe['ops']}, blocks of {quantize['block_size']}")
         tolerance = KEPT_FLOAT_TOLERANCE if tolerance is None else tolerance  # the float twin's (export/parity.py)
         return _Plan(manifest=manifest, decoder=decoder, keep=True, tolerance=tolerance, quantized=True)
@@ -366,7 +368,7 @@ def _write_graph(
         f"{', last-token logits' if last_token_logits else ''})"
     )
     if plan.fused:
-        accuracy_level = 4 if plan.quantized else accuracy_level  # quantize's recipe: int8 activations
+        accuracy_level = ACCURACY_LEVEL if plan.quantized else accuracy_level  # the recipe's: int8 activations
         # packed: the fallback graph is built while the Decoder is at hand, saved once model.onnx is
         fallback = Fallback(plan.decoder, manifest.io, opset=opset, accuracy_level=accuracy_level) if packed else None
         graph, weights = build_fused_graph(
@@ -400,8 +402,8 @@ def _check_options(
     quantize: str | None = None,
 ) -> None:
     """ValueError for options that contradict each other or are out of range (export_package's)."""
-    if quantize is not None and quantize not in QUANTIZE_MODES:
-        raise ValueError(f"unknown export quantization {quantize!r}; valid: {', '.join(QUANTIZE_MODES)}")
+    if quantize is not None and quantize not in EXPORTED:
+        raise ValueError(f"unknown export quantization {quantize!r}; valid: {', '.join(EXPORTED)}")
     if quantize is not None and attention != "fused":
         raise ValueError("--quantize writes the fused graph's MatMulNBits blocks: use --attention fused")
     if attention not in ATTENTION_KINDS:

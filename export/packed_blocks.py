@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from edgelm.onnxfile import INLINE_LIMIT, SameBytes
-from edgelm.package_writer import write_json
+from edgelm.writers.onnxfile import INLINE_LIMIT, SameBytes
+from edgelm.writers.package_writer import write_json
 
 from ..runtime.contract import IONames
 from ..runtime.onnx_external import external_data

@@ -12,9 +12,9 @@ from typing import NoReturn
 
 import numpy as np
 
-from edgelm import __version__
+from edgelm.writers.package_writer import StagedOutput, list_files, write_json
+from edgelm.writers.version import __version__
 
-from ..package_writer import StagedOutput, list_files, write_json
 from ..runtime import PackageError, load
 from ..runtime.contract import MANIFEST_FILE
 from ..runtime.files import read_text
@@ -23,12 +23,12 @@ from ..runtime.package import read_package
 from ..runtime.text import Tokenizer
 from .calibration import DecoderCalibrationReader, PackageFacts
 from .evaluate import evaluate_package, text_chunks
-from .recipes import CALIBRATION_METHODS, INT4_LM_HEADS, RECIPES, Options
+from .modes import CALIBRATION_METHODS, MODES
+from .recipes import RECIPES, Options
 from .weights import SourceModel
 
-MODES = tuple(RECIPES)
 MIN_CALIBRATION_TOKENS = 256
-__all__ = ["CALIBRATION_METHODS", "INT4_LM_HEADS", "MODES", "quantize_package"]
+__all__ = ["RECIPES", "quantize_package"]
 
 
 def _calibration_ids(path: str | Path | None, tokenizer) -> np.ndarray:
@@ -115,11 +115,11 @@ def _copy_other_files(spec, package: Path, staging: Path, weights: list[str]) ->
             shutil.copyfile(package / name, staging / name)
 
 
-def _derive_manifest(spec, package: Path, staging: Path, recipe, facts: dict, weights: list[str]):
-    """The new package's manifest: the source's, with the recipe's precision, facts and provenance."""
+def _derive_manifest(spec, package: Path, staging: Path, mode: str, facts: dict, weights: list[str]):
+    """The new package's manifest: the source's, with the mode's precision, the recipe's facts and provenance."""
     model_file = spec.model_path.name
     manifest = spec.manifest.derive(
-        precision=recipe.precision,
+        precision=MODES[mode].precision,
         recipe={
             **facts,
             "tool": f"edgelm {__version__}",
@@ -130,7 +130,7 @@ def _derive_manifest(spec, package: Path, staging: Path, recipe, facts: dict, we
         },
         evaluation=None,
     )
-    manifest.io.kv_dtype = recipe.kv_dtype
+    manifest.io.kv_dtype = RECIPES[mode].kv_dtype
     manifest.files = list_files(staging)
     write_json(staging / MANIFEST_FILE, manifest.to_json())
     return manifest
@@ -179,7 +179,7 @@ def quantize_package(
     progress=print,
 ) -> dict:
     """Read a package, write its quantized copy to out_dir; returns the new manifest (as JSON)."""
-    if mode not in RECIPES:
+    if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     if calibration_method not in CALIBRATION_METHODS:
         raise ValueError(f"unknown calibration method {calibration_method!r}; valid: {', '.join(CALIBRATION_METHODS)}")
@@ -210,7 +210,7 @@ def quantize_package(
     with staged as staging:
         facts = recipe.run(spec.model_path, staging / spec.model_path.name, options)
         _copy_other_files(spec, package, staging, weights)
-        manifest = _derive_manifest(spec, package, staging, recipe, facts, weights)
+        manifest = _derive_manifest(spec, package, staging, mode, facts, weights)
         if recipe.evaluated and not _finite_logits(load(staging, provider="cpu", verify=False)):  # fp16: GPUs only
             _refuse(package, source, [f"NaN or inf on a {SMOKE_TOKENS}-token prompt"])
         if evaluated:

@@ -30,12 +30,14 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from edgelm.float16 import FP16_FACTS, half_graph, to_half
-from edgelm.nbits_gather import gather_from_nbits, head_block_size
-from edgelm.onnxfile import placeholder
+from edgelm.writers.float16 import FP16_FACTS, half_graph, to_half
+from edgelm.writers.nbits_gather import gather_from_nbits
+from edgelm.writers.onnxfile import placeholder
 
 from .calibration import calibrated_ranges
+from .modes import MODES
 from .tied_embedding import drop_unused_initializers, share_int8_embedding, tied_gathers
+from .weight_only import ACCURACY_LEVEL, WeightOnly, quantize_blocks
 from .weights import Deferred, Outputs, SourceModel, add_initializer, reading_from, write
 
 # onnxruntime.quantization logs every node at INFO and advises pre-processing on the root logger
@@ -44,8 +46,6 @@ logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 # not constant-folded: true by design, and noise to a user
 ort.set_default_logger_severity(3)
 
-CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
-INT4_LM_HEADS = ("int8", "int4")  # precision of the LM head (and the embedding) in int4 mode
 UNTIED_TABLE = "embed.weight"  # export's name for an untied token embedding's (V, C) table (export/graph.py)
 
 
@@ -245,8 +245,7 @@ def quantize_static_int8(src: Path, dst: Path, *, reader, method: str = "percent
 
 
 def _check_block_size(model: onnx.ModelProto, block_size: int) -> None:
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block size must be a power of two >= 16, got {block_size}")
+    """ValueError unless `block_size` divides the embedding's width (a power of two >= 16 is WeightOnly.of's)."""
     inits = {i.name: i for i in model.graph.initializer}
     untied = _untied_embedding(model)
     for gather in tied_gathers(model) + ([untied] if untied is not None else []):
@@ -256,28 +255,17 @@ def _check_block_size(model: onnx.ModelProto, block_size: int) -> None:
 
 
 def _blocks(source: SourceModel, name: str, *, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """A (K, N) weight as MatMulNBits' symmetric blocks: packed values (N, blocks, blob) and scales (N, blocks),
-    from onnxruntime's own kernels (what its MatMulNBitsQuantizer calls, DefaultWeightOnlyQuantizer). Blocks
-    run along K and are quantized each on its own, so the weight is read a slab of rows at a time."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
-
-    quantize = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    """A (K, N) weight as MatMulNBits' blocks (quantize/weight_only.py): packed values (N, blocks, blob) and scales
+    (N, blocks). Blocks run along K and are quantized each on its own, so the weight is read a slab of rows at a
+    time."""
     rows, cols = source.dims(name)
-    blob = block_size * bits // 8
-    packed = np.zeros((cols, -(-rows // block_size), blob), dtype=np.uint8)
+    packed = np.zeros((cols, -(-rows // block_size), block_size * bits // 8), dtype=np.uint8)
     scales = np.zeros((cols, -(-rows // block_size)), dtype=np.float32)
     for start, stop in source.slabs(name, multiple=block_size):
-        weight = np.ascontiguousarray(source.rows(name, start, stop), dtype=np.float32)
-        k_blocks = -(-(stop - start) // block_size)
-        if k_blocks * block_size != stop - start:  # the last block of K, padded with zeros
-            weight = np.pad(weight, ((0, k_blocks * block_size - (stop - start)), (0, 0)))
-        slab_packed = np.zeros((cols, k_blocks, blob), dtype=np.uint8)
-        slab_scales = np.zeros((cols, k_blocks), dtype=np.float32)
-        zero_points = np.zeros((cols, -(-k_blocks * bits // 8)), dtype=np.uint8)  # unused: symmetric
-        quantize(slab_packed, weight, slab_scales, zero_points, block_size, cols, stop - start, True)
+        slab_packed, slab_scales = quantize_blocks(source.rows(name, start, stop), bits=bits, block_size=block_size)
         first = start // block_size
-        packed[:, first : first + k_blocks] = slab_packed
-        scales[:, first : first + k_blocks] = slab_scales
+        packed[:, first : first + slab_packed.shape[1]] = slab_packed
+        scales[:, first : first + slab_scales.shape[1]] = slab_scales
     return packed, scales
 
 
@@ -302,9 +290,7 @@ def _nbits_node(node, source: SourceModel, model: onnx.ModelProto, weights: dict
         N=cols,
         bits=bits,
         block_size=block_size,
-        # the kernel quantizes activations to int8 per block and runs integer dot products (the other
-        # levels, compared in docs/results.md, were no more accurate and slower)
-        accuracy_level=4,
+        accuracy_level=ACCURACY_LEVEL,
     )
 
 
@@ -317,21 +303,14 @@ def _untied_embedding(model: onnx.ModelProto) -> onnx.NodeProto | None:
 
 
 def _row_blocks(source: SourceModel, name: str, *, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """A (V, C) table as V rows of symmetric blocks along C, as MatMulNBits holds a (C, V) weight: packed (V, blocks,
-    blob) and scales (V, blocks), by the kernels `_blocks` calls; read a slab of rows at a time."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
-
-    quantize = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    """A (V, C) table as V rows of blocks along C, as MatMulNBits holds a (C, V) weight: packed (V, blocks, blob) and
+    scales (V, blocks), by quantize/weight_only.py; read a slab of rows at a time."""
     vocab, width = source.dims(name)
-    blocks = width // block_size
-    packed = np.zeros((vocab, blocks, block_size * bits // 8), dtype=np.uint8)
-    scales = np.zeros((vocab, blocks), dtype=np.float32)
+    packed = np.zeros((vocab, width // block_size, block_size * bits // 8), dtype=np.uint8)
+    scales = np.zeros((vocab, width // block_size), dtype=np.float32)
     for start, stop in source.slabs(name):
-        weight = np.ascontiguousarray(np.asarray(source.rows(name, start, stop), dtype=np.float32).T)  # (C, rows)
-        zero_points = np.zeros((stop - start, -(-blocks * bits // 8)), dtype=np.uint8)  # unused: symmetric
-        slab_packed, slab_scales = packed[start:stop].copy(), scales[start:stop].copy()
-        quantize(slab_packed, weight, slab_scales, zero_points, block_size, stop - start, width, True)
-        packed[start:stop], scales[start:stop] = slab_packed, slab_scales
+        rows = np.asarray(source.rows(name, start, stop), dtype=np.float32).T  # (C, rows)
+        packed[start:stop], scales[start:stop] = quantize_blocks(rows, bits=bits, block_size=block_size)
     return packed, scales
 
 
@@ -367,24 +346,21 @@ def _gather_tied_from_nbits(quantized: onnx.ModelProto) -> None:
     drop_unused_initializers(quantized)
 
 
-def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 32, lm_head: str = "int8") -> dict:
+def quantize_weight_only(src: Path, dst: Path, *, mode: str, block_size: int = 32, lm_head: str = "int8") -> dict:
     """Weight-only blocks (MatMulNBits) for the linear layers, activations quantized per row and block by
-    the kernel, so a row's result does not depend on the other rows of a batch. bits=4 is the int4
-    recipe: lm_head="int8" keeps the LM head (and the tied embedding that reads it) at 8 bits, since its
-    rounding errors are the ones that change the most likely token. bits=8 is int8-weight-only: every
-    linear layer in 8-bit blocks. Each weight is quantized as it is written (quantize/weights.py)."""
-    if lm_head not in INT4_LM_HEADS:
-        raise ValueError(f"unknown int4 LM head precision {lm_head!r}; valid: {', '.join(INT4_LM_HEADS)}")
+    the kernel, so a row's result does not depend on the other rows of a batch. mode "int4": 4-bit blocks, and
+    lm_head="int8" keeps the LM head (and the tied embedding that reads it) at 8 bits, since its rounding errors
+    are the ones that change the most likely token; "int8-weight-only": every linear layer in 8-bit blocks
+    (quantize/weight_only.py WeightOnly). Each weight is quantized as it is written (quantize/weights.py)."""
     source = SourceModel(src)
     model = source.model
-    _check_block_size(model, block_size)
     head = _lm_head(model)
-    assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
-    head_bits = 8 if lm_head == "int8" else bits
     head_node = next((n for n in model.graph.node if head is not None and n.name == head), None)
-    head_block = (
-        block_size if head_node is None else head_block_size(head_bits, block_size, source.dims(head_node.input[1])[0])
-    )
+    head_width = None if head_node is None else source.dims(head_node.input[1])[0]
+    plan = WeightOnly.of(mode, block_size=block_size, lm_head=lm_head, head_width=head_width)
+    _check_block_size(model, block_size)
+    assert head is not None or lm_head == "int4", "found no LM head (a MatMul whose output is a graph output)"
+    bits, head_bits, head_block = plan.bits, plan.head_bits, plan.head_block
     linear, weights = set(_linear_matmuls(model)), {}
     embedding, table = _untied_embedding(model), None
     nodes = []
@@ -404,25 +380,12 @@ def quantize_weight_only(src: Path, dst: Path, *, bits: int, block_size: int = 3
         gather_from_nbits(model, gather, *table, bits=head_bits, block_size=head_block)
     _gather_tied_from_nbits(model)
     write(model, source, dst, weights)
-    untied = {} if table is None else {"embedding": f"int{head_bits}"}
-    return untied | {
-        "mode": "int4" if bits == 4 else "int8-weight-only",
-        "bits": bits,
-        "op": "MatMulNBits",
-        "algorithm": "round to nearest",
-        "block_size": block_size,
-        "lm_head_block_size": head_block,
-        "symmetric": True,
-        "accuracy_level": 4,
-        "lm_head": lm_head,
-        "ops": f"linear MatMuls of the blocks int{bits}; LM head int{head_bits}, and the embedding (the head's "
-        "blocks when tied, its own when not)",
-    }
+    return plan.recipe(embedding_bits=None if table is None else head_bits)
 
 
 def convert_fp16(src: Path, dst: Path) -> dict:
     """onnxruntime's convert_float_to_float16 on the graph; the float weights it converts (in its graph, a
-    type change) are converted as they are written (edgelm/float16.py, shared with export --quantize fp16)."""
+    type change) are converted as they are written (writers/float16.py, shared with export --quantize fp16)."""
     source = SourceModel(src)
     converted, names = half_graph(source.model)
     weights = {}
@@ -443,14 +406,15 @@ class Options:
 
     per_channel: bool = True  # int8: one scale per output channel
     block_size: int = 32  # int4: weights per scale
-    int4_lm_head: str = "int8"  # int4: precision of the LM head and the tied embedding
+    int4_lm_head: str = "int8"  # int4: precision of the LM head and the tied embedding (modes.LM_HEADS)
     calibration: object = None  # static: an onnxruntime CalibrationDataReader (quantize/calibration.py)
-    calibration_method: str = "percentile"  # static: minmax, entropy or percentile
+    calibration_method: str = "percentile"  # static: modes.CALIBRATION_METHODS
 
 
 @dataclass(frozen=True)
 class Recipe:
-    precision: str  # the new package's precision
+    """How a mode of quantize/modes.py's MODES (its precision and help there) is run."""
+
     run: Callable[[Path, Path, Options], dict]  # fp32 model file -> quantized model file; returns the recipe facts
     calibrated: bool = False  # needs calibration text
     kv_dtype: str = "float32"  # the cache's type in the new graph
@@ -458,21 +422,21 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "dynamic": Recipe("int8-dynamic", lambda src, dst, o: quantize_dynamic_int8(src, dst, per_channel=o.per_channel)),
+    "dynamic": Recipe(lambda src, dst, o: quantize_dynamic_int8(src, dst, per_channel=o.per_channel)),
     "static": Recipe(
-        "int8-static",
         lambda src, dst, o: quantize_static_int8(
             src, dst, reader=o.calibration, method=o.calibration_method, per_channel=o.per_channel
         ),
         calibrated=True,
     ),
     "int4": Recipe(
-        "int4",
-        lambda src, dst, o: quantize_weight_only(src, dst, bits=4, block_size=o.block_size, lm_head=o.int4_lm_head),
+        lambda src, dst, o: quantize_weight_only(src, dst, mode="int4", block_size=o.block_size, lm_head=o.int4_lm_head)
     ),
     "int8-weight-only": Recipe(
-        "int8-weight-only",
-        lambda src, dst, o: quantize_weight_only(src, dst, bits=8, block_size=o.block_size, lm_head="int8"),
+        lambda src, dst, o: quantize_weight_only(
+            src, dst, mode="int8-weight-only", block_size=o.block_size, lm_head="int8"
+        )
     ),
-    "fp16": Recipe("fp16", lambda src, dst, o: convert_fp16(src, dst), kv_dtype="float16", evaluated=False),
+    "fp16": Recipe(lambda src, dst, o: convert_fp16(src, dst), kv_dtype="float16", evaluated=False),
 }
+assert list(RECIPES) == list(MODES), "a recipe for every mode of quantize/modes.py, in its order"

@@ -4,7 +4,7 @@ weights computed one tensor at a time as they are written.
 The recipes rewrite the graph (small: nodes and initializer names, types and shapes) and never hold the
 model's weights as a whole. `SourceModel.array` maps one initializer's bytes from the source's
 `model.onnx.data` (a memory map of that tensor's range only, released when the array goes); a new
-initializer is a placeholder (edgelm/onnxfile.py) whose bytes a `Deferred` computes when
+initializer is a placeholder (writers/onnxfile.py) whose bytes a `Deferred` computes when
 `onnxfile.save_model` writes it, so the memory a recipe needs is one weight and its quantized form, not
 the model: the same code for a package of 20 MB or 20 GB, and none of ONNX's 2 GB protobuf limit.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from edgelm.onnxfile import placeholder, save_model
+from edgelm.writers.onnxfile import placeholder, save_model
 
 SLAB_BYTES = 64 << 20  # of a weight read at a time where a recipe can work slab by slab
 

@@ -197,8 +197,8 @@ def external_data_locations(model_path: Path) -> list[str]:
 def check_ranges(model_path: Path, entries: list[ExternalData], files: dict[str, Path]) -> None:
     """Each tensor's byte range must be a number inside its file, and no two may overlap: ONNX Runtime reads
     whatever range it is given, and a file edgelm (or any ONNX saver) writes never shares bytes between tensors.
-    Two tensors may name the same range exactly (edgelm.onnxfile.SameBytes: a tied head's blocks, gathered by
-    the embedding under names of their own). A range without a length (ONNX Runtime then takes the tensor's own
+    Two tensors may name the same range exactly (edgelm.writers.onnxfile.SameBytes: a tied head's blocks, gathered
+    by the embedding under names of their own). A range without a length (ONNX Runtime then takes the tensor's own
     size) is checked for its offset only."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for entry in entries:

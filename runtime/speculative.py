@@ -144,7 +144,7 @@ def row_dependent_operator(model_path: Path) -> str | None:
     - MatMulNBits with accuracy_level >= 2 rounds activations below fp32 (4: to int8, per block) in the kernel: on
       ONNX Runtime 1.32's CPU kernels a step of one row and a step of several round some rows differently (logits
       0.01-0.8 apart, then the caches differ); at accuracy_level 0 (fp32 activations) they agree as fp32 MatMul
-      does (tests/test_speculative.py, on the bundled model quantized). Levels 2 and 3 are kept plain untested.
+      does (tests/runtime/test_speculative.py, on the bundled model quantized). Levels 2 and 3 are kept plain untested.
     - DynamicQuantizeLinear / DynamicQuantizeMatMul take one activation scale over every row of a step."""
     for operator in operators(model_path):
         level = operator.ints.get("accuracy_level", 0)

@@ -1,5 +1,6 @@
-"""The library's import graph: no circle anywhere (edgelm/, export/, quantize/, runtime/, subpackages included);
-the runtime's modules each import alone, one way, and never reach torch, export/ or quantize/.
+"""The library's import graph: no circle anywhere (edgelm/, export/, quantize/, runtime/, writers/, subpackages
+included); the runtime's modules each import alone, one way, and never reach torch, export/ or quantize/; the rooms
+go one way at folder level too (edgelm/ above export/ and quantize/, above writers/, above runtime/).
 
 The decode loop (runtime/decode.py) is shared by Model and Conversation; a circle (model -> chat -> model)
 once hid behind imports inside functions, and two in export/ (families -> gguf -> families, compact_blocks ->
@@ -26,6 +27,17 @@ LIBRARY = {
     "edgelm.export": REPO / "export",
     "edgelm.quantize": REPO / "quantize",
     "edgelm.runtime": REPO / "runtime",
+    "edgelm.writers": REPO / "writers",
+}
+# each room and the rooms it may import, the folders as one graph: the face (edgelm/: the CLI, the server, the cache
+# and `edgelm.load`) on top, then export/ and quantize/ (export may use quantize's torch-free block quantizer,
+# never the reverse), the writers under both, the runtime under everything
+ROOMS = {
+    "edgelm": {"edgelm.export", "edgelm.quantize", "edgelm.writers", "edgelm.runtime"},
+    "edgelm.export": {"edgelm.quantize", "edgelm.writers", "edgelm.runtime"},
+    "edgelm.quantize": {"edgelm.writers", "edgelm.runtime"},
+    "edgelm.writers": {"edgelm.runtime"},
+    "edgelm.runtime": set(),
 }
 
 
@@ -147,6 +159,25 @@ def test_the_library_imports_form_no_circle():
     assert "edgelm.export.families" in graph["edgelm.export.gguf"], "relative imports resolve"
     cycle = find_cycle(graph)
     assert cycle is None, f"library modules import each other in a circle: {' -> '.join(cycle)}"
+
+
+def room(module: str) -> str:
+    """The room a module is in: edgelm.export.graph -> edgelm.export, edgelm.cli.export -> edgelm."""
+    inner = [name for name in ROOMS if name != "edgelm" and (module == name or module.startswith(name + "."))]
+    return inner[0] if inner else "edgelm"
+
+
+def test_the_rooms_import_one_way():
+    graph = library_graph(LIBRARY)
+    assert room("edgelm.writers.onnxfile") == "edgelm.writers" and room("edgelm.cli.quantize") == "edgelm"
+    assert "edgelm.writers.onnxfile" in graph["edgelm.export.onnx_export"], "export's writers are read"
+    wrong = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if room(target) != room(module) and room(target) not in ROOMS[room(module)]
+    )
+    assert not wrong, f"imports against the rooms' direction: {wrong}"
 
 
 def test_the_runtime_imports_form_no_circle():

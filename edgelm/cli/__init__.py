@@ -20,15 +20,14 @@ import textwrap
 import threading
 import warnings
 
-from edgelm.version import __version__
+from edgelm.writers.version import __version__
 
 from . import adapter, cache, chat, export, generate, info, quantize, serve
 from .options import HELP_WIDTH, Parser
-from .quantize import QUANTIZE_MODES
 from .text import printable
 from .words import in_flags
 
-__all__ = ["QUANTIZE_MODES", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 EXAMPLES = """examples:
   edgelm chat SmolLM2-135M-Instruct.Q4_K_M.gguf      (exported into the cache once: edgelm list, edgelm rm)
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         return _import_error(command, e)
     except (ValueError, OSError, RuntimeError) as e:  # EdgelmError subclasses ValueError/FileNotFoundError
         _error(command, str(e) or type(e).__name__)
-    except SystemExit as e:  # SIGTERM while a package was being written (edgelm/package_writer.py), or argparse
+    except SystemExit as e:  # SIGTERM while a package was being written (writers/package_writer.py), or argparse
         if isinstance(e.code, int) and e.code > 128:
             _error(command, "terminated; the partial package was removed")
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from edgelm.export import defaults  # export's defaults, importable without torch
+from edgelm.quantize.modes import EXPORTED, LM_HEADS  # the modes, importable without onnx
 
 from .options import add_command, add_overwrite, finite_at_least, int_in
 
@@ -70,15 +71,15 @@ def add_parser(sub) -> None:
     p.add_argument("--untied", action="store_true", help="store the LM head separately from the token embedding")
     p.add_argument(
         "--quantize",
-        choices=("int4", "int8-weight-only", "fp16"),
+        choices=EXPORTED,
         default=None,
         help="write a weight-only quantized (or half-precision) package directly, tensor by tensor, with no fp32 "
-        "package in between: the recipe of `edgelm quantize --mode int4 / int8-weight-only / fp16`",
+        f"package in between: the recipe of `edgelm quantize --mode {' / '.join(EXPORTED)}`",
     )
     p.add_argument("--block-size", type=int, default=32, help="--quantize: weights per scale (default 32)")
     p.add_argument(
         "--int4-lm-head",
-        choices=("int8", "int4"),
+        choices=LM_HEADS,
         default="int8",
         help="--quantize int4: precision of the LM head and the tied embedding (default int8)",
     )

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import argparse
 
+from edgelm.quantize.modes import CALIBRATION_METHODS, LM_HEADS, MODES, mode_summaries
+
 from .options import add_command, add_json, add_overwrite, add_runtime, int_in, text_file
 from .text import printable, to_json
-
-QUANTIZE_MODES = ("dynamic", "static", "int4", "int8-weight-only", "fp16")  # quantize/quantize.py MODES
-CALIBRATION_METHODS = ("percentile", "entropy", "minmax")
 
 
 def add_parser(sub) -> None:
     p = add_command(
         sub,
         "quantize",
-        help="package -> quantized package (dynamic, static, int4, int8-weight-only, fp16)",
+        help=f"package -> quantized package ({', '.join(MODES)})",
         description="Quantize a package into a new package folder and, given --eval-text, store its accuracy "
         "report against the input package. The output rules are export's.",
         example="edgelm quantize out/fp32 out/int8 --mode dynamic --eval-text data/shakespeare-heldout.txt",
@@ -26,10 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--mode",
         required=True,
-        choices=QUANTIZE_MODES,
-        help="dynamic: int8, activations scaled per call (fast; a row's output can depend on the rest of its batch); "
-        "static: int8 calibrated QDQ (needs --calibration-text); int4: 4-bit blocks; int8-weight-only: 8-bit "
-        "blocks, batch-invariant; fp16: for GPUs",
+        choices=tuple(MODES),
+        help=mode_summaries(),
     )
     _add_calibration(p)
     p.add_argument(
@@ -46,7 +43,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--int4-lm-head",
-        choices=("int8", "int4"),
+        choices=LM_HEADS,
         default="int8",
         help="int4 mode: precision of the LM head and the tied embedding (default int8: more accurate, a little "
         'larger; docs/results.md, "int4: what each lever gave", has the measurements)',

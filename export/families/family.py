@@ -75,7 +75,7 @@ def kept_blocks(blocks: Blocks | None, names: list[str]) -> NBits | None:
 
 
 def head_blocks(blocks: Blocks | None, tied: bool, embedding: str) -> NBits | None:
-    """The LM head's blocks; a tied embedding gathers its rows from them too (edgelm/nbits_gather.py)."""
+    """The LM head's blocks; a tied embedding gathers its rows from them too (writers/nbits_gather.py)."""
     return kept_blocks(blocks, [embedding if tied else "lm_head.weight"])
 
 

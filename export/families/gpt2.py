@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ...package_writer import StagedFiles, check_file_output
+from edgelm.writers.package_writer import StagedFiles, check_file_output
+
 from ...runtime.contract import TOKENIZER_FILE
 from ..checkpoint import (
     CONFIG_FILE,
@@ -141,7 +142,7 @@ def save_checkpoint(
     model: GPT, folder: str | Path, *, extra: dict[str, str] | None = None, overwrite: bool = False
 ) -> None:
     """Write config.json + model.safetensors in Hugging Face GPT-2's layout (loads in transformers), and the
-    `extra` text files (name -> text: a tokenizer), through edgelm/package_writer.py's StagedFiles: a symlinked
+    `extra` text files (name -> text: a tokenizer), through writers/package_writer.py's StagedFiles: a symlinked
     folder or file is refused, an existing file is replaced only with overwrite, and the files appear together."""
     from safetensors.torch import save_file
 

@@ -233,7 +233,7 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * frequency, each (n_positions, rotary_dim/2), times the rotary factor: the caches
     ONNX Runtime's GroupQueryAttention (do_rotary=1, rotary_interleaved=0) takes, as torch computes them; the fused
-    graph computes the same from the frequencies (export/graph.py, tests/test_rotary_tables.py)."""
+    graph computes the same from the frequencies (export/graph.py, tests/export/test_rotary_tables.py)."""
     check_table_memory(n_positions, config.head_dim, "the rotary cos and sin tables, (positions, head_dim / 2) each,")
     inv_freq = rope_inv_freq(config, local=local, long=long)
     angles = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1) * inv_freq  # (P, rotary_dim/2)

@@ -4,6 +4,8 @@ the code uses, carries no measurements, and the option groups commands share rea
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -131,3 +133,17 @@ def test_serve_help_says_what_the_server_does_with_tools_today(capsys):
     text = flat(help_text(capsys, "serve"))
     assert "refused (400) by this build" not in text  # round 4's servers answer tools and response_format
     assert "Tools, tool_choice and response_format" in text
+
+
+def test_quantize_help_reads_the_modes_without_numpy_onnx_or_torch():
+    # the modes' names and help come from quantize/modes.py, which imports nothing
+    code = (
+        "import sys\n"
+        "from edgelm.cli import main\n"
+        "try:\n    main(['quantize', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "loaded = [m for m in ('numpy', 'onnx', 'onnxruntime', 'torch') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "int8-weight-only: 8-bit blocks, batch-invariant" in " ".join(run.stdout.split())

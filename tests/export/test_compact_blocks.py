@@ -167,7 +167,7 @@ def test_runtime_folds_the_unpacking_away(files, tmp_path):
 def test_onnxruntime_genai_runs_a_compact_package(files, level, compact, tmp_path):
     """onnxruntime-genai folds the unpacking too (its sessions optimize at "all" unless told otherwise): llama.cpp's
     Q4_K_M (a Q6_K value beside Q4_K query and key, a Q6_K tied table) gives edgelm's greedy ids; plain, the
-    embedding gathers the tied table through names of its own for the head's bytes (edgelm.onnxfile.SameBytes)."""
+    embedding gathers the tied table through names of its own for the head's bytes (writers/onnxfile.py SameBytes)."""
     export_package(files["Q4_K_M"], tmp_path / "pkg", accuracy_level=level, compact_blocks=compact, progress=quiet)
     genai_options = json.loads((tmp_path / "pkg" / "genai_config.json").read_text())["model"]["decoder"]
     assert genai_options["session_options"]["graph_optimization_level"] == "ORT_ENABLE_ALL"  # folds the blocks

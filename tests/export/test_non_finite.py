@@ -20,10 +20,10 @@ from conftest import make_hf_checkpoint
 from edgelm.cli import main
 from edgelm.export.checkpoint import CheckpointError
 from edgelm.export.onnx_export import export_package
-from edgelm.package_writer import list_files, write_json
 from edgelm.quantize.quantize import quantize_package
 from edgelm.runtime import PackageError
 from edgelm.runtime.contract import MANIFEST_FILE
+from edgelm.writers.package_writer import list_files, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"

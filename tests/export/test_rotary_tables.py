@@ -13,9 +13,9 @@ from edgelm.export.decoder import Rotary
 from edgelm.export.families.llama import decoder
 from edgelm.export.graph import _GraphBuilder, _rotary_tables, build_fused_graph
 from edgelm.export.models.llama import PRESETS, Llama, LlamaConfig, rope_cos_sin, rope_inv_freq, rotary_factor
-from edgelm.float16 import half_graph
-from edgelm.onnxfile import save_model
 from edgelm.runtime.contract import LOGITS_TO_KEEP, IONames
+from edgelm.writers.float16 import half_graph
+from edgelm.writers.onnxfile import save_model
 
 CONTEXT = 1 << 17  # Llama 3's 131072 positions: angles up to 131071 radians
 LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -22,9 +22,9 @@ from helpers import BUNDLED_TOKENIZER, quiet
 from onnx import numpy_helper
 
 from edgelm.export.onnx_export import export_package
-from edgelm.package_writer import list_files
 from edgelm.quantize.quantize import quantize_package
 from edgelm.runtime import PackageError, load
+from edgelm.writers.package_writer import list_files
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "models" / "shakespeare"
@@ -115,8 +115,8 @@ def test_quantized_package_keeps_its_own_weights_in_model_onnx_data(mode, quanti
     and the source folder is left as it was (nothing written beside its model)."""
     import onnx
 
-    from edgelm.onnxfile import ALIGNMENT, INLINE_LIMIT
     from edgelm.runtime.onnx_external import external_data_locations
+    from edgelm.writers.onnxfile import ALIGNMENT, INLINE_LIMIT
 
     package = quantized[mode]
     assert set(external_data_locations(package / "model.onnx")) == {"model.onnx.data"}
@@ -303,12 +303,19 @@ def test_cli_eval_json(fp32_package, quantized):
     assert report["top1_agreement"] > 0.9
 
 
-def test_cli_lists_every_recipe():
-    """The CLI names the modes without importing quantize/ (onnx, the quantizers): it must not drift."""
-    from edgelm.cli import QUANTIZE_MODES
-    from edgelm.quantize.quantize import MODES
+def test_the_cli_offers_the_modes_table():
+    """The CLI's choices are quantize/modes.py's table (which imports nothing), and every mode has a recipe."""
+    from edgelm.cli import build_parser
+    from edgelm.quantize.modes import EXPORTED, LM_HEADS, MODES
+    from edgelm.quantize.quantize import RECIPES
 
-    assert sorted(QUANTIZE_MODES) == sorted(MODES)
+    def choices(command: str, option: str) -> tuple:
+        parser = build_parser().commands[command]
+        return next(tuple(a.choices) for a in parser._actions if option in a.option_strings)
+
+    assert choices("quantize", "--mode") == tuple(MODES) == tuple(RECIPES)
+    assert choices("export", "--quantize") == EXPORTED == ("int4", "int8-weight-only", "fp16")
+    assert choices("quantize", "--int4-lm-head") == choices("export", "--int4-lm-head") == LM_HEADS
 
 
 # ---- hybrids (tests/family_cases.py's "hybrid-state" cases) ------------------------------------------------------

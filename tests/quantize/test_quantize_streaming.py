@@ -354,7 +354,7 @@ def test_eval_text_that_is_not_utf8_is_one_line(fp32_package, tmp_path, monkeypa
 
 
 def test_an_8bit_head_takes_blocks_of_128_where_they_divide_its_inputs() -> None:
-    from edgelm.nbits_gather import head_block_size
+    from edgelm.quantize.weight_only import head_block_size
 
     assert head_block_size(8, 32, 2048) == 128  # Llama-3.2-1B's head: 8.5 bits a weight read, not 10
     assert head_block_size(8, 32, 576) == 32  # SmolLM2's 576 inputs are not whole blocks of 128

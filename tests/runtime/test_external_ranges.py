@@ -11,9 +11,9 @@ from pathlib import Path
 import onnx
 import pytest
 
-from edgelm.package_writer import list_files, write_json
 from edgelm.runtime import PackageError, load
 from edgelm.runtime.onnx_external import external_data
+from edgelm.writers.package_writer import list_files, write_json
 
 
 def resigned_with(package: Path, folder: Path, change) -> Path:

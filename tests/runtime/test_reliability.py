@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from helpers import copy_package, edit_json
 
-from edgelm.package_writer import list_files
 from edgelm.runtime import (
     ContextLengthError,
     EdgelmError,
@@ -34,6 +33,7 @@ from edgelm.runtime import (
 from edgelm.runtime import package as package_module
 from edgelm.runtime import session as session_module
 from edgelm.runtime.onnx_external import external_data_locations
+from edgelm.writers.package_writer import list_files
 
 ORT_INTERNALS = ("[ONNXRuntimeError]", "onnxruntime::", "onnxruntime_src")
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ["pyproject.toml", "README.md", "edgelm", "export", "quantize", "runtime"]  # what the wheel is built from
+# what the wheel is built from
+SOURCES = ["pyproject.toml", "README.md", "edgelm", "export", "quantize", "runtime", "writers"]
 # pip's words for an index it cannot reach (offline machine, no DNS, proxy refusing): skip, do not fail
 NETWORK_ERRORS = (
     "NewConnectionError",

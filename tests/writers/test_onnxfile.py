@@ -1,4 +1,4 @@
-"""edgelm.onnxfile.save_model: weights in model.onnx.data (large tensors at page offsets, small ones in the
+"""edgelm.writers.onnxfile.save_model: weights in model.onnx.data (large tensors at page offsets, small ones in the
 gaps, shape constants inline), from placeholders streamed one array at a time or from a whole model, and
 read back identically by onnx and ONNX Runtime."""
 
@@ -10,7 +10,15 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgelm.onnxfile import ALIGNMENT, INLINE_LIMIT, SMALL_ALIGNMENT, _layout, data_file, placeholder, save_model
+from edgelm.writers.onnxfile import (
+    ALIGNMENT,
+    INLINE_LIMIT,
+    SMALL_ALIGNMENT,
+    _layout,
+    data_file,
+    placeholder,
+    save_model,
+)
 
 # (name, shape): large (at least 4 KiB as float32), small (1 KiB .. 4 KiB) and tiny (inline) tensors, mixed
 SHAPES = [("w0", (96, 200)), ("b0", (300,)), ("w1", (200, 170)), ("s0", (3,)), ("b1", (170,)), ("w2", (170, 96))]

@@ -1,4 +1,4 @@
-"""Output safety by file identity (edgelm/package_writer.py): a bind mount, a symlinked parent or a hard link is the
+"""Output safety by file identity (writers/package_writer.py): a bind mount, a symlinked parent or a hard link is the
 same file as its input whatever the path says; a run killed with SIGKILL leaves a staging folder that the next
 run into the same folder removes (never a live writer's); a 255-character output name can be written."""
 
@@ -19,7 +19,9 @@ import pytest
 from helpers import quiet
 from test_outputs import snapshot, write_fake_package
 
-from edgelm.package_writer import (
+from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
+from edgelm.runtime.package import read_package
+from edgelm.writers.package_writer import (
     OWNER_FILE,
     STAGING_PREFIX,
     StagedOutput,
@@ -29,8 +31,6 @@ from edgelm.package_writer import (
     remove_stale_staging,
     write_json,
 )
-from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
-from edgelm.runtime.package import read_package
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -197,7 +197,7 @@ def test_an_output_name_of_255_characters_can_be_written(package, tmp_path):
 
 
 def test_overwriting_without_an_atomic_swap_leaves_no_staging_folder(tmp_path, monkeypatch):
-    from edgelm import package_writer as outputs
+    from edgelm.writers import package_writer as outputs
 
     monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
     write_fake_package(tmp_path / "pkg", b"old")

@@ -1,4 +1,4 @@
-"""Writing packages never loses anything (edgelm/package_writer.py): random layouts of an input, an output and
+"""Writing packages never loses anything (writers/package_writer.py): random layouts of an input, an output and
 bystander files, with and without overwrite, and failures at any point, checked with hypothesis; then
 export and quantize refusing unsafe outputs before any work, and SIGTERM in the middle of both."""
 
@@ -20,9 +20,9 @@ from helpers import quiet
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from edgelm.package_writer import STAGING_PREFIX, StagedOutput, check_output, list_files, write_json
 from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
 from edgelm.runtime.package import read_package
+from edgelm.writers.package_writer import STAGING_PREFIX, StagedOutput, check_output, list_files, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "data" / "shakespeare-heldout.txt"

@@ -42,8 +42,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from .runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
-from .runtime.package import file_sha256
+from edgelm.runtime.contract import MANIFEST_FILE, MANIFEST_FORMAT
+from edgelm.runtime.package import file_sha256
 
 STAGING_PREFIX = ".edgelm-staging-"  # hidden folders beside the output while a package is written
 OWNER_FILE = "edgelm-staging.json"  # inside each: who writes it (pid, host, start time), for stale-folder cleanup

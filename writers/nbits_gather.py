@@ -11,19 +11,6 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-HEAD_BLOCK_SIZE = 128  # an 8-bit LM head's weights per scale (docs/results.md, "int4: what each lever gave")
-
-
-def head_block_size(bits: int, block_size: int, width: int) -> int:
-    """Weights per scale of a weight-only recipe's LM head (and the embedding that gathers from it) of `width`
-    inputs: an 8-bit head takes blocks of 128 where they divide the width. On the bundled model an 8-bit head in
-    blocks of 128 agrees with fp32 as one in blocks of 32 does (93.30 against 93.34% top-1), and ONNX Runtime's
-    8-bit kernel reads 8.5 bits a weight instead of 10 and runs faster (docs/benchmarks.md, "Real sizes"). A 4-bit
-    head keeps the recipe's block size, as does a recipe whose blocks are already larger."""
-    if bits == 8 and block_size < HEAD_BLOCK_SIZE and width % HEAD_BLOCK_SIZE == 0:
-        return HEAD_BLOCK_SIZE
-    return block_size
-
 
 def _constants(p: str, *, bits: int, n_blocks: int, block_size: int) -> dict[str, np.ndarray]:
     """The initializers the gather's nodes read, named under the prefix p."""

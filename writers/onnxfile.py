@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from edgelm.version import __version__
+from edgelm.writers.version import __version__
 
 INLINE_LIMIT = 1024  # bytes: initializers smaller than this stay inside model.onnx
 ALIGNMENT = 1 << 12  # offset of every tensor of at least this many bytes: a page

@@ -62,5 +62,5 @@ def to_half(shape: tuple[int, ...], rows: Callable[[int, int], np.ndarray]) -> n
 
 
 def _empty(tensor: onnx.TensorProto) -> bool:
-    """A placeholder (edgelm/onnxfile.py): dims and type, no values."""
+    """A placeholder (writers/onnxfile.py): dims and type, no values."""
     return not tensor.raw_data and not tensor.float_data
