@@ -23,6 +23,9 @@ pytestmark = pytest.mark.slow  # the two real GGUF files, exported and run
 
 RECORDED = json.loads((Path(__file__).parents[1] / "data" / "real_files_llamacpp.json").read_text(encoding="utf-8"))
 COMPARED = 16  # tokens compared where the recording agreed for at least this many
+# every such prompt must agree this far, and one all 16: another CPU's int8 path (MLAS on AVX2 against AVX-512 VNNI)
+# rounds its own way and may part at a near tie sooner (SmolLM2's "x = np." at token 9 on an AVX2-only AMD EPYC)
+AGREED_EVERYWHERE = 8
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -45,14 +48,16 @@ def test_a_real_file_exports_with_no_flags_and_its_proof_passes(real):
 def test_a_real_files_greedy_ids_are_llamacpps(real):
     name, _, package, _ = real
     model = load(package, threads=2)
-    compared = 0
+    compared, whole = 0, 0
     for case in RECORDED["files"][name]:
         if case["agreed"] < COMPARED:
             continue
         ids = model.generate(case["prompt_ids"], max_new_tokens=COMPARED, ignore_eos=True).token_ids
-        assert ids == case["llamacpp_ids"][:COMPARED], case["prompt"]
+        assert ids[:AGREED_EVERYWHERE] == case["llamacpp_ids"][:AGREED_EVERYWHERE], case["prompt"]
+        whole += ids == case["llamacpp_ids"][:COMPARED]
         compared += 1
     assert compared >= 2, "the recording has prompts that agree for 16 tokens"
+    assert whole >= 1, f"no prompt gave llama.cpp's {COMPARED} ids"
 
 
 def test_the_prompts_tokenize_as_llamacpp_does(real):
