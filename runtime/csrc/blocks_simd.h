@@ -97,6 +97,11 @@ EB_INLINE __m256i EB_SUFFIX(values_dot)(int type, __m256i u, const int8_t *qx) {
     return EB_SUFFIX(dot_u8)(u, q);
 }
 
+/* The bytes of one block of a legacy type (ggml-common.h's block_q4_0 ... block_q8_0). */
+EB_INLINE int EB_SUFFIX(legacy_bytes)(int type) {
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+}
+
 /* The first four bytes of `count` blocks (d, and m where the block has one) as eight words; none read past the
  * blocks there are. Scalar loads, not a gather: AMD's gathers are microcoded and slow. */
 EB_INLINE __m256i EB_SUFFIX(heads)(const uint8_t *blk, int bytes, int count) {
@@ -116,7 +121,7 @@ EB_INLINE __m256i EB_SUFFIX(heads)(const uint8_t *blk, int bytes, int count) {
 EB_INLINE void EB_SUFFIX(legacy_step)(int type, const uint8_t *blk, int64_t b, int count, const eb_xrow *x, int rows,
                                       __m256 *acc) {
     const int has_min = type == Q4_1 || type == Q5_1;
-    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+    const int bytes = EB_SUFFIX(legacy_bytes)(type);
 #ifdef EB_VNNI
     const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0;
 #else
@@ -147,7 +152,7 @@ EB_INLINE void EB_SUFFIX(legacy_step)(int type, const uint8_t *blk, int64_t b, i
 /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 against `rows` rows of activations, eight blocks a step. */
 EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                       float *out) {
-    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+    const int bytes = EB_SUFFIX(legacy_bytes)(type);
     __m256 acc[EB_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     int64_t b = 0;
