@@ -8,6 +8,7 @@ a display."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -74,6 +75,9 @@ def display(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture
 def app(display):
+    # earlier windows' Tk objects freed now, on the main thread: left to a collection that happens to run in this
+    # test's worker thread, Tcl aborts the process (seen in CI once the tests were reordered by room)
+    gc.collect()
     module = load_app_module()
     root = tkinter.Tk()
     root.geometry("800x500+0+0")
