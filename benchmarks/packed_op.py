@@ -3,12 +3,21 @@ same weights (what a plain package runs: 4 or 8 bits, the type's runs, accuracy_
 
     .venv/bin/python benchmarks/packed_op.py --type Q4_K --n 2048 --k 2048 --m 1 --threads 2
 
-Random blocks (finite float16 scales); prints the median time of a run of each and the bytes each reads a call."""
+Random blocks (finite float16 scales); prints the least disturbed time of a run of each and the bytes each reads a
+call. `--instructions` counts instead the instructions a call executes (valgrind's callgrind over the op run 10 and
+60 times, the difference over 50): a number the machine's load does not move, for comparing kernel changes.
+
+    .venv/bin/python benchmarks/packed_op.py --type Q4_K --m 32 --threads 1 --instructions"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -65,6 +74,22 @@ def timed(sessions: list[ort.InferenceSession], x: np.ndarray, seconds: float) -
     return best
 
 
+def instructions(argv: list[str], which: str) -> float:
+    """Instructions one call of `which` ("ours", "theirs") executes, from two callgrind runs of this script."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    counts = []
+    for calls in (10, 60):
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "callgrind.out")
+            command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__]
+            command += [*argv, "--calls", str(calls), "--only", which]
+            subprocess.run(command, check=True, capture_output=True)
+            summary = re.search(r"^summary:\s+(\d+)", open(out).read(), re.M)
+            counts.append(int(summary.group(1)))
+    return (counts[1] - counts[0]) / 50
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--type", default="Q4_K", choices=sorted(NAMES))
@@ -73,7 +98,17 @@ def main() -> int:
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--instructions", action="store_true", help="count instructions a call (valgrind) instead of timing")
+    p.add_argument("--calls", type=int, help=argparse.SUPPRESS)  # the child of --instructions: run this many calls
+    p.add_argument("--only", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.instructions:
+        argv = [a for a in sys.argv[1:] if a != "--instructions"]
+        ours, theirs = instructions(argv, "ours"), instructions(argv, "theirs")
+        print(f"{args.type} N={args.n} K={args.k} M={args.m} threads={args.threads} (kernels: {native.best_isa()})")
+        print(f"  instructions a call: MatMulPacked {ours / 1e6:.3f} M, MatMulNBits {theirs / 1e6:.3f} M")
+        print(f"  ratio (MatMulNBits / MatMulPacked): {theirs / ours:.2f}x")
+        return 0
     number, rng = NAMES[args.type], np.random.default_rng(0)
     rows = random_rows(number, args.n, args.k, rng)
     x = rng.standard_normal((args.m, args.k)).astype(np.float32)
@@ -103,6 +138,10 @@ def main() -> int:
             helper.make_node("Add", ["blocks", "correction"], ["y"]),
         ]
     theirs = session(nodes, inits, args.k, args.threads, None)
+    if args.calls:
+        for _ in range(args.calls):
+            (ours if args.only == "ours" else theirs).run(None, {"x": x})
+        return 0
     t_ours, t_theirs = timed([ours, theirs], x, args.seconds)
     bytes_ours = rows.nbytes
     bytes_theirs = b.nbytes + scales.nbytes + (0 if offsets is None else offsets.nbytes)
