@@ -17,14 +17,18 @@ typedef struct {
     int16_t sc[16], mn[16];
 } eb_block;
 
-/* One row of quantized activations: int8 values, a scale a group of 32, the sums of each 16 and each 32 values. */
+/* One row of quantized activations: int8 values, the same values interleaved (below), a scale a group of 32, the
+ * sums of each 16 values (int16: |sum| <= 16 * 127) and of each 32. Interleaved: in each run of 256 values (8 groups
+ * of 32), 32-byte vector v holds 4 values of every group, its 32-bit lane l values 4 v .. 4 v + 3 of group l, so a
+ * vector's lanes sum eight groups apart, with no horizontal sums; a row's last run is padded with zeros. */
 typedef struct {
-    const int8_t *q;
+    const int8_t *q, *qi;
     const float *d;
-    const int32_t *s16, *s32;
+    const int16_t *s16;
+    const int32_t *s32;
 } eb_xrow;
 
-#define EB_ROWS 4 /* rows of x a weight row is read for at once (its blocks unpacked once for all of them) */
+#define EB_ROWS 8 /* rows of x a weight row is read for at once (its blocks unpacked once for all of them) */
 
 struct eb_type;
 /* out[r] = row · x[r] for r < rows (1 to EB_ROWS). */
@@ -268,31 +272,44 @@ int eb_best_isa(void) {
     return chosen;
 }
 
-/* The workspace: int8 values (M, K) | float scales (M, K / elems) | int32 sums of 16 values (M, K / 16) | int32
- * sums of 32 (M, K / 32), each part on a cache line of its own. */
+/* The workspace: int8 values (M, K) | interleaved int8 values (M, K rounded up to 256) | float scales (M, K / 32) |
+ * int16 sums of 16 values (M, K / 16) | int32 sums of 32 (M, K / 32), each part on a cache line of its own. */
 typedef struct {
-    int8_t *q;
+    int8_t *q, *qi;
     float *d;
-    int32_t *s16, *s32;
+    int16_t *s16;
+    int32_t *s32;
 } eb_work;
 
 static size_t line(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
-static eb_work work_parts(const eb_type *t, const void *workspace, int64_t m, int64_t k) {
+static int64_t padded(int64_t k) { return (k + 255) / 256 * 256; } /* a row's interleaved values */
+
+/* The parts' sizes, in order, and their total. */
+static size_t work_sizes(int64_t m, int64_t k, size_t *sizes) {
+    sizes[0] = line((size_t)(m * k));
+    sizes[1] = line((size_t)(m * padded(k)));
+    sizes[2] = line((size_t)(m * (k / 32)) * sizeof(float));
+    sizes[3] = line((size_t)(m * (k / 16)) * sizeof(int16_t));
+    sizes[4] = (size_t)(m * (k / 32)) * sizeof(int32_t);
+    return sizes[0] + sizes[1] + sizes[2] + sizes[3] + sizes[4];
+}
+
+static eb_work work_parts(const void *workspace, int64_t m, int64_t k) {
     uint8_t *base = (uint8_t *)workspace;
-    (void)t;
-    size_t q_bytes = line((size_t)(m * k)), d_bytes = line((size_t)(m * (k / 32)) * sizeof(float));
-    size_t s16_bytes = line((size_t)(m * (k / 16)) * sizeof(int32_t));
-    eb_work w = {(int8_t *)base, (float *)(base + q_bytes), (int32_t *)(base + q_bytes + d_bytes),
-                 (int32_t *)(base + q_bytes + d_bytes + s16_bytes)};
+    size_t sizes[5];
+    work_sizes(m, k, sizes);
+    eb_work w = {(int8_t *)base, (int8_t *)(base + sizes[0]), (float *)(base + sizes[0] + sizes[1]),
+                 (int16_t *)(base + sizes[0] + sizes[1] + sizes[2]),
+                 (int32_t *)(base + sizes[0] + sizes[1] + sizes[2] + sizes[3])};
     return w;
 }
 
 size_t eb_workspace_bytes(int type, int64_t m, int64_t k) {
     const eb_type *t = find_type(type);
     if (t == NULL || k <= 0 || k % t->elems != 0 || m <= 0) return 0;
-    return line((size_t)(m * k)) + line((size_t)(m * (k / 32)) * sizeof(float)) +
-           line((size_t)(m * (k / 16)) * sizeof(int32_t)) + (size_t)(m * (k / 32)) * sizeof(int32_t);
+    size_t sizes[5];
+    return work_sizes(m, k, sizes);
 }
 
 /* x to int8 per group of 32: d = amax / 127, q = round_half_even(x * (1 / d)) within +-127; NaN counts as 0. */
@@ -300,7 +317,7 @@ int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *works
                      int64_t row_stop) {
     const eb_type *t = find_type(type);
     if (t == NULL || k <= 0 || k % t->elems != 0 || m <= 0 || row_start < 0 || row_stop > m) return -1;
-    eb_work w = work_parts(t, workspace, m, k);
+    eb_work w = work_parts(workspace, m, k);
     for (int64_t b = row_start * (k / 32); b < row_stop * (k / 32); b++) {
         const float *xb = x + b * 32;
         int8_t *qb = w.q + b * 32;
@@ -322,9 +339,20 @@ int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *works
     for (int64_t g = row_start * (k / 16); g < row_stop * (k / 16); g++) {
         int32_t s = 0;
         for (int i = 0; i < 16; i++) s += w.q[g * 16 + i];
-        w.s16[g] = s;
+        w.s16[g] = (int16_t)s;
     }
     for (int64_t g = row_start * (k / 32); g < row_stop * (k / 32); g++) w.s32[g] = w.s16[2 * g] + w.s16[2 * g + 1];
+    for (int64_t r = row_start; r < row_stop; r++) { /* the interleaved copy (eb_xrow) */
+        const int8_t *q = w.q + r * k;
+        int8_t *qi = w.qi + r * padded(k);
+        for (int64_t run = 0; run < padded(k); run += 256)
+            for (int v = 0; v < 8; v++)
+                for (int l = 0; l < 8; l++)
+                    for (int i = 0; i < 4; i++) {
+                        const int64_t from = run + 32 * l + 4 * v + i; /* group l's value 4 v + i */
+                        qi[run + 32 * v + 4 * l + i] = from < k ? q[from] : 0;
+                    }
+    }
     return 0;
 }
 
@@ -337,7 +365,7 @@ void eb_matmul_rows(int type, int isa, const void *workspace, int64_t m, int64_t
     const eb_type *t = find_type(type);
     if (t == NULL) return;
     eb_dot_fn dot = isa >= 0 && isa < EB_ISA_COUNT && t->dot[isa] != NULL ? t->dot[isa] : dot_scalar;
-    eb_work x = work_parts(t, workspace, m, k);
+    eb_work x = work_parts(workspace, m, k);
     const int64_t nb = k / t->elems, row_bytes = nb * t->bytes;
     eb_xrow rows[EB_ROWS];
     float out[EB_ROWS];
@@ -345,7 +373,8 @@ void eb_matmul_rows(int type, int isa, const void *workspace, int64_t m, int64_t
         const int count = m - i < EB_ROWS ? (int)(m - i) : EB_ROWS;
         for (int r = 0; r < count; r++) {
             const int64_t at = i + r;
-            rows[r] = (eb_xrow){x.q + at * k, x.d + at * (k / 32), x.s16 + at * (k / 16), x.s32 + at * (k / 32)};
+            rows[r] = (eb_xrow){x.q + at * k, x.qi + at * padded(k), x.d + at * (k / 32), x.s16 + at * (k / 16),
+                                x.s32 + at * (k / 32)};
         }
         for (int64_t n = n_start; n < n_stop; n++) {
             dot(t, w + n * row_bytes, nb, rows, count, out);

@@ -26,6 +26,39 @@ EB_INLINE __m256i EB_SUFFIX(scaled_dot)(__m256i acc, __m256i u, __m256i s, __m25
 #endif
 }
 
+/* acc + the products of u and s, four to a lane (dot_u8 accumulated: VNNI's vpdpbusd adds into acc itself). */
+EB_INLINE __m256i EB_SUFFIX(add_dot)(__m256i acc, __m256i u, __m256i s) {
+#ifdef EB_VNNI
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Eight vectors of eight 32-bit lanes transposed in place: lane l of vector c becomes lane c of vector l. So eight
+ * groups of 32 values, a vector each, become the interleaved order of eb_xrow.qi: vector c, lane l = values
+ * 4 c .. 4 c + 3 of group l. 24 shuffles, paid once a block for all the rows of a tile. */
+EB_INLINE void EB_SUFFIX(transpose8)(__m256i *v) {
+    __m256i a[8], b[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);     /* v_i.0 v_i+1.0 v_i.1 v_i+1.1 | the same of 4, 5 */
+        a[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]); /* lanes 2, 3 | 6, 7 */
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 8; i += 4) {
+        b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);         /* lane 0 of v_i .. v_i+3 | lane 4 */
+        b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);     /* lane 1 | 5 */
+        b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]); /* lane 2 | 6 */
+        b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]); /* lane 3 | 7 */
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm256_permute2x128_si256(b[c], b[c + 4], 0x20);
+        v[c + 4] = _mm256_permute2x128_si256(b[c], b[c + 4], 0x31);
+    }
+}
+
 EB_INLINE int32_t EB_SUFFIX(hsum)(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -114,6 +147,15 @@ EB_INLINE __m256i EB_SUFFIX(heads)(const uint8_t *blk, int bytes, int count) {
     return _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
 }
 
+/* The eight lanes of each row's sums to its y (blocks.h's order). */
+EB_INLINE void EB_SUFFIX(totals)(const __m256 *acc, int rows, float *out) {
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        out[r] = lanes_total(lanes);
+    }
+}
+
 /* Blocks b .. b + count - 1 (count <= 8) against `rows` rows of activations, each block unpacked once for all
  * rows, into the rows' lanes. Called with count = 8 for every whole step, so that loop has no conditions, and once
  * with the rest: its other lanes get d = dx = 0 and no products, so they add +0.0, which leaves a lane as it is
@@ -158,30 +200,80 @@ EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, 
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) EB_SUFFIX(legacy_step)(type, row + b * bytes, b, 8, x, rows, acc);
     if (b < nb) EB_SUFFIX(legacy_step)(type, row + b * bytes, b, (int)(nb - b), x, rows, acc);
+    EB_SUFFIX(totals)(acc, rows, out);
+}
+
+/* legacy_step for a tile of rows >= 2: the eight blocks' values transposed once (transpose8), so each row's eight
+ * block sums come out of vertical adds against its interleaved activations (eb_xrow.qi), not a horizontal sum. */
+EB_INLINE void EB_SUFFIX(legacy_tile_step)(int type, const uint8_t *blk, int64_t b, int count, const eb_xrow *x,
+                                           int rows, __m256 *acc) {
+    const int has_min = type == Q4_1 || type == Q5_1;
+    const int bytes = EB_SUFFIX(legacy_bytes)(type);
+#ifdef EB_VNNI
+    const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0;
+    const int sign = 0;
+#else
+    const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+    const int sign = type == Q8_0; /* maddubs on |w|, and q with w's sign (values_dot) */
+#endif
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i u[8], w[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) u[j] = j < count ? EB_SUFFIX(legacy_values)(type, blk + j * bytes) : _mm256_setzero_si256();
+    EB_SUFFIX(transpose8)(u);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        w[c] = u[c];
+        if (sign) u[c] = _mm256_sign_epi8(u[c], u[c]);
+    }
+    const __m256i heads = EB_SUFFIX(heads)(blk, bytes, count);
+    const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
     for (int r = 0; r < rows; r++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        out[r] = lanes_total(lanes);
+        const int8_t *q = x[r].qi + 32 * b; /* b is a multiple of 8: the run of 256 values of blocks b .. b + 7 */
+        __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m256i qc = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            isum = EB_SUFFIX(add_dot)(isum, u[c], sign ? _mm256_sign_epi8(qc, w[c]) : qc);
+        }
+        const __m256i sx = count == 8 ? _mm256_loadu_si256((const __m256i *)(x[r].s32 + b))
+                                      : _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
+        if (zero) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sx, zero == 8 ? 3 : zero == 16 ? 4 : 7)); /* zero sx */
+        const __m256 dxv = count == 8 ? _mm256_loadu_ps(x[r].d + b) : _mm256_maskload_ps(x[r].d + b, mask);
+        __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
+        if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
+        acc[r] = _mm256_add_ps(acc[r], term);
     }
 }
 
-/* One specialised loop a type and a count of rows (1 to EB_ROWS). */
-#define EB_BY_ROWS(body, first, row, nb, x, rows, out) \
-    switch (rows) {                                     \
-    case 1: body(first, row, nb, x, 1, out); break;     \
-    case 2: body(first, row, nb, x, 2, out); break;     \
-    case 3: body(first, row, nb, x, 3, out); break;     \
-    default: body(first, row, nb, x, 4, out); break;    \
-    }
+/* legacy_body for a tile of 2 to EB_ROWS rows. */
+EB_INLINE void EB_SUFFIX(legacy_tile)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                      float *out) {
+    const int bytes = EB_SUFFIX(legacy_bytes)(type);
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) EB_SUFFIX(legacy_tile_step)(type, row + b * bytes, b, 8, x, rows, acc);
+    if (b < nb) EB_SUFFIX(legacy_tile_step)(type, row + b * bytes, b, (int)(nb - b), x, rows, acc);
+    EB_SUFFIX(totals)(acc, rows, out);
+}
+
+/* One specialised loop a type: a row at a time (decode: the blocks as they are, horizontal sums) or a tile of 2 to
+ * EB_ROWS rows (prompts: the blocks transposed once for all the tile's rows). */
+#define EB_BY_ROWS(body, tile, first, row, nb, x, rows, out) \
+    if (rows == 1)                                          \
+        body(first, row, nb, x, 1, out);                    \
+    else                                                    \
+        tile(first, row, nb, x, rows, out);
 
 static void EB_SUFFIX(dot_legacy)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                   float *out) {
     switch (t->type) {
-    case Q4_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q4_0, row, nb, x, rows, out) break;
-    case Q4_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q4_1, row, nb, x, rows, out) break;
-    case Q5_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q5_0, row, nb, x, rows, out) break;
-    case Q5_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q5_1, row, nb, x, rows, out) break;
-    default: EB_BY_ROWS(EB_SUFFIX(legacy_body), Q8_0, row, nb, x, rows, out) break;
+    case Q4_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q4_0, row, nb, x, rows, out) break;
+    case Q4_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q4_1, row, nb, x, rows, out) break;
+    case Q5_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q5_0, row, nb, x, rows, out) break;
+    case Q5_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q5_1, row, nb, x, rows, out) break;
+    default: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q8_0, row, nb, x, rows, out) break;
     }
 }
 
@@ -193,32 +285,39 @@ EB_INLINE __m256 EB_SUFFIX(k_term)(__m256i isum, __m256i msum, float d, float mf
     return term;
 }
 
+/* A Q4_K / Q5_K super-block's eight groups of 32 values as bytes (u[j]: group j), its scales and minimums (int32
+ * lanes 0-7). */
+EB_INLINE void EB_SUFFIX(k4_values)(int five, const uint8_t *blk, __m256i *u, __m256i *scales, __m256i *mins) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    const uint8_t *qs = blk + (five ? 48 : 16);
+    uint32_t words[4];
+    scale_words(blk + 4, words);
+    const __m128i packed = _mm_setr_epi32((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
+    *scales = _mm256_cvtepu8_epi32(packed);                  /* sc 0-7 */
+    *mins = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)); /* mn 0-7 */
+    const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 4; pair++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if (five) {
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair + 1), one), 4));
+        }
+        u[2 * pair] = lo;
+        u[2 * pair + 1] = hi;
+    }
+}
+
 /* Q4_K, Q5_K: super-blocks of 256, eight runs of 32 with 6-bit scales and minimums: group j is run j. */
 EB_INLINE void EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows, float *out) {
     const int bytes = five ? 176 : 144;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256 acc[EB_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bytes, *qs = blk + (five ? 48 : 16);
-        uint32_t words[4];
-        scale_words(blk + 4, words);
-        const __m128i packed = _mm_setr_epi32((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
-        const __m256i scales = _mm256_cvtepu8_epi32(packed);                  /* sc 0-7 */
-        const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)); /* mn 0-7 */
-        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        __m256i u[8];
-#pragma GCC unroll 4
-        for (int pair = 0; pair < 4; pair++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
-            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            if (five) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * pair + 1), one), 4));
-            }
-            u[2 * pair] = lo;
-            u[2 * pair + 1] = hi;
-        }
+        const uint8_t *blk = row + b * bytes;
+        __m256i u[8], scales, mins;
+        EB_SUFFIX(k4_values)(five, blk, u, &scales, &mins);
         const float d = EB_SUFFIX(f16)(blk), mf = -EB_SUFFIX(f16)(blk + 2);
         for (int r = 0; r < rows; r++) {
             const int8_t *q = x[r].q + 256 * b;
@@ -230,11 +329,56 @@ EB_INLINE void EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, cons
             acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, msum, d, mf, 1, x[r].d + 8 * b));
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        out[r] = lanes_total(lanes);
+    EB_SUFFIX(totals)(acc, rows, out);
+}
+
+/* k4_body for a tile of 2 to EB_ROWS rows: the groups transposed once (transpose8), each lane's run scale folded
+ * into the pair sums (madd by the scale, not by 1), so a row's eight scaled sums are vertical adds. */
+EB_INLINE void EB_SUFFIX(k4_tile)(int five, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows, float *out) {
+    const int bytes = five ? 176 : 144;
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bytes;
+        __m256i u[8], scales, mins;
+        EB_SUFFIX(k4_values)(five, blk, u, &scales, &mins);
+        EB_SUFFIX(transpose8)(u);
+        const __m256i scale = _mm256_or_si256(scales, _mm256_slli_epi32(scales, 16)); /* lane l: sc l, twice, int16 */
+        const float d = EB_SUFFIX(f16)(blk), mf = -EB_SUFFIX(f16)(blk + 2);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = x[r].qi + 256 * b;
+            __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                isum = EB_SUFFIX(scaled_dot)(isum, u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)), scale);
+            const __m256i msum = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(x[r].s32 + 8 * b)));
+            acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, msum, d, mf, 1, x[r].d + 8 * b));
+        }
     }
+    EB_SUFFIX(totals)(acc, rows, out);
+}
+
+/* A Q6_K super-block's eight groups of 32 values q (u[c]: group c, before the - 32) as bytes. */
+EB_INLINE void EB_SUFFIX(q6_k_values)(const uint8_t *blk, __m256i *u) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    const uint8_t *ql = blk, *qh = blk + 128;
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+#pragma GCC unroll 4
+        for (int slot = 0; slot < 4; slot++) { /* group 4 h + slot: elements 128 h + 32 slot .. + 31 */
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(slot % 2 ? l1 : l0, 4 * (slot / 2)), low4);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * slot), low2);
+            u[4 * h + slot] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+        }
+    }
+}
+
+/* 32 sum(x) of each group's two runs times their scales (the - 32 of the values): lane g for group g. scales: the
+ * int16 scales 0-15 in order; s16: the row's int16 sums of 16 for this super-block. */
+EB_INLINE __m256i EB_SUFFIX(q6_k_offsets)(__m256i scales, const int16_t *s16) {
+    return _mm256_slli_epi32(_mm256_madd_epi16(scales, _mm256_loadu_si256((const __m256i *)s16)), 5);
 }
 
 /* Q6_K: super-blocks of 256, sixteen runs of 16 with int8 scales, two runs a group of 32; values q - 32 as q times
@@ -242,32 +386,18 @@ EB_INLINE void EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, cons
 EB_INLINE void EB_SUFFIX(q6_k_body)(int unused, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                     float *out) {
     (void)unused;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's lanes back in order */
     __m256 acc[EB_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m256i scales = _mm256_cvtepi8_epi16(sc8); /* int16 scales 0-15, two to a 32-bit word */
-        const __m256i sc_lo = _mm256_cvtepi8_epi32(sc8), sc_hi = _mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8));
+        const uint8_t *blk = row + b * 210;
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))); /* int16 0-15 */
         __m256i u[8], scale[8];
-        for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-#pragma GCC unroll 4
-            for (int slot = 0; slot < 4; slot++) { /* group c = 4 h + slot: elements 128 h + 32 slot .. + 31 */
-                const int c = 4 * h + slot;
-                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(slot % 2 ? l1 : l0, 4 * (slot / 2)), low4);
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * slot), low2);
-                u[c] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-                /* runs 2 c (lanes 0-3) and 2 c + 1 (lanes 4-7): word c of the scales, then its halves */
-                scale[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(c)), split);
-            }
-        }
+        EB_SUFFIX(q6_k_values)(blk, u);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) /* runs 2 c (lanes 0-3) and 2 c + 1 (lanes 4-7): word c of the scales, halved */
+            scale[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(c)), split);
         const float d = EB_SUFFIX(f16)(blk + 208);
         for (int r = 0; r < rows; r++) {
             const int8_t *q = x[r].q + 256 * b;
@@ -276,32 +406,57 @@ EB_INLINE void EB_SUFFIX(q6_k_body)(int unused, const uint8_t *row, int64_t nb, 
             for (int c = 0; c < 8; c++)
                 p[c] = EB_SUFFIX(scaled_dot)(_mm256_setzero_si256(), u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)),
                                              scale[c]);
-            /* 32 sum(x) of each run times its scale, the two runs of a group added: in group order */
-            const __m256i off_lo = _mm256_mullo_epi32(sc_lo, _mm256_loadu_si256((const __m256i *)(x[r].s16 + 16 * b)));
-            const __m256i off_hi = _mm256_mullo_epi32(sc_hi, _mm256_loadu_si256((const __m256i *)(x[r].s16 + 16 * b + 8)));
-            const __m256i off = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(off_lo, off_hi), order);
-            const __m256i isum = _mm256_sub_epi32(EB_SUFFIX(hsum8)(p), _mm256_slli_epi32(off, 5));
+            const __m256i isum = _mm256_sub_epi32(EB_SUFFIX(hsum8)(p), EB_SUFFIX(q6_k_offsets)(scales, x[r].s16 + 16 * b));
             acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, isum, d, 0.0f, 0, x[r].d + 8 * b));
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        out[r] = lanes_total(lanes);
+    EB_SUFFIX(totals)(acc, rows, out);
+}
+
+/* q6_k_body for a tile of 2 to EB_ROWS rows: the groups transposed once; vectors 0-3 of a group are its first run
+ * of 16 (values 0-15), 4-7 its second, so two scale vectors (lane l: run 2 l's scale, or 2 l + 1's) fold the
+ * scales into the pair sums. */
+EB_INLINE void EB_SUFFIX(q6_k_tile)(int unused, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
+                                    float *out) {
+    (void)unused;
+    const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                           0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi8(2));
+    __m256 acc[EB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 210;
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))); /* int16 0-15 */
+        const __m256i scale0 = _mm256_shuffle_epi8(scales, first), scale1 = _mm256_shuffle_epi8(scales, second);
+        __m256i u[8];
+        EB_SUFFIX(q6_k_values)(blk, u);
+        EB_SUFFIX(transpose8)(u);
+        const float d = EB_SUFFIX(f16)(blk + 208);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = x[r].qi + 256 * b;
+            __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                isum = EB_SUFFIX(scaled_dot)(isum, u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)),
+                                             c < 4 ? scale0 : scale1);
+            isum = _mm256_sub_epi32(isum, EB_SUFFIX(q6_k_offsets)(scales, x[r].s16 + 16 * b));
+            acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, isum, d, 0.0f, 0, x[r].d + 8 * b));
+        }
     }
+    EB_SUFFIX(totals)(acc, rows, out);
 }
 
 static void EB_SUFFIX(dot_k4)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                               float *out) {
     if (t->type == Q5_K) {
-        EB_BY_ROWS(EB_SUFFIX(k4_body), 1, row, nb, x, rows, out)
+        EB_BY_ROWS(EB_SUFFIX(k4_body), EB_SUFFIX(k4_tile), 1, row, nb, x, rows, out)
     } else {
-        EB_BY_ROWS(EB_SUFFIX(k4_body), 0, row, nb, x, rows, out)
+        EB_BY_ROWS(EB_SUFFIX(k4_body), EB_SUFFIX(k4_tile), 0, row, nb, x, rows, out)
     }
 }
 
 static void EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                 float *out) {
     (void)t;
-    EB_BY_ROWS(EB_SUFFIX(q6_k_body), 0, row, nb, x, rows, out)
+    EB_BY_ROWS(EB_SUFFIX(q6_k_body), EB_SUFFIX(q6_k_tile), 0, row, nb, x, rows, out)
 }

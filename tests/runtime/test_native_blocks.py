@@ -73,7 +73,7 @@ def check_rows(kind: Q, rows: np.ndarray, x: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 5, 8])  # tiles of 4 rows: one short, one and a remainder, two
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 13])  # a row; tiles of 8 rows: short ones, one, one and a row, one and 5
 def test_random_blocks_match_reference(kernels, kind: Q, m: int):
     rng = np.random.default_rng([int(kind), m])
     elems = GGML_QUANT_SIZES[kind][0]
