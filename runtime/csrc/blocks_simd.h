@@ -35,6 +35,38 @@ EB_INLINE __m256i EB_SUFFIX(add_dot)(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* The tile kernels' integer sums: vectors u[first] .. u[first + count - 1] times the activations' vectors of the
+ * same index (four products a lane), times `scale` (int32 lanes; scaled = 0: no scale). AVX2 adds `chunk`
+ * maddubs' int16 pair sums before one madd by the scale (chunk times the largest pair sum must fit int16: the
+ * caller's bound from its values' range), VNNI sums with vpdpbusd and multiplies once. `signs` (AVX2, Q8_0): u is
+ * |w| and each activation vector takes the sign of signs[c] (values_dot). */
+EB_INLINE __m256i EB_SUFFIX(lane_dots)(const __m256i *u, const __m256i *signs, const int8_t *q, int first, int count,
+                                       int chunk, __m256i scale, int scaled) {
+    __m256i sum = _mm256_setzero_si256();
+#ifdef EB_VNNI
+    (void)signs, (void)chunk;
+#pragma GCC unroll 8
+    for (int c = first; c < first + count; c++)
+        sum = _mm256_dpbusd_epi32(sum, u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+    return scaled ? _mm256_mullo_epi32(sum, scale) : sum;
+#else
+    /* each lane's scale (|scale| < 2^15) as both int16 halves: the low half as it is, the high half shifted up */
+    const __m256i scale16 = scaled ? _mm256_blend_epi16(scale, _mm256_slli_epi32(scale, 16), 0xaa) : _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int c = first; c < first + count; c += chunk) {
+        __m256i pairs = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = c; i < c + chunk; i++) {
+            __m256i qc = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+            if (signs != NULL) qc = _mm256_sign_epi8(qc, signs[i]);
+            pairs = i == c ? _mm256_maddubs_epi16(u[i], qc) : _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[i], qc));
+        }
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, scale16));
+    }
+    return sum;
+#endif
+}
+
 /* Eight vectors of eight 32-bit lanes transposed in place: lane l of vector c becomes lane c of vector l. So eight
  * groups of 32 values, a vector each, become the interleaved order of eb_xrow.qi: vector c, lane l = values
  * 4 c .. 4 c + 3 of group l. 24 shuffles, paid once a block for all the rows of a tile. */
@@ -217,6 +249,8 @@ EB_INLINE void EB_SUFFIX(legacy_tile_step)(int type, const uint8_t *blk, int64_t
     const int sign = type == Q8_0; /* maddubs on |w|, and q with w's sign (values_dot) */
 #endif
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    /* maddubs' pair sums that add within int16: 8 of Q4's (<= 2 * 15 * 127), 4 of Q5's, 1 of Q8_0's */
+    const int chunk = type == Q8_0 ? 1 : type == Q4_0 || type == Q4_1 ? 8 : 4;
     __m256i u[8], w[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) u[j] = j < count ? EB_SUFFIX(legacy_values)(type, blk + j * bytes) : _mm256_setzero_si256();
@@ -229,13 +263,8 @@ EB_INLINE void EB_SUFFIX(legacy_tile_step)(int type, const uint8_t *blk, int64_t
     const __m256i heads = EB_SUFFIX(heads)(blk, bytes, count);
     const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
     for (int r = 0; r < rows; r++) {
-        const int8_t *q = x[r].qi + 32 * b; /* b is a multiple of 8: the run of 256 values of blocks b .. b + 7 */
-        __m256i isum = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) {
-            const __m256i qc = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-            isum = EB_SUFFIX(add_dot)(isum, u[c], sign ? _mm256_sign_epi8(qc, w[c]) : qc);
-        }
+        /* b is a multiple of 8: the run of 256 interleaved values of blocks b .. b + 7 */
+        __m256i isum = EB_SUFFIX(lane_dots)(u, sign ? w : NULL, x[r].qi + 32 * b, 0, 8, chunk, u[0], 0);
         const __m256i sx = count == 8 ? _mm256_loadu_si256((const __m256i *)(x[r].s32 + b))
                                       : _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
         if (zero) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sx, zero == 8 ? 3 : zero == 16 ? 4 : 7)); /* zero sx */
@@ -333,7 +362,7 @@ EB_INLINE void EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, cons
 }
 
 /* k4_body for a tile of 2 to EB_ROWS rows: the groups transposed once (transpose8), each lane's run scale folded
- * into the pair sums (madd by the scale, not by 1), so a row's eight scaled sums are vertical adds. */
+ * into the sums (lane_dots), so a row's eight scaled sums are vertical adds. */
 EB_INLINE void EB_SUFFIX(k4_tile)(int five, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows, float *out) {
     const int bytes = five ? 176 : 144;
     __m256 acc[EB_ROWS];
@@ -343,14 +372,10 @@ EB_INLINE void EB_SUFFIX(k4_tile)(int five, const uint8_t *row, int64_t nb, cons
         __m256i u[8], scales, mins;
         EB_SUFFIX(k4_values)(five, blk, u, &scales, &mins);
         EB_SUFFIX(transpose8)(u);
-        const __m256i scale = _mm256_or_si256(scales, _mm256_slli_epi32(scales, 16)); /* lane l: sc l, twice, int16 */
         const float d = EB_SUFFIX(f16)(blk), mf = -EB_SUFFIX(f16)(blk + 2);
         for (int r = 0; r < rows; r++) {
-            const int8_t *q = x[r].qi + 256 * b;
-            __m256i isum = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; c++)
-                isum = EB_SUFFIX(scaled_dot)(isum, u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)), scale);
+            /* pair sums <= 2 * 15 * 127 (Q4_K: 8 add within int16) or 2 * 31 * 127 (Q5_K: 4) */
+            const __m256i isum = EB_SUFFIX(lane_dots)(u, NULL, x[r].qi + 256 * b, 0, 8, five ? 4 : 8, scales, 1);
             const __m256i msum = _mm256_mullo_epi32(mins, _mm256_loadu_si256((const __m256i *)(x[r].s32 + 8 * b)));
             acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, msum, d, mf, 1, x[r].d + 8 * b));
         }
@@ -419,26 +444,22 @@ EB_INLINE void EB_SUFFIX(q6_k_body)(int unused, const uint8_t *row, int64_t nb, 
 EB_INLINE void EB_SUFFIX(q6_k_tile)(int unused, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                     float *out) {
     (void)unused;
-    const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                           0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-    const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi8(2));
     __m256 acc[EB_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210;
         const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))); /* int16 0-15 */
-        const __m256i scale0 = _mm256_shuffle_epi8(scales, first), scale1 = _mm256_shuffle_epi8(scales, second);
+        /* lane l: run 2 l's scale (the group's values 0-15), run 2 l + 1's (16-31), as int32 */
+        const __m256i scale0 = _mm256_srai_epi32(_mm256_slli_epi32(scales, 16), 16), scale1 = _mm256_srai_epi32(scales, 16);
         __m256i u[8];
         EB_SUFFIX(q6_k_values)(blk, u);
         EB_SUFFIX(transpose8)(u);
         const float d = EB_SUFFIX(f16)(blk + 208);
         for (int r = 0; r < rows; r++) {
             const int8_t *q = x[r].qi + 256 * b;
-            __m256i isum = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; c++)
-                isum = EB_SUFFIX(scaled_dot)(isum, u[c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)),
-                                             c < 4 ? scale0 : scale1);
+            /* pair sums <= 2 * 63 * 127: 2 add within int16 */
+            __m256i isum = _mm256_add_epi32(EB_SUFFIX(lane_dots)(u, NULL, q, 0, 4, 2, scale0, 1),
+                                            EB_SUFFIX(lane_dots)(u, NULL, q, 4, 4, 2, scale1, 1));
             isum = _mm256_sub_epi32(isum, EB_SUFFIX(q6_k_offsets)(scales, x[r].s16 + 16 * b));
             acc[r] = _mm256_add_ps(acc[r], EB_SUFFIX(k_term)(isum, isum, d, 0.0f, 0, x[r].d + 8 * b));
         }

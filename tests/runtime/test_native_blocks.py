@@ -107,6 +107,22 @@ def test_edge_activations(kernels):
         check_rows(kind, rows, x)
 
 
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_extreme_sums(kernels, kind: Q):
+    """Every weight at its largest magnitude against activations of +-127: the prompt tiles add several maddubs'
+    int16 pair sums before widening (blocks_simd.h lane_dots), and this is where they would overflow."""
+    k = 512
+    rows = random_rows(kind, 5, k, np.random.default_rng(1))
+    size = GGML_QUANT_SIZES[kind][1]
+    halves = {at + i for at in HALVES[kind] for i in (0, 1)}
+    body = [i for i in range(size) if i not in halves]  # every byte but the float16 factors
+    blocks = rows.reshape(-1, size)
+    blocks[:, body] = 0x80 if kind == Q.Q8_0 else 0xFF  # Q8_0: -128; the others: every value, scale, bit at its top
+    x = np.ones((9, k), np.float32)
+    x[1::2] = -1.0
+    check_rows(kind, blocks.reshape(rows.shape), x)
+
+
 def test_bad_shapes_are_refused(kernels):
     rows = np.zeros((4, 18), np.uint8)
     with pytest.raises(ValueError, match="not K=64"):
