@@ -28,7 +28,7 @@ typedef struct {
     const int32_t *s32;
 } eb_xrow;
 
-#define EB_ROWS 8 /* rows of x a weight row is read for at once (its blocks unpacked once for all of them) */
+#define EB_ROWS 16 /* rows of x a weight row is read for at once (its blocks unpacked once for all of them) */
 
 struct eb_type;
 /* out[r] = row · x[r] for r < rows (1 to EB_ROWS). */

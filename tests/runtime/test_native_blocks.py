@@ -73,7 +73,7 @@ def check_rows(kind: Q, rows: np.ndarray, x: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 13])  # a row; tiles of 8 rows: short ones, one, one and a row, one and 5
+@pytest.mark.parametrize("m", [1, 2, 9, 16, 17, 21])  # a row; 16-row tiles: short, one, one and 1, one and 5
 def test_random_blocks_match_reference(kernels, kind: Q, m: int):
     rng = np.random.default_rng([int(kind), m])
     elems = GGML_QUANT_SIZES[kind][0]
@@ -118,7 +118,7 @@ def test_extreme_sums(kernels, kind: Q):
     body = [i for i in range(size) if i not in halves]  # every byte but the float16 factors
     blocks = rows.reshape(-1, size)
     blocks[:, body] = 0x80 if kind == Q.Q8_0 else 0xFF  # Q8_0: -128; the others: every value, scale, bit at its top
-    x = np.ones((9, k), np.float32)
+    x = np.ones((19, k), np.float32)  # a tile of 16 rows and 3 more
     x[1::2] = -1.0
     check_rows(kind, blocks.reshape(rows.shape), x)
 
