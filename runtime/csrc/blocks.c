@@ -206,6 +206,7 @@ static void dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const e
 #undef EB_SUFFIX
 #undef EB_VNNI
 #undef EB_BY_ROWS
+#undef EB_LOOPS
 #pragma GCC pop_options
 #define EB_SIMD(name) {dot_scalar, name##_avx2, name##_vnni}
 #else

@@ -2,7 +2,10 @@
  * AVX2 (maddubs + madd) and AVX-512 VNNI (vpdpbusd / vpdpwssd on 256-bit vectors). Integer sums inside a block,
  * then the reference's float arithmetic in its order (blocks.h): the legacy types eight blocks at a time in the
  * eight lanes of one float vector, the K-quants one super-block at a time into the same lanes. So the result
- * equals dot_scalar's bit for bit. Little-endian hosts (the x86 ones these paths are for). */
+ * equals dot_scalar's bit for bit. Two loops a type: a single row of x (decode) sums each group's vector
+ * horizontally; a tile of 2 to EB_ROWS rows (a prompt) transposes the eight groups' values once (transpose8) and
+ * reads the activations interleaved (eb_xrow.qi), so each row's eight group sums are vertical adds (lane_dots).
+ * Little-endian hosts (the x86 ones these paths are for). */
 
 #define EB_INLINE static inline __attribute__((always_inline))
 
@@ -23,15 +26,6 @@ EB_INLINE __m256i EB_SUFFIX(scaled_dot)(__m256i acc, __m256i u, __m256i s, __m25
     return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), scale);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale));
-#endif
-}
-
-/* acc + the products of u and s, four to a lane (dot_u8 accumulated: VNNI's vpdpbusd adds into acc itself). */
-EB_INLINE __m256i EB_SUFFIX(add_dot)(__m256i acc, __m256i u, __m256i s) {
-#ifdef EB_VNNI
-    return _mm256_dpbusd_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -169,14 +163,22 @@ EB_INLINE int EB_SUFFIX(legacy_bytes)(int type) {
 
 /* The first four bytes of `count` blocks (d, and m where the block has one) as eight words; none read past the
  * blocks there are. Scalar loads, not a gather: AMD's gathers are microcoded and slow. */
-EB_INLINE __m256i EB_SUFFIX(heads)(const uint8_t *blk, int bytes, int count) {
+EB_INLINE __m256i EB_SUFFIX(heads)(const uint8_t *blk, int bytes, int count, int has_min) {
     int32_t w[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         w[j] = 0;
         if (j < count) memcpy(&w[j], blk + j * bytes, 4);
     }
-    return _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
+    if (!has_min) return _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
+    /* Q4_1, Q5_1 (both halves read): GCC 12 builds the setr above from scalar shifts and ors whose registers
+     * crowded their single-row loop (Q4_1 1.66 M instructions a call became 2.07 M); vector moves instead */
+    __m128i v[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) v[j] = _mm_cvtsi32_si128(w[j]);
+    const __m256i pairs0 = _mm256_set_m128i(_mm_unpacklo_epi32(v[4], v[5]), _mm_unpacklo_epi32(v[0], v[1]));
+    const __m256i pairs1 = _mm256_set_m128i(_mm_unpacklo_epi32(v[6], v[7]), _mm_unpacklo_epi32(v[2], v[3]));
+    return _mm256_unpacklo_epi64(pairs0, pairs1); /* words 0-3 | 4-7 */
 }
 
 /* The eight lanes of each row's sums to its y (blocks.h's order). */
@@ -205,7 +207,7 @@ EB_INLINE void EB_SUFFIX(legacy_step)(int type, const uint8_t *blk, int64_t b, i
     __m256i u[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) u[j] = j < count ? EB_SUFFIX(legacy_values)(type, blk + j * bytes) : _mm256_setzero_si256();
-    const __m256i heads = EB_SUFFIX(heads)(blk, bytes, count);
+    const __m256i heads = EB_SUFFIX(heads)(blk, bytes, count, has_min);
     const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
     for (int r = 0; r < rows; r++) {
         __m256i p[8];
@@ -227,7 +229,7 @@ EB_INLINE void EB_SUFFIX(legacy_step)(int type, const uint8_t *blk, int64_t b, i
 EB_INLINE void EB_SUFFIX(legacy_body)(int type, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                       float *out) {
     const int bytes = EB_SUFFIX(legacy_bytes)(type);
-    __m256 acc[EB_ROWS];
+    __m256 acc[1]; /* rows = 1 (EB_LOOPS): an array that small stays in a register */
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) EB_SUFFIX(legacy_step)(type, row + b * bytes, b, 8, x, rows, acc);
@@ -260,7 +262,7 @@ EB_INLINE void EB_SUFFIX(legacy_tile_step)(int type, const uint8_t *blk, int64_t
         w[c] = u[c];
         if (sign) u[c] = _mm256_sign_epi8(u[c], u[c]);
     }
-    const __m256i heads = EB_SUFFIX(heads)(blk, bytes, count);
+    const __m256i heads = EB_SUFFIX(heads)(blk, bytes, count, has_min);
     const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
     for (int r = 0; r < rows; r++) {
         /* b is a multiple of 8: the run of 256 interleaved values of blocks b .. b + 7 */
@@ -287,22 +289,38 @@ EB_INLINE void EB_SUFFIX(legacy_tile)(int type, const uint8_t *row, int64_t nb, 
     EB_SUFFIX(totals)(acc, rows, out);
 }
 
-/* One specialised loop a type: a row at a time (decode: the blocks as they are, horizontal sums) or a tile of 2 to
- * EB_ROWS rows (prompts: the blocks transposed once for all the tile's rows). */
-#define EB_BY_ROWS(body, tile, first, row, nb, x, rows, out) \
-    if (rows == 1)                                          \
-        body(first, row, nb, x, 1, out);                    \
-    else                                                    \
-        tile(first, row, nb, x, rows, out);
+/* One specialised loop a type and a way: a row at a time (decode: the blocks as they are, horizontal sums) or a
+ * tile of 2 to EB_ROWS rows (prompts: the blocks transposed once for all the tile's rows); each its own function, so
+ * the compiler allocates one loop's registers without the other's (together, Q4_1's single row spilled). */
+#define EB_LOOPS(name, body, tile, first)                                                                        \
+    static __attribute__((noinline)) void EB_SUFFIX(name##_decode)(const uint8_t *row, int64_t nb, const eb_xrow *x, \
+                                                                float *out) {                                  \
+        body(first, row, nb, x, 1, out);                                                                        \
+    }                                                                                                           \
+    static __attribute__((noinline)) void EB_SUFFIX(name##_prompt)(const uint8_t *row, int64_t nb, const eb_xrow *x, \
+                                                                 int rows, float *out) {                        \
+        tile(first, row, nb, x, rows, out);                                                                     \
+    }
+#define EB_BY_ROWS(name, row, nb, x, rows, out) \
+    if (rows == 1)                               \
+        EB_SUFFIX(name##_decode)(row, nb, x, out);  \
+    else                                         \
+        EB_SUFFIX(name##_prompt)(row, nb, x, rows, out);
+
+EB_LOOPS(q4_0, EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q4_0)
+EB_LOOPS(q4_1, EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q4_1)
+EB_LOOPS(q5_0, EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q5_0)
+EB_LOOPS(q5_1, EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q5_1)
+EB_LOOPS(q8_0, EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q8_0)
 
 static void EB_SUFFIX(dot_legacy)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                   float *out) {
     switch (t->type) {
-    case Q4_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q4_0, row, nb, x, rows, out) break;
-    case Q4_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q4_1, row, nb, x, rows, out) break;
-    case Q5_0: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q5_0, row, nb, x, rows, out) break;
-    case Q5_1: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q5_1, row, nb, x, rows, out) break;
-    default: EB_BY_ROWS(EB_SUFFIX(legacy_body), EB_SUFFIX(legacy_tile), Q8_0, row, nb, x, rows, out) break;
+    case Q4_0: EB_BY_ROWS(q4_0, row, nb, x, rows, out) break;
+    case Q4_1: EB_BY_ROWS(q4_1, row, nb, x, rows, out) break;
+    case Q5_0: EB_BY_ROWS(q5_0, row, nb, x, rows, out) break;
+    case Q5_1: EB_BY_ROWS(q5_1, row, nb, x, rows, out) break;
+    default: EB_BY_ROWS(q8_0, row, nb, x, rows, out) break;
     }
 }
 
@@ -341,7 +359,7 @@ EB_INLINE void EB_SUFFIX(k4_values)(int five, const uint8_t *blk, __m256i *u, __
 /* Q4_K, Q5_K: super-blocks of 256, eight runs of 32 with 6-bit scales and minimums: group j is run j. */
 EB_INLINE void EB_SUFFIX(k4_body)(int five, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows, float *out) {
     const int bytes = five ? 176 : 144;
-    __m256 acc[EB_ROWS];
+    __m256 acc[1]; /* rows = 1 (EB_LOOPS): an array that small stays in a register */
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bytes;
@@ -413,7 +431,7 @@ EB_INLINE void EB_SUFFIX(q6_k_body)(int unused, const uint8_t *row, int64_t nb, 
     (void)unused;
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    __m256 acc[EB_ROWS];
+    __m256 acc[1]; /* rows = 1 (EB_LOOPS): an array that small stays in a register */
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210;
@@ -467,17 +485,21 @@ EB_INLINE void EB_SUFFIX(q6_k_tile)(int unused, const uint8_t *row, int64_t nb, 
     EB_SUFFIX(totals)(acc, rows, out);
 }
 
+EB_LOOPS(q4_k, EB_SUFFIX(k4_body), EB_SUFFIX(k4_tile), 0)
+EB_LOOPS(q5_k, EB_SUFFIX(k4_body), EB_SUFFIX(k4_tile), 1)
+EB_LOOPS(q6_k, EB_SUFFIX(q6_k_body), EB_SUFFIX(q6_k_tile), 0)
+
 static void EB_SUFFIX(dot_k4)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                               float *out) {
     if (t->type == Q5_K) {
-        EB_BY_ROWS(EB_SUFFIX(k4_body), EB_SUFFIX(k4_tile), 1, row, nb, x, rows, out)
+        EB_BY_ROWS(q5_k, row, nb, x, rows, out)
     } else {
-        EB_BY_ROWS(EB_SUFFIX(k4_body), EB_SUFFIX(k4_tile), 0, row, nb, x, rows, out)
+        EB_BY_ROWS(q4_k, row, nb, x, rows, out)
     }
 }
 
 static void EB_SUFFIX(dot_q6_k)(const eb_type *t, const uint8_t *row, int64_t nb, const eb_xrow *x, int rows,
                                 float *out) {
     (void)t;
-    EB_BY_ROWS(EB_SUFFIX(q6_k_body), EB_SUFFIX(q6_k_tile), 0, row, nb, x, rows, out)
+    EB_BY_ROWS(q6_k, row, nb, x, rows, out)
 }
