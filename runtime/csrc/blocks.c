@@ -343,7 +343,8 @@ int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *works
         w.s16[g] = (int16_t)s;
     }
     for (int64_t g = row_start * (k / 32); g < row_stop * (k / 32); g++) w.s32[g] = w.s16[2 * g] + w.s16[2 * g + 1];
-    for (int64_t r = row_start; r < row_stop; r++) { /* the interleaved copy (eb_xrow) */
+    /* the interleaved copy (eb_xrow.qi), read by prompt tiles only: a single row (decode) takes the row path */
+    for (int64_t r = m > 1 ? row_start : row_stop; r < row_stop; r++) {
         const int8_t *q = w.q + r * k;
         int8_t *qi = w.qi + r * padded(k);
         for (int64_t run = 0; run < padded(k); run += 256)
