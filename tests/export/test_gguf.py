@@ -515,10 +515,8 @@ def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_gguf):
 
 
 @pytest.mark.slow
-def test_smollm2_tensors_match_transformers(smollm2, smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).state_dict()
+def test_smollm2_tensors_match_transformers(smollm2, smollm2_transformers):
+    reference = smollm2_transformers.state_dict()
     for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]:
         np.testing.assert_allclose(smollm2.tensor(name), reference[name].float().numpy(), rtol=0, atol=1e-6)
     for layer in (0, 29):

@@ -29,11 +29,9 @@ AGREED_EVERYWHERE = 8
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def real(request, tmp_path_factory):
+def real(request, real_default_packages):
     path = request.getfixturevalue(f"{request.param}_gguf")
-    package = tmp_path_factory.mktemp(request.param) / "pkg"
-    manifest = export_package(path, package, progress=quiet)
-    return request.param, path, package, manifest
+    return request.param, path, *real_default_packages(request.param, path)
 
 
 def test_a_real_file_exports_with_no_flags_and_its_proof_passes(real):

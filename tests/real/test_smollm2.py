@@ -63,12 +63,9 @@ def fp32(fp32_package) -> Model:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    assert next(model.parameters()).dtype == torch.float32  # GGUF blocks dequantized to fp32, as our export
-    return model.eval()
+def reference(smollm2_transformers):
+    assert next(smollm2_transformers.parameters()).dtype == torch.float32  # blocks dequantized to fp32, as our export
+    return smollm2_transformers
 
 
 def reference_greedy(reference, prompt_ids: list[int], new_tokens: int) -> list[int]:

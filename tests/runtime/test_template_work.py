@@ -194,7 +194,9 @@ def child_variables() -> None:
 def test_shared_references_in_variables_are_refused() -> None:
     result = _child("variables", timeout=60)
     assert result["raw"] == "ChatTemplateError" and "values in the messages and variables" in result["outcome"]
-    assert result["seconds"] < 3 * SECONDS, result  # a million values copied, then refused
+    # a million values copied, then refused: 1.4 s on a 2-core AMD EPYC; the bound is a hang guard (2^30 would
+    # take an hour)
+    assert result["seconds"] < 10 * SECONDS, result
 
 
 # ---- a property: random container structures and the operations that walk them ----
