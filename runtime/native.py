@@ -147,10 +147,10 @@ def _fetch_debian_headers(root: Path) -> None:
         os.replace(staged, root)
 
 
-def _build(name: str, sources: tuple[str, ...], include: Path | None) -> Path:
+def _build(name: str, sources: tuple[str, ...], include: Path | None, defines: tuple[str, ...] = ()) -> Path:
     """runtime/csrc's `sources` compiled into cache_root()/<hash>/`name` (built once, under a lock)."""
     compiler, version = _compiler()
-    digest = hashlib.sha256(version.encode())
+    digest = hashlib.sha256(version.encode() + "".join(f" -D{d}" for d in defines).encode())
     for source in sources:
         digest.update(source.encode() + b"\0" + (SOURCE_DIR / source).read_bytes())
     if include is not None:
@@ -163,7 +163,7 @@ def _build(name: str, sources: tuple[str, ...], include: Path | None) -> Path:
         if library.is_file():
             return library
         staged = folder / f".{name}.{os.getpid()}"
-        command = [compiler, *CFLAGS, f"-I{SOURCE_DIR}"]
+        command = [compiler, *CFLAGS, *(f"-D{d}" for d in defines), f"-I{SOURCE_DIR}"]
         if include is not None:
             command.append(f"-I{include}")
         command += [str(SOURCE_DIR / s) for s in sources if s.endswith(".c")] + ["-o", str(staged), "-lm"]
@@ -193,6 +193,17 @@ def kernel_library() -> ctypes.CDLL:
     if not sys.platform.startswith("linux"):
         raise NativeUnavailable(f"the native kernels are built on Linux only, not {sys.platform}")
     return _kernels(ctypes.CDLL(str(_build("libedgelm_blocks.so", KERNEL_SOURCES, None))))
+
+
+@cache
+def emulated_vnni_library() -> ctypes.CDLL:
+    """Tests only: the kernels with their AVX-512 VNNI source compiled for AVX2 (its two VNNI instructions emulated
+    exactly, runtime/csrc/blocks.c EB_EMULATED_VNNI), so a CPU without AVX-512 checks that path against the
+    reference too; "avx512vnni" there runs wherever AVX2 does. Never loaded by the runtime."""
+    if not sys.platform.startswith("linux"):
+        raise NativeUnavailable(f"the native kernels are built on Linux only, not {sys.platform}")
+    library = _build("libedgelm_blocks_emulated_vnni.so", KERNEL_SOURCES, None, ("EB_EMULATED_VNNI",))
+    return _kernels(ctypes.CDLL(str(library)))
 
 
 @cache
@@ -235,9 +246,10 @@ def _checked_rows(kind: int, rows, k: int):
     return rows
 
 
-def matmul(kind: int, rows, x, *, isa: str | None = None):
+def matmul(kind: int, rows, x, *, isa: str | None = None, library: ctypes.CDLL | None = None):
     """y = x · Wᵀ, float32 (M, N), through the kernels on one thread: rows uint8 (N, row bytes) of ggml type `kind`,
-    x float32 (M, K); `isa` one of ISAS (None: the best this CPU runs)."""
+    x float32 (M, K); `isa` one of ISAS (None: the best this CPU runs); `library` kernel_library() unless given
+    (tests: emulated_vnni_library())."""
     import numpy as np
 
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -246,7 +258,7 @@ def matmul(kind: int, rows, x, *, isa: str | None = None):
     rows = _checked_rows(kind, rows, x.shape[1])
     level = ISAS.index(isa or best_isa())
     y = np.empty((x.shape[0], rows.shape[0]), np.float32)
-    library = kernel_library()
+    library = library or kernel_library()
     if not library.eb_isa_supported(level):
         raise NativeUnavailable(f"this CPU does not run {ISAS[level]}")
     status = library.eb_matmul(int(kind), level, x.ctypes.data, x.shape[0], x.shape[1], rows.ctypes.data,

@@ -199,12 +199,30 @@ static void dot_scalar(const eb_type *t, const uint8_t *row, int64_t nb, const e
 #undef EB_SUFFIX
 #pragma GCC pop_options
 #pragma GCC push_options
+#ifdef EB_EMULATED_VNNI
+/* Tests only (native.emulated_vnni_library): the VNNI source compiled for AVX2, its two VNNI instructions computed
+ * exactly from AVX2 ones, so that a CPU without AVX-512 checks that source against the reference too. vpdpbusd: the
+ * even and the odd bytes' u8 x s8 products in two int16 madds (each pair sum fits int32); vpdpwssd: one madd. */
+#pragma GCC target("avx2,f16c")
+static inline __attribute__((always_inline)) __m256i eb_emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
+    const __m256i even = _mm256_and_si256(u, _mm256_set1_epi16(0x00ff)), odd = _mm256_srli_epi16(u, 8);
+    const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(even, s_even), _mm256_madd_epi16(odd, s_odd)));
+}
+#define _mm256_dpbusd_epi32 eb_emulated_dpbusd
+#define _mm256_dpwssd_epi32(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#else
 #pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
 #define EB_VNNI 1
 #define EB_SUFFIX(name) name##_vnni
 #include "blocks_simd.h"
 #undef EB_SUFFIX
 #undef EB_VNNI
+#ifdef EB_EMULATED_VNNI
+#undef _mm256_dpbusd_epi32
+#undef _mm256_dpwssd_epi32
+#endif
 #undef EB_BY_ROWS
 #undef EB_LOOPS
 #pragma GCC pop_options
@@ -250,6 +268,9 @@ int eb_isa_supported(int isa) {
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (isa == EB_AVX2) return avx2;
+#ifdef EB_EMULATED_VNNI
+    if (isa == EB_AVX512VNNI) return avx2;
+#endif
     if (isa == EB_AVX512VNNI)
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");

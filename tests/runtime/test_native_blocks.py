@@ -32,6 +32,14 @@ def isas() -> list[str]:
     return [name for level, name in enumerate(native.ISAS) if level and library.eb_isa_supported(level)]
 
 
+def emulated() -> list:
+    """The AVX-512 VNNI source run with its VNNI instructions emulated on AVX2 (native.emulated_vnni_library), where
+    this CPU cannot run the real one; else nothing (the real one is checked)."""
+    if "avx512vnni" in isas() or "avx2" not in isas():
+        return []
+    return [native.emulated_vnni_library()]
+
+
 def random_rows(kind: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """n rows of random blocks with finite float16 factors (of either sign, some zero)."""
     elems, size = GGML_QUANT_SIZES[kind]
@@ -63,6 +71,12 @@ def check_rows(kind: Q, rows: np.ndarray, x: np.ndarray) -> None:
         fast = native.matmul(kind, rows, x, isa=isa)
         assert np.array_equal(bits(fast), bits(reference)), (
             f"{kind.name} {isa} differs from the scalar reference at "
+            f"{np.argwhere(bits(fast) != bits(reference))[:3].tolist()}"
+        )
+    for library in emulated():
+        fast = native.matmul(kind, rows, x, isa="avx512vnni", library=library)
+        assert np.array_equal(bits(fast), bits(reference)), (
+            f"{kind.name} avx512vnni (emulated on AVX2) differs from the scalar reference at "
             f"{np.argwhere(bits(fast) != bits(reference))[:3].tolist()}"
         )
     w = dequantize(rows, kind).astype(np.float64).reshape(rows.shape[0], k)
