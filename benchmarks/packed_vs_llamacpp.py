@@ -141,7 +141,7 @@ def main() -> int:
     p.add_argument("command", choices=("make", "time", "report"))
     p.add_argument("files", nargs="*", type=Path)
     p.add_argument("--dir", type=Path, default=REPO / "packages" / "packed")
-    p.add_argument("--results", type=Path, default=REPO / "packages" / "packed" / "results.jsonl")
+    p.add_argument("--results", type=Path, help="the measurements' JSON lines (default: DIR/results.jsonl)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[32, 512])
     p.add_argument("--new-tokens", type=int, default=128)
@@ -151,6 +151,7 @@ def main() -> int:
     )
     p.add_argument("--llamacpp-python", type=Path, default=Path("/work/main/.venv-llamacpp/bin/python"))
     args = p.parse_args()
+    args.results = args.results or args.dir / "results.jsonl"
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.command == "report":
         print(report(args.results))
