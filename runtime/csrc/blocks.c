@@ -209,6 +209,8 @@ static inline __attribute__((always_inline)) __m256i eb_emulated_dpbusd(__m256i 
     const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(even, s_even), _mm256_madd_epi16(odd, s_odd)));
 }
+#undef _mm256_dpbusd_epi32 /* a macro in some compilers' headers */
+#undef _mm256_dpwssd_epi32
 #define _mm256_dpbusd_epi32 eb_emulated_dpbusd
 #define _mm256_dpwssd_epi32(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #else

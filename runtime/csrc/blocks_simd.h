@@ -190,6 +190,19 @@ EB_INLINE void EB_SUFFIX(totals)(const __m256 *acc, int rows, float *out) {
     }
 }
 
+/* acc + blocks b .. b + count - 1's terms for one row of x, from their integer sums isum (before the zero point):
+ * blocks.h's float arithmetic, lanes past count masked to d = dx = 0. */
+EB_INLINE __m256 EB_SUFFIX(legacy_term)(__m256 acc, __m256i isum, const eb_xrow *x, int64_t b, int count, __m256i mask,
+                                        int zero, int has_min, __m256 d, __m256 m) {
+    const __m256i sx = count == 8 ? _mm256_loadu_si256((const __m256i *)(x->s32 + b))
+                                  : _mm256_maskload_epi32((const int *)(x->s32 + b), mask);
+    if (zero) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sx, zero == 8 ? 3 : zero == 16 ? 4 : 7)); /* zero sx */
+    const __m256 dxv = count == 8 ? _mm256_loadu_ps(x->d + b) : _mm256_maskload_ps(x->d + b, mask);
+    __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
+    if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
+    return _mm256_add_ps(acc, term);
+}
+
 /* Blocks b .. b + count - 1 (count <= 8) against `rows` rows of activations, each block unpacked once for all
  * rows, into the rows' lanes. Called with count = 8 for every whole step, so that loop has no conditions, and once
  * with the rest: its other lanes get d = dx = 0 and no products, so they add +0.0, which leaves a lane as it is
@@ -214,14 +227,7 @@ EB_INLINE void EB_SUFFIX(legacy_step)(int type, const uint8_t *blk, int64_t b, i
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
             p[j] = j < count ? EB_SUFFIX(values_dot)(type, u[j], x[r].q + 32 * (b + j)) : _mm256_setzero_si256();
-        const __m256i sx = count == 8 ? _mm256_loadu_si256((const __m256i *)(x[r].s32 + b))
-                                      : _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
-        __m256i isum = EB_SUFFIX(hsum8)(p);
-        if (zero) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sx, zero == 8 ? 3 : zero == 16 ? 4 : 7)); /* zero sx */
-        const __m256 dxv = count == 8 ? _mm256_loadu_ps(x[r].d + b) : _mm256_maskload_ps(x[r].d + b, mask);
-        __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
-        if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
-        acc[r] = _mm256_add_ps(acc[r], term);
+        acc[r] = EB_SUFFIX(legacy_term)(acc[r], EB_SUFFIX(hsum8)(p), &x[r], b, count, mask, zero, has_min, d, m);
     }
 }
 
@@ -266,14 +272,8 @@ EB_INLINE void EB_SUFFIX(legacy_tile_step)(int type, const uint8_t *blk, int64_t
     const __m256 d = EB_SUFFIX(halves)(heads, 0), m = has_min ? EB_SUFFIX(halves)(heads, 1) : d;
     for (int r = 0; r < rows; r++) {
         /* b is a multiple of 8: the run of 256 interleaved values of blocks b .. b + 7 */
-        __m256i isum = EB_SUFFIX(lane_dots)(u, sign ? w : NULL, x[r].qi + 32 * b, 0, 8, chunk, u[0], 0);
-        const __m256i sx = count == 8 ? _mm256_loadu_si256((const __m256i *)(x[r].s32 + b))
-                                      : _mm256_maskload_epi32((const int *)(x[r].s32 + b), mask);
-        if (zero) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sx, zero == 8 ? 3 : zero == 16 ? 4 : 7)); /* zero sx */
-        const __m256 dxv = count == 8 ? _mm256_loadu_ps(x[r].d + b) : _mm256_maskload_ps(x[r].d + b, mask);
-        __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(isum));
-        if (has_min) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(m, dxv), _mm256_cvtepi32_ps(sx)));
-        acc[r] = _mm256_add_ps(acc[r], term);
+        const __m256i isum = EB_SUFFIX(lane_dots)(u, sign ? w : NULL, x[r].qi + 32 * b, 0, 8, chunk, u[0], 0);
+        acc[r] = EB_SUFFIX(legacy_term)(acc[r], isum, &x[r], b, count, mask, zero, has_min, d, m);
     }
 }
 
