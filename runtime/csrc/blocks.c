@@ -296,8 +296,9 @@ int eb_best_isa(void) {
     return chosen;
 }
 
-/* The workspace: int8 values (M, K) | interleaved int8 values (M, K rounded up to 256) | float scales (M, K / 32) |
- * int16 sums of 16 values (M, K / 16) | int32 sums of 32 (M, K / 32), each part on a cache line of its own. */
+/* The workspace: int8 values (M, K) | interleaved int8 values (M, K rounded up to 256; none where M = 1, which the
+ * row path reads without them) | float scales (M, K / 32) | int16 sums of 16 values (M, K / 16) | int32 sums of 32
+ * (M, K / 32), each part on a cache line of its own. */
 typedef struct {
     int8_t *q, *qi;
     float *d;
@@ -312,7 +313,7 @@ static int64_t padded(int64_t k) { return (k + 255) / 256 * 256; } /* a row's in
 /* The parts' sizes, in order, and their total. */
 static size_t work_sizes(int64_t m, int64_t k, size_t *sizes) {
     sizes[0] = line((size_t)(m * k));
-    sizes[1] = line((size_t)(m * padded(k)));
+    sizes[1] = m > 1 ? line((size_t)(m * padded(k))) : 0;
     sizes[2] = line((size_t)(m * (k / 32)) * sizeof(float));
     sizes[3] = line((size_t)(m * (k / 16)) * sizeof(int16_t));
     sizes[4] = (size_t)(m * (k / 32)) * sizeof(int32_t);
@@ -367,7 +368,7 @@ int eb_quantize_rows(int type, const float *x, int64_t m, int64_t k, void *works
     }
     for (int64_t g = row_start * (k / 32); g < row_stop * (k / 32); g++) w.s32[g] = w.s16[2 * g] + w.s16[2 * g + 1];
     /* the interleaved copy (eb_xrow.qi), read by prompt tiles only: a single row (decode) takes the row path */
-    for (int64_t r = m > 1 ? row_start : row_stop; r < row_stop; r++) {
+    for (int64_t r = row_start; m > 1 && r < row_stop; r++) {
         const int8_t *q = w.q + r * k;
         int8_t *qi = w.qi + r * padded(k);
         for (int64_t run = 0; run < padded(k); run += 256)
