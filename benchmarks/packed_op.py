@@ -12,13 +12,13 @@ call. `--instructions` counts instead the instructions a call executes (valgrind
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -81,11 +81,11 @@ def instructions(argv: list[str], which: str) -> float:
     counts = []
     for calls in (10, 60):
         with tempfile.TemporaryDirectory() as folder:
-            out = os.path.join(folder, "callgrind.out")
+            out = Path(folder) / "callgrind.out"
             command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__]
             command += [*argv, "--calls", str(calls), "--only", which]
             subprocess.run(command, check=True, capture_output=True)
-            summary = re.search(r"^summary:\s+(\d+)", open(out).read(), re.M)
+            summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.M)
             counts.append(int(summary.group(1)))
     return (counts[1] - counts[0]) / 50
 

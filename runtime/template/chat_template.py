@@ -21,9 +21,15 @@ from typing import Any
 from ..errors import ChatTemplateError
 from .limits import MAX_DATA_DEPTH, MAX_ENTRIES, MAX_SOURCE_CHARS
 from .sandbox import compile_template, render_bounded
+from .sizes import PLAIN_TYPES
 
 ROLES = ("system", "user", "assistant", "tool")
-_PLAIN_ITEMS = frozenset({str, int, float, bool, type(None)})  # values _plain keeps as they are
+
+
+def _copied(count: list[int], values: int, where: str) -> None:
+    count[0] += values
+    if count[0] > MAX_ENTRIES:
+        raise ChatTemplateError(f"{where}: more than {MAX_ENTRIES:,} values in the messages and variables")
 
 
 def _plain(value: Any, where: str, count: list[int] | None = None, depth: int = 0) -> Any:
@@ -33,18 +39,14 @@ def _plain(value: Any, where: str, count: list[int] | None = None, depth: int = 
     data built with shared references could take forever to copy; it is refused past MAX_ENTRIES.
     """
     count = [0] if count is None else count
-    count[0] += 1
-    if count[0] > MAX_ENTRIES:
-        raise ChatTemplateError(f"{where}: more than {MAX_ENTRIES:,} values in the messages and variables")
+    _copied(count, 1, where)
     if depth > MAX_DATA_DEPTH:
         raise ChatTemplateError(f"{where}: nested more than {MAX_DATA_DEPTH} levels deep")
-    if type(value) in _PLAIN_ITEMS:
+    if type(value) in PLAIN_TYPES:
         return value
     if isinstance(value, (list, tuple)):
-        if set(map(type, value)) <= _PLAIN_ITEMS and depth < MAX_DATA_DEPTH:  # the copy in one C call
-            count[0] += len(value)
-            if count[0] > MAX_ENTRIES:
-                raise ChatTemplateError(f"{where}: more than {MAX_ENTRIES:,} values in the messages and variables")
+        if set(map(type, value)) <= PLAIN_TYPES and depth < MAX_DATA_DEPTH:  # the copy in one C call
+            _copied(count, len(value), where)
             return list(value) if isinstance(value, list) else tuple(value)
         items = [_plain(item, where, count, depth + 1) for item in value]
         return items if isinstance(value, list) else tuple(items)  # a subclass's methods stay behind

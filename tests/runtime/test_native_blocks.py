@@ -67,16 +67,12 @@ def activation_bound(kind: Q, w: np.ndarray, x: np.ndarray) -> np.ndarray:
 def check_rows(kind: Q, rows: np.ndarray, x: np.ndarray) -> None:
     k = x.shape[1]
     reference = native.matmul(kind, rows, x, isa="scalar")
-    for isa in isas():
-        fast = native.matmul(kind, rows, x, isa=isa)
+    paths = [(isa, isa, None) for isa in isas()]
+    paths += [("avx512vnni (emulated on AVX2)", "avx512vnni", library) for library in emulated()]
+    for name, isa, library in paths:
+        fast = native.matmul(kind, rows, x, isa=isa, library=library)
         assert np.array_equal(bits(fast), bits(reference)), (
-            f"{kind.name} {isa} differs from the scalar reference at "
-            f"{np.argwhere(bits(fast) != bits(reference))[:3].tolist()}"
-        )
-    for library in emulated():
-        fast = native.matmul(kind, rows, x, isa="avx512vnni", library=library)
-        assert np.array_equal(bits(fast), bits(reference)), (
-            f"{kind.name} avx512vnni (emulated on AVX2) differs from the scalar reference at "
+            f"{kind.name} {name} differs from the scalar reference at "
             f"{np.argwhere(bits(fast) != bits(reference))[:3].tolist()}"
         )
     w = dequantize(rows, kind).astype(np.float64).reshape(rows.shape[0], k)
